@@ -1,0 +1,331 @@
+"""One typed configuration object for the job, loaded once and validated at start.
+
+Sources, later ones winning:
+
+1. the defaults below (an embedded stack on loopback);
+2. a properties file in Amazon Managed Service for Apache Flink's format, a JSON list of
+   ``{"PropertyGroupId": ..., "PropertyMap": {...}}``: ``/etc/flink/application_properties.json``
+   when it exists (that is where Managed Flink puts it), else the file named by
+   ``SI_PROPERTIES_FILE``;
+3. environment variables ``SI_<GROUP>_<FIELD>``, e.g. ``SI_KAFKA_BOOTSTRAP_SERVERS``;
+4. explicit overrides passed by the caller (the CLI, tests).
+
+Each property group maps to one section dataclass; a key that no section knows, or a value
+of the wrong shape, raises :class:`ConfigError` naming the group and key, so a typo fails the
+deployment instead of silently falling back to a default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+MANAGED_FLINK_PROPERTIES = Path("/etc/flink/application_properties.json")
+ENV_PREFIX = "SI_"
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, unknown or malformed; the message says which."""
+
+
+@dataclass(frozen=True)
+class KafkaConfig:
+    bootstrap_servers: str = "127.0.0.1:9092"
+    events_topic: str = "shopper-events"
+    dead_letter_topic: str = "shopper-events-dlq"
+    group_id: str = "shopper-intents"
+    # "committed" resumes from the group's offsets (earliest when it has none); "earliest"
+    # and "latest" ignore them.
+    starting_offsets: str = "committed"
+    # Passed to both the source and the sink as Kafka client properties (security settings,
+    # e.g. security.protocol, sasl.mechanism, sasl.jaas.config). JSON object.
+    client_properties: Mapping[str, str] = field(default_factory=dict)
+
+    def validate(self) -> None:
+        _require(self.bootstrap_servers, "kafka", "bootstrap_servers")
+        _one_of(
+            self.starting_offsets, ("committed", "earliest", "latest"), "kafka", "starting_offsets"
+        )
+
+
+@dataclass(frozen=True)
+class RedisConfig:
+    url: str = "redis://127.0.0.1:6379/0"
+    key_prefix: str = "si"
+    intent_ttl_s: int = 24 * 3600
+    write_timeout_s: float = 2.0
+    # How long writes are retried (with backoff) before the job fails and restarts from
+    # its last checkpoint: back-pressure and a loud failure, never a silent loss.
+    write_retry_budget_s: float = 30.0
+
+    def validate(self) -> None:
+        if not self.url.startswith(("redis://", "rediss://", "unix://")):
+            raise ConfigError(
+                f"redis.url must start with redis://, rediss:// or unix:// (got {self.url!r})"
+            )
+        _positive(self.intent_ttl_s, "redis", "intent_ttl_s")
+
+
+@dataclass(frozen=True)
+class LlmConfig:
+    base_url: str = "http://127.0.0.1:8000/v1"
+    model: str = "SmolLM2-135M-Instruct"
+    api_key: str = ""
+    max_tokens: int = 96
+    temperature: float = 0.0
+    request_timeout_s: float = 60.0
+    max_attempts: int = 3
+    backoff_initial_s: float = 0.5
+    backoff_max_s: float = 8.0
+    # In-flight requests per async operator (PyFlink AsyncDataStream capacity).
+    capacity: int = 32
+    # Send the JSON Schema as response_format so the server constrains decoding to it.
+    guided_json: bool = True
+
+    def validate(self) -> None:
+        if not self.base_url.startswith(("http://", "https://")):
+            raise ConfigError(f"llm.base_url must be an http(s) URL (got {self.base_url!r})")
+        _require(self.model, "llm", "model")
+        for name in ("max_tokens", "request_timeout_s", "max_attempts", "capacity"):
+            _positive(getattr(self, name), "llm", name)
+
+
+@dataclass(frozen=True)
+class SessionConfig:
+    max_events: int = 40
+    gap_s: float = 30 * 60
+    # Keyed state of a shopper idle for this long is dropped by Flink's state TTL.
+    state_ttl_s: int = 24 * 3600
+    # Events older than this behind the shopper's newest one are too late to matter.
+    max_lateness_s: float = 10 * 60
+
+    def validate(self) -> None:
+        for name in ("max_events", "gap_s", "state_ttl_s", "max_lateness_s"):
+            _positive(getattr(self, name), "session", name)
+
+
+@dataclass(frozen=True)
+class TriggerConfig:
+    high_signal_types: tuple[str, ...] = ("add_to_cart", "purchase", "remove_from_cart")
+    quiet_s: float = 3.0
+    max_wait_s: float = 10.0
+    min_interval_s: float = 2.0
+
+    def validate(self) -> None:
+        for name in ("quiet_s", "max_wait_s"):
+            _positive(getattr(self, name), "trigger", name)
+        if self.min_interval_s < 0:
+            raise ConfigError("trigger.min_interval_s must be >= 0")
+        if self.max_wait_s < self.quiet_s:
+            raise ConfigError("trigger.max_wait_s must be >= trigger.quiet_s")
+
+
+@dataclass(frozen=True)
+class PromptConfig:
+    template: str = "shopper_intent_v1.j2"
+    templates_dir: str = ""  # empty: the prompts/ folder shipped with the job
+    max_prompt_tokens: int = 3500
+    max_text_chars: int = 120
+
+    def validate(self) -> None:
+        _positive(self.max_prompt_tokens, "prompt", "max_prompt_tokens")
+        _positive(self.max_text_chars, "prompt", "max_text_chars")
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    name: str = "shopper-intents"
+    parallelism: int = 1
+    checkpoint_interval_s: float = 10.0
+    max_event_bytes: int = 16 * 1024
+    out_of_orderness_s: float = 5.0
+    source_idleness_s: float = 30.0
+    # PyFlink keeps this many keys' state in the Python worker; too small and every state
+    # access becomes a round trip to the JVM.
+    python_state_cache_size: int = 50_000
+    python_bundle_size: int = 1000
+    python_bundle_time_ms: int = 50
+    stats_flush_s: float = 1.0
+    # Extra jars (Kafka connector, our deserializer); empty: found under the cache folder.
+    jars: tuple[str, ...] = ()
+
+    def validate(self) -> None:
+        for name in ("parallelism", "checkpoint_interval_s", "max_event_bytes"):
+            _positive(getattr(self, name), "job", name)
+
+
+@dataclass(frozen=True)
+class AppConfig:
+    kafka: KafkaConfig = field(default_factory=KafkaConfig)
+    redis: RedisConfig = field(default_factory=RedisConfig)
+    llm: LlmConfig = field(default_factory=LlmConfig)
+    session: SessionConfig = field(default_factory=SessionConfig)
+    trigger: TriggerConfig = field(default_factory=TriggerConfig)
+    prompt: PromptConfig = field(default_factory=PromptConfig)
+    job: JobConfig = field(default_factory=JobConfig)
+
+    def validate(self) -> AppConfig:
+        for section in dataclasses.fields(self):
+            getattr(self, section.name).validate()
+        return self
+
+    def with_overrides(self, groups: Mapping[str, Mapping[str, Any]]) -> AppConfig:
+        """A copy with ``{group: {field: value}}`` applied; values may be strings."""
+        sections = {}
+        for group, values in groups.items():
+            if group not in _SECTIONS:
+                raise ConfigError(
+                    f"unknown property group {group!r}; known: {', '.join(_SECTIONS)}"
+                )
+            current = getattr(self, group)
+            sections[group] = dataclasses.replace(
+                current, **{k: _coerce(type(current), group, k, v) for k, v in values.items()}
+            )
+        return dataclasses.replace(self, **sections)
+
+
+_SECTIONS = {f.name: f for f in dataclasses.fields(AppConfig)}
+
+
+def load_config(
+    overrides: Mapping[str, Mapping[str, Any]] | None = None,
+    environ: Mapping[str, str] | None = None,
+    properties_file: Path | None = None,
+) -> AppConfig:
+    """Build and validate the configuration from every source (see the module docstring)."""
+    environ = os.environ if environ is None else environ
+    config = AppConfig()
+    path = properties_file or _properties_path(environ)
+    if path is not None:
+        config = config.with_overrides(read_property_groups(path))
+    config = config.with_overrides(_env_groups(environ))
+    if overrides:
+        config = config.with_overrides(overrides)
+    return config.validate()
+
+
+def read_property_groups(path: Path) -> dict[str, dict[str, Any]]:
+    """Read a Managed Flink properties file, keeping only this job's groups."""
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"cannot read properties file {path}: {exc}") from exc
+    if not isinstance(raw, list):
+        raise ConfigError(
+            f"{path}: expected a JSON list of {{PropertyGroupId, PropertyMap}} objects"
+        )
+    groups: dict[str, dict[str, Any]] = {}
+    for entry in raw:
+        if not isinstance(entry, dict) or "PropertyGroupId" not in entry:
+            raise ConfigError(f"{path}: every entry needs a PropertyGroupId (got {entry!r})")
+        group = entry["PropertyGroupId"]
+        if group in _SECTIONS:
+            groups.setdefault(group, {}).update(entry.get("PropertyMap") or {})
+    return groups
+
+
+def config_as_property_groups(config: AppConfig) -> list[dict[str, Any]]:
+    """The inverse of :func:`read_property_groups`, for writing example files."""
+    out = []
+    for name in _SECTIONS:
+        section = getattr(config, name)
+        values = {}
+        for f in dataclasses.fields(section):
+            value = getattr(section, f.name)
+            if isinstance(value, tuple):
+                value = ",".join(value)
+            elif isinstance(value, Mapping):
+                value = json.dumps(dict(value))
+            values[f.name] = str(value)
+        out.append({"PropertyGroupId": name, "PropertyMap": values})
+    return out
+
+
+def _properties_path(environ: Mapping[str, str]) -> Path | None:
+    if MANAGED_FLINK_PROPERTIES.exists():
+        return MANAGED_FLINK_PROPERTIES
+    named = environ.get("SI_PROPERTIES_FILE")
+    if named:
+        path = Path(named)
+        if not path.exists():
+            raise ConfigError(f"SI_PROPERTIES_FILE names {path}, which does not exist")
+        return path
+    return None
+
+
+def _env_groups(environ: Mapping[str, str]) -> dict[str, dict[str, str]]:
+    groups: dict[str, dict[str, str]] = {}
+    for key, value in environ.items():
+        if not key.startswith(ENV_PREFIX) or key == "SI_PROPERTIES_FILE" or key == "SI_CACHE_DIR":
+            continue
+        group, _, name = key[len(ENV_PREFIX) :].lower().partition("_")
+        if group in _SECTIONS and name:
+            groups.setdefault(group, {})[name] = value
+    return groups
+
+
+def _coerce(cls: type, group: str, name: str, value: Any) -> Any:
+    hints = typing.get_type_hints(cls)
+    if name not in hints:
+        known = ", ".join(f.name for f in dataclasses.fields(cls))
+        raise ConfigError(f"unknown key {group}.{name}; known keys of {group!r}: {known}")
+    target = hints[name]
+    try:
+        return _convert(target, value)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(
+            f"{group}.{name}: cannot use {value!r} as {_type_name(target)} ({exc})"
+        ) from exc
+
+
+def _convert(target: Any, value: Any) -> Any:
+    origin = typing.get_origin(target)
+    if target is bool:
+        if isinstance(value, bool):
+            return value
+        text = str(value).strip().lower()
+        if text in ("1", "true", "yes", "on"):
+            return True
+        if text in ("0", "false", "no", "off"):
+            return False
+        raise ValueError("expected true or false")
+    if target in (int, float, str):
+        if target is int and isinstance(value, float) and not value.is_integer():
+            raise ValueError("expected a whole number")
+        return target(value)
+    if origin is tuple:
+        items = value.split(",") if isinstance(value, str) else list(value)
+        return tuple(str(i).strip() for i in items if str(i).strip())
+    if origin in (Mapping, dict) or target is Mapping:
+        parsed = json.loads(value) if isinstance(value, str) else value
+        if not isinstance(parsed, dict):
+            raise ValueError("expected a JSON object")
+        return {str(k): str(v) for k, v in parsed.items()}
+    raise TypeError(f"unsupported config type {target}")
+
+
+def _type_name(target: Any) -> str:
+    return getattr(target, "__name__", str(target))
+
+
+def _require(value: str, group: str, name: str) -> None:
+    if not value:
+        raise ConfigError(
+            f"{group}.{name} must be set (env {ENV_PREFIX}{group.upper()}_{name.upper()})"
+        )
+
+
+def _positive(value: float, group: str, name: str) -> None:
+    if value <= 0:
+        raise ConfigError(f"{group}.{name} must be > 0 (got {value})")
+
+
+def _one_of(value: str, allowed: tuple[str, ...], group: str, name: str) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{group}.{name} must be one of {', '.join(allowed)} (got {value!r})")

@@ -1,0 +1,377 @@
+"""The Redis write protocol for inferred shopper intents: atomic, versioned, expiring.
+
+Key layout
+----------
+One hash per shopper::
+
+    {prefix}:intent:{shopper_id}        e.g. si:intent:shopper-42   (default prefix "si")
+
+=================  =====================================================================
+field              value (all stored as strings)
+=================  =====================================================================
+version_ts         epoch ms of the newest event the intent is based on
+version_seq        the shopper's prompt sequence number (breaks ties on version_ts)
+intent             the intent as JSON (the bounded intent schema)
+top_label          label of the most confident intent
+top_confidence     its confidence, 0..1
+summary            the short summary of the shopper's session
+event_time_ms      epoch ms of the event that triggered the prompt
+template           name of the prompt template
+template_hash      hash of that template
+model              the model that produced the intent
+written_at_ms      Redis server time (epoch ms) of the write
+=================  =====================================================================
+
+The key expires ``ttl_ms`` after its last successful write (default 24 h). Readers that
+need a few fields use ``HMGET``; ``IntentStore.read`` returns them all.
+
+Write rule
+----------
+A write carries a version, the pair ``(version_ts, version_seq)``. It is applied only when
+that pair is strictly greater, compared lexicographically, than the stored pair (or when
+the key does not exist): a newer event time wins; for equal event times the higher prompt
+sequence wins; an equal version is a no-op. A write replaces every field above and resets
+the expiry. An older result never overwrites a newer one, whatever the order in which
+concurrent writers arrive.
+
+The check and the write run in one Lua script (``EVALSHA``), so they are atomic. Each
+call touches exactly one key, so the script is safe on Redis Cluster. A batch is sent as
+one pipeline (one round trip, not a transaction: each upsert is atomic on its own).
+
+Everything that decides what is sent (key names, script arguments, parsing a stored hash)
+is a pure function here; ``IntentStore`` and ``AsyncIntentStore`` only do the I/O.
+
+Errors::
+
+    IntentStoreError           base
+    └── StoreUnavailableError  Redis could not be reached or timed out (retry later)
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+import redis
+import redis.asyncio
+import redis.exceptions
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PREFIX = "si"
+DEFAULT_TTL_MS = 24 * 60 * 60 * 1000
+
+#: Fields written by every successful upsert, in this order (after the two version fields).
+RECORD_FIELDS = (
+    "intent",
+    "top_label",
+    "top_confidence",
+    "summary",
+    "event_time_ms",
+    "template",
+    "template_hash",
+    "model",
+)
+
+# KEYS[1] = the shopper's hash; ARGV[1] = version_ts; ARGV[2] = version_seq; ARGV[3] = TTL ms;
+# ARGV[4..] = field, value, field, value, ... (RECORD_FIELDS). Returns 1 if written, else 0.
+UPSERT_SCRIPT = """
+local ts = tonumber(ARGV[1])
+local seq = tonumber(ARGV[2])
+local stored = redis.call('HMGET', KEYS[1], 'version_ts', 'version_seq')
+local stored_ts = tonumber(stored[1])
+if stored_ts then
+  local stored_seq = tonumber(stored[2]) or -1
+  if ts < stored_ts or (ts == stored_ts and seq <= stored_seq) then
+    return 0
+  end
+end
+local now = redis.call('TIME')
+local now_ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
+local written_at_ms = string.format('%.0f', now_ms)
+redis.call('HSET', KEYS[1], 'version_ts', ARGV[1], 'version_seq', ARGV[2],
+           'written_at_ms', written_at_ms, unpack(ARGV, 4))
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+return 1
+"""
+
+
+# --- errors ------------------------------------------------------------------------------
+
+
+class IntentStoreError(Exception):
+    """Base error of the intent store."""
+
+
+class StoreUnavailableError(IntentStoreError):
+    """Redis could not be reached or did not answer in time; the write may be retried."""
+
+
+# --- values ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class IntentRecord:
+    """One inferred intent to store for a shopper.
+
+    ``intent_json`` is the intent as JSON text (already validated against the schema).
+    The version is ``(version_ts, version_seq)``: see the module docstring.
+    """
+
+    shopper_id: str
+    version_ts: int
+    version_seq: int
+    intent_json: str
+    top_label: str
+    top_confidence: float
+    summary: str
+    event_time_ms: int
+    template: str
+    template_hash: str
+    model: str
+
+    def __post_init__(self) -> None:
+        if not self.shopper_id:
+            raise ValueError("shopper_id must not be empty")
+        for name in ("version_ts", "version_seq", "event_time_ms"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+        if not 0.0 <= float(self.top_confidence) <= 1.0:
+            raise ValueError(f"top_confidence must be within [0, 1], got {self.top_confidence!r}")
+
+    @property
+    def version(self) -> tuple[int, int]:
+        return (self.version_ts, self.version_seq)
+
+
+@dataclass(frozen=True, slots=True)
+class StoredIntent:
+    """The intent stored for a shopper, as read back from Redis."""
+
+    shopper_id: str
+    version_ts: int
+    version_seq: int
+    intent_json: str
+    top_label: str
+    top_confidence: float
+    summary: str
+    event_time_ms: int
+    template: str
+    template_hash: str
+    model: str
+    written_at_ms: int
+
+    @property
+    def version(self) -> tuple[int, int]:
+        return (self.version_ts, self.version_seq)
+
+    @property
+    def intent(self) -> Any:
+        """The intent JSON, decoded."""
+        return orjson.loads(self.intent_json)
+
+
+# --- the pure protocol -------------------------------------------------------------------
+
+
+def intent_key(shopper_id: str, prefix: str = DEFAULT_PREFIX) -> str:
+    """The key of a shopper's intent hash: ``{prefix}:intent:{shopper_id}``."""
+    return f"{prefix}:intent:{shopper_id}"
+
+
+def is_newer(candidate: tuple[int, int], stored: tuple[int, int] | None) -> bool:
+    """The write rule in Python (the script applies the same rule): strictly newer wins."""
+    return stored is None or candidate > stored
+
+
+def _format_confidence(value: float) -> str:
+    return repr(float(value))
+
+
+def upsert_args(record: IntentRecord, ttl_ms: int) -> list[str]:
+    """ARGV for ``UPSERT_SCRIPT``: the version, the TTL, then field/value pairs."""
+    if ttl_ms <= 0:
+        raise ValueError(f"ttl_ms must be positive, got {ttl_ms}")
+    values = (
+        record.intent_json,
+        record.top_label,
+        _format_confidence(record.top_confidence),
+        record.summary,
+        str(record.event_time_ms),
+        record.template,
+        record.template_hash,
+        record.model,
+    )
+    args = [str(record.version_ts), str(record.version_seq), str(int(ttl_ms))]
+    for field, value in zip(RECORD_FIELDS, values, strict=True):
+        args += (field, value)
+    return args
+
+
+def evalsha_args(record: IntentRecord, prefix: str, ttl_ms: int, sha: str) -> list[str | int]:
+    """The full ``EVALSHA`` argument list for upserting ``record`` (one key)."""
+    return [sha, 1, intent_key(record.shopper_id, prefix), *upsert_args(record, ttl_ms)]
+
+
+def _script_missing(replies: Sequence[object]) -> list[int]:
+    """Indexes of pipeline replies that failed because the server lost the script."""
+    return [i for i, r in enumerate(replies) if isinstance(r, redis.exceptions.NoScriptError)]
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode("utf-8") if isinstance(value, bytes) else value
+
+
+def parse_stored(shopper_id: str, fields: Mapping[bytes | str, bytes | str]) -> StoredIntent | None:
+    """A ``StoredIntent`` from an ``HGETALL`` reply; None for an empty or foreign hash."""
+    data = {_text(k): _text(v) for k, v in fields.items()}
+    if "version_ts" not in data:
+        return None
+    try:
+        return StoredIntent(
+            shopper_id=shopper_id,
+            version_ts=int(data["version_ts"]),
+            version_seq=int(data["version_seq"]),
+            intent_json=data["intent"],
+            top_label=data["top_label"],
+            top_confidence=float(data["top_confidence"]),
+            summary=data["summary"],
+            event_time_ms=int(data["event_time_ms"]),
+            template=data["template"],
+            template_hash=data["template_hash"],
+            model=data["model"],
+            written_at_ms=int(data["written_at_ms"]),
+        )
+    except (KeyError, ValueError) as e:
+        raise IntentStoreError(f"malformed intent hash for shopper {shopper_id!r}: {e}") from e
+
+
+def _results_to_bools(records: Sequence[IntentRecord], replies: Sequence[object]) -> list[bool]:
+    written: list[bool] = []
+    for record, reply in zip(records, replies, strict=True):
+        if isinstance(reply, Exception):
+            raise IntentStoreError(
+                f"upsert of shopper {record.shopper_id!r} failed: {reply}"
+            ) from reply
+        written.append(bool(reply))
+    return written
+
+
+_UNAVAILABLE = (redis.ConnectionError, redis.TimeoutError)
+
+
+# --- synchronous store -------------------------------------------------------------------
+
+
+class IntentStore:
+    """Versioned intent upserts and reads over a ``redis.Redis`` client (thread-safe)."""
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        prefix: str = DEFAULT_PREFIX,
+        ttl_ms: int = DEFAULT_TTL_MS,
+    ) -> None:
+        if ttl_ms <= 0:
+            raise ValueError(f"ttl_ms must be positive, got {ttl_ms}")
+        self.client = client
+        self.prefix = prefix
+        self.ttl_ms = ttl_ms
+        self._script = client.register_script(UPSERT_SCRIPT)
+
+    def key(self, shopper_id: str) -> str:
+        return intent_key(shopper_id, self.prefix)
+
+    def upsert(self, record: IntentRecord) -> bool:
+        """Write ``record`` if it is newer than what is stored; returns whether it wrote."""
+        return self.upsert_many([record])[0]
+
+    def upsert_many(self, records: Sequence[IntentRecord]) -> list[bool]:
+        """Upsert each record (one pipeline round trip); returns, per record, whether it wrote."""
+        if not records:
+            return []
+        try:
+            replies = self._send(records)
+            missing = _script_missing(replies)
+            if missing:  # the server lost its script cache (restart, SCRIPT FLUSH): load, resend
+                log.debug("upsert script not cached on the server; loading it")
+                self.client.script_load(UPSERT_SCRIPT)
+                again = self._send([records[i] for i in missing])
+                for i, reply in zip(missing, again, strict=True):
+                    replies[i] = reply
+        except _UNAVAILABLE as e:
+            raise StoreUnavailableError(f"Redis unavailable: {e}") from e
+        return _results_to_bools(records, replies)
+
+    def _send(self, records: Sequence[IntentRecord]) -> list[object]:
+        with self.client.pipeline(transaction=False) as pipe:
+            for record in records:
+                pipe.evalsha(*evalsha_args(record, self.prefix, self.ttl_ms, self._script.sha))
+            return list(pipe.execute(raise_on_error=False))
+
+    def read(self, shopper_id: str) -> StoredIntent | None:
+        """The stored intent of ``shopper_id``, or None."""
+        try:
+            fields = self.client.hgetall(self.key(shopper_id))
+        except _UNAVAILABLE as e:
+            raise StoreUnavailableError(f"Redis unavailable: {e}") from e
+        return parse_stored(shopper_id, fields)
+
+
+# --- asynchronous store ------------------------------------------------------------------
+
+
+class AsyncIntentStore:
+    """``IntentStore`` over a ``redis.asyncio.Redis`` client."""
+
+    def __init__(
+        self,
+        client: redis.asyncio.Redis,
+        prefix: str = DEFAULT_PREFIX,
+        ttl_ms: int = DEFAULT_TTL_MS,
+    ) -> None:
+        if ttl_ms <= 0:
+            raise ValueError(f"ttl_ms must be positive, got {ttl_ms}")
+        self.client = client
+        self.prefix = prefix
+        self.ttl_ms = ttl_ms
+        self._script = client.register_script(UPSERT_SCRIPT)
+
+    def key(self, shopper_id: str) -> str:
+        return intent_key(shopper_id, self.prefix)
+
+    async def upsert(self, record: IntentRecord) -> bool:
+        return (await self.upsert_many([record]))[0]
+
+    async def upsert_many(self, records: Sequence[IntentRecord]) -> list[bool]:
+        if not records:
+            return []
+        try:
+            replies = await self._send(records)
+            missing = _script_missing(replies)
+            if missing:
+                log.debug("upsert script not cached on the server; loading it")
+                await self.client.script_load(UPSERT_SCRIPT)
+                again = await self._send([records[i] for i in missing])
+                for i, reply in zip(missing, again, strict=True):
+                    replies[i] = reply
+        except _UNAVAILABLE as e:
+            raise StoreUnavailableError(f"Redis unavailable: {e}") from e
+        return _results_to_bools(records, replies)
+
+    async def _send(self, records: Sequence[IntentRecord]) -> list[object]:
+        async with self.client.pipeline(transaction=False) as pipe:
+            for record in records:
+                pipe.evalsha(*evalsha_args(record, self.prefix, self.ttl_ms, self._script.sha))
+            return list(await pipe.execute(raise_on_error=False))
+
+    async def read(self, shopper_id: str) -> StoredIntent | None:
+        try:
+            fields = await self.client.hgetall(self.key(shopper_id))
+        except _UNAVAILABLE as e:
+            raise StoreUnavailableError(f"Redis unavailable: {e}") from e
+        return parse_stored(shopper_id, fields)

@@ -1,0 +1,191 @@
+"""Calling an OpenAI-compatible chat endpoint for one shopper's prompt, with retries.
+
+Retry policy: a timeout, a connection failure, HTTP 429 or a 5xx is worth another try
+(after an exponential, jittered backoff, or the server's ``Retry-After``); any other
+status means the request itself is wrong and retrying would only repeat the error.
+Each attempt runs under its own timeout and is cancelled when it expires, so an abandoned
+call never keeps a slot on the server.
+
+The shopper id travels as ``X-Session-ID`` (and the body's ``user``): the router keys its
+sticky routing on it, so the shopper's growing prompt prefix stays in one worker's cache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import orjson
+
+from flink_jobs.config import LlmConfig
+from flink_jobs.intents import intent_response_format
+from flink_jobs.prompting import RenderedPrompt
+
+RETRYABLE_STATUS = frozenset({408, 409, 425, 429, 500, 502, 503, 504})
+
+
+class LlmError(Exception):
+    """The call failed for good; carries what the dead-letter record needs."""
+
+    def __init__(self, reason: str, detail: str, attempts: int, status: int | None = None) -> None:
+        super().__init__(f"{reason}: {detail} (after {attempts} attempts)")
+        self.reason = reason
+        self.detail = detail
+        self.attempts = attempts
+        self.status = status
+
+
+class _RetryableError(Exception):
+    def __init__(
+        self, reason: str, detail: str, status: int | None, retry_after_s: float | None = None
+    ):
+        super().__init__(detail)
+        self.reason, self.detail, self.status, self.retry_after_s = (
+            reason,
+            detail,
+            status,
+            retry_after_s,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class LlmAnswer:
+    text: str
+    attempts: int
+    latency_s: float
+    prompt_tokens: int
+    completion_tokens: int
+    model: str
+
+
+def build_request(
+    prompt: RenderedPrompt, shopper_id: str, config: LlmConfig
+) -> tuple[dict[str, str], bytes]:
+    headers = {"Content-Type": "application/json", "X-Session-ID": shopper_id}
+    if config.api_key:
+        headers["Authorization"] = f"Bearer {config.api_key}"
+    body: dict[str, Any] = {
+        "model": config.model,
+        "messages": list(prompt.messages),
+        "max_tokens": config.max_tokens,
+        "temperature": config.temperature,
+        "user": shopper_id,
+    }
+    if config.guided_json:
+        body["response_format"] = intent_response_format()
+    return headers, orjson.dumps(body)
+
+
+def is_retryable_status(status: int) -> bool:
+    return status in RETRYABLE_STATUS or status >= 500
+
+
+def backoff_delay(
+    attempt: int, config: LlmConfig, rand: Callable[[], float] = random.random
+) -> float:
+    """Full-jitter exponential backoff before attempt ``attempt + 1`` (attempt counts from 1)."""
+    ceiling = min(config.backoff_max_s, config.backoff_initial_s * 2 ** (attempt - 1))
+    return ceiling * (0.5 + rand() / 2)
+
+
+def parse_retry_after(value: str | None) -> float | None:
+    if not value:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        return None
+
+
+def read_answer(payload: bytes) -> tuple[str, int, int, str]:
+    """(text, prompt tokens, completion tokens, model) from a chat completion body."""
+    doc = orjson.loads(payload)
+    choice = doc["choices"][0]
+    message = choice.get("message") or {}
+    text = message.get("content") if isinstance(message, dict) else None
+    if text is None:
+        text = choice.get("text", "")
+    usage = doc.get("usage") or {}
+    return (
+        text or "",
+        int(usage.get("prompt_tokens") or 0),
+        int(usage.get("completion_tokens") or 0),
+        doc.get("model", ""),
+    )
+
+
+class LlmClient:
+    """One per async operator; created on the operator's event loop (httpx binds to it)."""
+
+    def __init__(
+        self, config: LlmConfig, transport: httpx.AsyncBaseTransport | None = None
+    ) -> None:
+        self._config = config
+        self._client = httpx.AsyncClient(
+            base_url=config.base_url.rstrip("/") + "/",
+            transport=transport,
+            timeout=httpx.Timeout(config.request_timeout_s, connect=5.0),
+            limits=httpx.Limits(
+                max_connections=config.capacity * 2, max_keepalive_connections=config.capacity
+            ),
+        )
+
+    async def complete(self, prompt: RenderedPrompt, shopper_id: str) -> LlmAnswer:
+        headers, body = build_request(prompt, shopper_id, self._config)
+        started = time.monotonic()
+        last: _RetryableError | None = None
+        for attempt in range(1, self._config.max_attempts + 1):
+            try:
+                text, p_tok, c_tok, model = await asyncio.wait_for(
+                    self._attempt(headers, body), timeout=self._config.request_timeout_s
+                )
+                return LlmAnswer(text, attempt, time.monotonic() - started, p_tok, c_tok, model)
+            except TimeoutError:
+                last = _RetryableError(
+                    "timeout", f"no answer within {self._config.request_timeout_s} s", None
+                )
+            except _RetryableError as exc:
+                last = exc
+            if attempt < self._config.max_attempts:
+                delay = (
+                    last.retry_after_s
+                    if last.retry_after_s is not None
+                    else backoff_delay(attempt, self._config)
+                )
+                await asyncio.sleep(min(delay, self._config.backoff_max_s))
+        assert last is not None
+        raise LlmError(last.reason, last.detail, self._config.max_attempts, last.status)
+
+    async def _attempt(self, headers: dict[str, str], body: bytes) -> tuple[str, int, int, str]:
+        try:
+            response = await self._client.post("chat/completions", content=body, headers=headers)
+        except httpx.TimeoutException as exc:
+            raise _RetryableError(
+                "timeout", f"request timed out ({type(exc).__name__})", None
+            ) from exc
+        except httpx.TransportError as exc:
+            raise _RetryableError("connection_error", f"{type(exc).__name__}: {exc}", None) from exc
+        if response.status_code != 200:
+            detail = f"HTTP {response.status_code}: {response.text[:300]}"
+            if is_retryable_status(response.status_code):
+                raise _RetryableError(
+                    "http_error",
+                    detail,
+                    response.status_code,
+                    parse_retry_after(response.headers.get("retry-after")),
+                )
+            raise LlmError("http_error", detail, 1, response.status_code)
+        try:
+            return read_answer(response.content)
+        except (orjson.JSONDecodeError, KeyError, IndexError, TypeError, ValueError) as exc:
+            raise _RetryableError(
+                "bad_response", f"unreadable completion body: {response.text[:200]!r}", 200
+            ) from exc
+
+    async def aclose(self) -> None:
+        await self._client.aclose()

@@ -1,0 +1,505 @@
+"""Real services started as local processes: the embedded stack and the test fixtures.
+
+The embedded stack (and the tests on a machine without a Docker engine) runs the same
+components a deployment talks to, as child processes on loopback ports:
+
+- Redis: Debian's ``redis-server``, no persistence (``--save '' --appendonly no``).
+- A Kafka-protocol broker: Tansu, a static binary that ``scripts/setup.sh`` puts in
+  ``<cache>/bin/tansu`` (cache = ``$SI_CACHE_DIR``, default ``<repo>/.cache``). It keeps
+  everything in memory, so a restart loses the topics and their records.
+
+Building blocks, top down:
+
+- ``start_redis`` / ``start_tansu`` return a started ``RedisService`` / ``KafkaService``
+  (``.url`` / ``.bootstrap``, ``.stop()``, ``.restart()`` on the same port, context manager).
+- ``create_topics`` creates topics through the Kafka admin API (idempotent).
+- ``LocalProcess`` is the process handle under both: its own process group, output to a
+  log file, ``stop()`` = SIGTERM then SIGKILL, and a readiness wait that fails fast, with
+  the log's tail, when the process exits.
+
+Errors::
+
+    ServiceError                  base of everything raised here
+    ├── ServiceNotInstalledError  a binary is missing (run scripts/setup.sh)
+    └── ServiceStartError         a process exited or never became ready (carries the log tail)
+
+Nothing here imports PyFlink, and nothing happens at import time.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import IO, Self
+
+log = logging.getLogger(__name__)
+
+CACHE_DIR_ENV = "SI_CACHE_DIR"
+LOOPBACK = "127.0.0.1"
+DEFAULT_READY_TIMEOUT_S = 30.0
+DEFAULT_STOP_TIMEOUT_S = 10.0
+_START_ATTEMPTS_ON_FREE_PORT = 3  # a port picked by free_port() can be taken before bind
+
+
+# --- errors ------------------------------------------------------------------------------
+
+
+class ServiceError(RuntimeError):
+    """Base error of this module."""
+
+
+class ServiceNotInstalledError(ServiceError):
+    """A service's binary is missing."""
+
+    def __init__(self, name: str, looked_at: str) -> None:
+        self.name = name
+        self.looked_at = looked_at
+        super().__init__(
+            f"{name} not found ({looked_at}); run scripts/setup.sh to install the embedded stack"
+        )
+
+
+class ServiceStartError(ServiceError):
+    """A service process exited during start-up or did not become ready in time."""
+
+    def __init__(self, name: str, reason: str, log_path: Path, log_tail: str) -> None:
+        self.name = name
+        self.reason = reason
+        self.log_path = log_path
+        self.log_tail = log_tail
+        message = f"{name} failed to start: {reason} (log {log_path})"
+        if log_tail:
+            message += f"; last lines:\n{log_tail}"
+        super().__init__(message)
+
+
+# --- locating binaries and ports -----------------------------------------------------------
+
+
+def cache_dir() -> Path:
+    """The folder ``scripts/setup.sh`` installs into: ``$SI_CACHE_DIR`` or ``<repo>/.cache``."""
+    configured = os.environ.get(CACHE_DIR_ENV)
+    if configured:
+        return Path(configured).expanduser().resolve()
+    return Path(__file__).resolve().parent.parent / ".cache"
+
+
+def tansu_binary() -> Path:
+    """Path of the Tansu broker binary in the cache folder."""
+    path = cache_dir() / "bin" / "tansu"
+    if not (path.is_file() and os.access(path, os.X_OK)):
+        raise ServiceNotInstalledError("tansu", str(path))
+    return path
+
+
+def redis_server_binary() -> Path:
+    """Path of ``redis-server`` on PATH."""
+    found = shutil.which("redis-server")
+    if found is None:
+        raise ServiceNotInstalledError("redis-server", "not on PATH")
+    return Path(found)
+
+
+def free_port(host: str = LOOPBACK) -> int:
+    """A TCP port free on ``host`` right now (another process may still take it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def port_accepts(host: str, port: int, timeout_s: float = 0.5) -> bool:
+    """Whether a TCP connection to ``host:port`` succeeds."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
+# --- the process handle ------------------------------------------------------------------
+
+_live_processes: set[LocalProcess] = set()  # started and not stopped yet
+_atexit_registered = False
+
+
+def _stop_leftovers() -> None:
+    for process in list(_live_processes):
+        process.stop(timeout_s=2.0)
+
+
+class LocalProcess:
+    """A child process in its own process group, its output appended to ``log_path``.
+
+    ``start()`` launches it; ``wait_ready(check)`` polls ``check`` until it returns true and
+    raises ``ServiceStartError`` (with the log's tail) as soon as the process exits or the
+    timeout passes; ``stop()`` sends SIGTERM to the group, then SIGKILL after a timeout.
+    Processes still running when the interpreter exits are stopped.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        argv: Sequence[str | os.PathLike[str]],
+        log_path: Path,
+        *,
+        cwd: Path | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> None:
+        self.name = name
+        self.argv = [os.fspath(a) for a in argv]
+        self.log_path = Path(log_path)
+        self.cwd = cwd
+        self.env = dict(env) if env is not None else None
+        self._popen: subprocess.Popen[bytes] | None = None
+        self._log_file: IO[bytes] | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self._popen.pid if self._popen is not None else None
+
+    @property
+    def returncode(self) -> int | None:
+        """Exit status once the process has ended (negative: killed by that signal)."""
+        return self._popen.poll() if self._popen is not None else None
+
+    @property
+    def running(self) -> bool:
+        return self._popen is not None and self._popen.poll() is None
+
+    def start(self) -> Self:
+        global _atexit_registered
+        if self.running:
+            raise ServiceError(f"{self.name} is already running (pid {self.pid})")
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log_file = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
+        self._log_file.write(f"\n--- {time.strftime('%H:%M:%S')} {' '.join(self.argv)}\n".encode())
+        self._log_file.flush()
+        env = None if self.env is None else {**os.environ, **self.env}
+        self._popen = subprocess.Popen(
+            self.argv,
+            stdin=subprocess.DEVNULL,
+            stdout=self._log_file,
+            stderr=subprocess.STDOUT,
+            cwd=self.cwd,
+            env=env,
+            start_new_session=True,
+        )
+        _live_processes.add(self)
+        if not _atexit_registered:
+            atexit.register(_stop_leftovers)
+            _atexit_registered = True
+        log.debug("started %s (pid %d): %s", self.name, self._popen.pid, self.argv)
+        return self
+
+    def wait_ready(
+        self,
+        check: Callable[[], bool],
+        timeout_s: float = DEFAULT_READY_TIMEOUT_S,
+        interval_s: float = 0.05,
+    ) -> None:
+        """Poll ``check()`` until true; fail fast if the process exits meanwhile."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            code = self.returncode
+            if code is not None or self._popen is None:
+                raise ServiceStartError(
+                    self.name, f"exited with status {code}", self.log_path, self.log_tail()
+                )
+            if check():
+                return
+            if time.monotonic() >= deadline:
+                raise ServiceStartError(
+                    self.name, f"not ready after {timeout_s:.0f} s", self.log_path, self.log_tail()
+                )
+            time.sleep(interval_s)
+
+    def stop(self, timeout_s: float = DEFAULT_STOP_TIMEOUT_S) -> int | None:
+        """SIGTERM the process group, SIGKILL it after ``timeout_s``; returns the exit status."""
+        popen = self._popen
+        if popen is None:
+            return None
+        try:
+            if popen.poll() is None:
+                self._signal_group(signal.SIGTERM)
+                try:
+                    popen.wait(timeout=timeout_s)
+                except subprocess.TimeoutExpired:
+                    log.warning("%s ignored SIGTERM for %.0f s; killing it", self.name, timeout_s)
+                    self._signal_group(signal.SIGKILL)
+                    popen.wait(timeout=timeout_s)
+            # Children that outlived the leader (same group) go too.
+            self._signal_group(signal.SIGKILL)
+        finally:
+            _live_processes.discard(self)
+            if self._log_file is not None:
+                self._log_file.close()
+                self._log_file = None
+        log.debug("stopped %s (pid %d): status %s", self.name, popen.pid, popen.returncode)
+        return popen.returncode
+
+    def _signal_group(self, sig: signal.Signals) -> None:
+        assert self._popen is not None
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self._popen.pid, sig)
+
+    def log_tail(self, lines: int = 30) -> str:
+        """The last ``lines`` lines of the log file."""
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(0, os.SEEK_END)
+                f.seek(max(0, f.tell() - 16_384))
+                text = f.read().decode("utf-8", errors="replace")
+        except OSError as e:
+            return f"(log unreadable: {e})"
+        return "\n".join(text.splitlines()[-lines:])
+
+    def __enter__(self) -> Self:
+        if self._popen is None:
+            self.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        return f"LocalProcess({self.name!r}, pid={self.pid}, running={self.running})"
+
+
+# --- services ----------------------------------------------------------------------------
+
+
+class _LocalService:
+    """A service on a fixed loopback port, run as a ``LocalProcess`` in ``workdir``.
+
+    Subclasses give the command line and the readiness check. ``restart()`` stops the
+    process and starts a new one on the same port.
+    """
+
+    name = "service"
+
+    def __init__(
+        self,
+        port: int | None,
+        workdir: Path | str | None,
+        ready_timeout_s: float = DEFAULT_READY_TIMEOUT_S,
+    ) -> None:
+        self._port_chosen = port is None
+        self.port = port if port is not None else free_port()
+        self.host = LOOPBACK
+        self.workdir = Path(workdir or tempfile.mkdtemp(prefix=f"si-{self.name}-"))
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.ready_timeout_s = ready_timeout_s
+        self.log_path = self.workdir / f"{self.name}.log"
+        self.process: LocalProcess | None = None
+
+    def _argv(self) -> list[str]:
+        raise NotImplementedError
+
+    def _ready(self) -> bool:
+        raise NotImplementedError
+
+    @property
+    def running(self) -> bool:
+        return self.process is not None and self.process.running
+
+    def start(self) -> Self:
+        """Start the process and wait until it serves; a port picked here is re-picked if taken."""
+        if self.running:
+            raise ServiceError(f"{self.name} is already running on port {self.port}")
+        attempts = _START_ATTEMPTS_ON_FREE_PORT if self._port_chosen else 1
+        for attempt in range(1, attempts + 1):
+            # Something already answering there would pass the readiness check for us.
+            if port_accepts(self.host, self.port):
+                if attempt == attempts:
+                    reason = f"port {self.port} is already in use"
+                    raise ServiceStartError(self.name, reason, self.log_path, "")
+                self.port = free_port()
+                continue
+            self.process = LocalProcess(self.name, self._argv(), self.log_path, cwd=self.workdir)
+            self.process.start()
+            try:
+                self.process.wait_ready(self._ready, timeout_s=self.ready_timeout_s)
+            except ServiceStartError:
+                self.process.stop()
+                if attempt == attempts:
+                    raise
+                log.debug("%s did not start on port %d; trying another", self.name, self.port)
+                self.port = free_port()
+            else:
+                break
+        self._port_chosen = False  # from now on the port is part of the service's identity
+        log.info("%s ready on %s:%d", self.name, self.host, self.port)
+        return self
+
+    def stop(self, timeout_s: float = DEFAULT_STOP_TIMEOUT_S) -> None:
+        if self.process is not None:
+            self.process.stop(timeout_s)
+
+    def restart(self, down_for_s: float = 0.0) -> Self:
+        """Stop, optionally stay down ``down_for_s`` seconds, start again on the same port."""
+        self.stop()
+        if down_for_s > 0:
+            time.sleep(down_for_s)
+        return self.start()
+
+    def log_tail(self, lines: int = 30) -> str:
+        return self.process.log_tail(lines) if self.process is not None else ""
+
+    def __enter__(self) -> Self:
+        if not self.running:
+            self.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(port={self.port}, running={self.running})"
+
+
+class RedisService(_LocalService):
+    """``redis-server`` without persistence on a loopback port."""
+
+    name = "redis"
+
+    @property
+    def url(self) -> str:
+        return f"redis://{self.host}:{self.port}/0"
+
+    def _argv(self) -> list[str]:
+        return [
+            str(redis_server_binary()),
+            "--port", str(self.port),
+            "--bind", self.host,
+            "--save", "",
+            "--appendonly", "no",
+            "--dir", str(self.workdir),
+        ]  # fmt: skip
+
+    def _ready(self) -> bool:
+        import redis
+
+        client = redis.Redis(
+            host=self.host, port=self.port, socket_connect_timeout=0.5, socket_timeout=0.5
+        )
+        try:
+            # The server that answers must be ours, not one that held the port before.
+            info = client.info("server")
+            return self.process is not None and info.get("process_id") == self.process.pid
+        except redis.RedisError:
+            return False
+        finally:
+            client.close()
+
+
+class KafkaService(_LocalService):
+    """The Tansu broker (Kafka protocol, in-memory storage) on a loopback port."""
+
+    name = "tansu"
+
+    @property
+    def bootstrap(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def _argv(self) -> list[str]:
+        listener = f"tcp://{self.host}:{self.port}"
+        return [
+            str(tansu_binary()),
+            "broker",
+            "--listener-url", listener,
+            "--advertised-listener-url", listener,
+            "--storage-engine", "memory://tansu/",
+        ]  # fmt: skip
+
+    def _ready(self) -> bool:
+        # A plain TCP probe first keeps librdkafka's connection-refused chatter out of the way.
+        if not port_accepts(self.host, self.port):
+            return False
+        from confluent_kafka import KafkaException
+        from confluent_kafka.admin import AdminClient
+
+        admin = AdminClient(_quiet_client_config(self.bootstrap))
+        try:
+            admin.list_topics(timeout=2.0)
+        except KafkaException:
+            return False
+        return True
+
+
+def start_redis(
+    port: int | None = None,
+    workdir: Path | str | None = None,
+    *,
+    ready_timeout_s: float = DEFAULT_READY_TIMEOUT_S,
+) -> RedisService:
+    """Start ``redis-server`` on ``port`` (a free one if None) and wait until it answers PING."""
+    return RedisService(port, workdir, ready_timeout_s).start()
+
+
+def start_tansu(
+    port: int | None = None,
+    workdir: Path | str | None = None,
+    *,
+    ready_timeout_s: float = DEFAULT_READY_TIMEOUT_S,
+) -> KafkaService:
+    """Start the Tansu broker on ``port`` (a free one if None); ready when metadata answers."""
+    return KafkaService(port, workdir, ready_timeout_s).start()
+
+
+# --- Kafka admin -------------------------------------------------------------------------
+
+
+def _quiet_client_config(bootstrap: str) -> dict[str, object]:
+    return {
+        "bootstrap.servers": bootstrap,
+        "socket.connection.setup.timeout.ms": 2000,
+        "logger": logging.getLogger(f"{__name__}.librdkafka"),
+    }
+
+
+def create_topics(
+    bootstrap: str,
+    names: Iterable[str],
+    partitions: int = 1,
+    *,
+    replication_factor: int = 1,
+    timeout_s: float = 30.0,
+) -> None:
+    """Create ``names`` with ``partitions`` each; topics that already exist are left alone.
+
+    Existing topics are not checked for their partition count (Tansu cannot add
+    partitions anyway).
+    """
+    from confluent_kafka import KafkaError, KafkaException
+    from confluent_kafka.admin import AdminClient, NewTopic
+
+    wanted = list(dict.fromkeys(names))
+    if not wanted:
+        return
+    admin = AdminClient(_quiet_client_config(bootstrap))
+    new_topics = [NewTopic(n, partitions, replication_factor) for n in wanted]
+    futures = admin.create_topics(
+        new_topics,
+        operation_timeout=timeout_s,
+        request_timeout=timeout_s,
+    )
+    for name, future in futures.items():
+        try:
+            future.result(timeout=timeout_s)
+            log.debug("created topic %s (%d partitions)", name, partitions)
+        except KafkaException as e:
+            error = e.args[0] if e.args else None
+            if isinstance(error, KafkaError) and error.code() == KafkaError.TOPIC_ALREADY_EXISTS:
+                log.debug("topic %s already exists", name)
+                continue
+            raise ServiceError(f"could not create topic {name!r} on {bootstrap}: {e}") from e

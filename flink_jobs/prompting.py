@@ -1,0 +1,141 @@
+"""Rendering a shopper's session into chat messages from a Jinja template.
+
+Templates live in ``prompts/``; each defines two macros, ``system()`` and ``user()``. The
+renderer, not the template, owns the safety rules: ``StrictUndefined`` so a typo in a
+template fails loudly, the ``untrusted`` filter for any text a shopper or seller typed,
+and a token budget enforced by dropping the oldest events first.
+
+Token counts are estimated from UTF-8 bytes (``bytes / 3``, which over-counts for the
+Llama-family BPE vocabularies the job targets), so the budget holds without shipping a
+tokenizer into the Flink job.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import orjson
+
+from flink_jobs.config import PromptConfig
+from flink_jobs.events import load_schema
+from flink_jobs.session import SessionState
+
+PROMPTS_DIR = Path(__file__).resolve().parent.parent / "prompts"
+BYTES_PER_TOKEN = 3
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+
+
+class PromptError(ValueError):
+    """The template is missing or broken, or the session can't fit the token budget."""
+
+
+@dataclass(frozen=True, slots=True)
+class RenderedPrompt:
+    messages: tuple[dict[str, str], ...]
+    template: str
+    template_hash: str
+    estimated_tokens: int
+    events_included: int
+    events_dropped: int
+
+
+def estimate_tokens(text: str) -> int:
+    return math.ceil(len(text.encode("utf-8")) / BYTES_PER_TOKEN)
+
+
+def untrusted(value: Any, max_chars: int) -> str:
+    """Quote text from outside: no control characters, cut to length, JSON-escaped, and
+    no raw ``<``/``>`` so it cannot close or open a delimiter block."""
+    text = _CONTROL.sub(" ", str(value))[:max_chars]
+    quoted = orjson.dumps(text).decode("utf-8")
+    return quoted.replace("<", "\\u003c").replace(">", "\\u003e")
+
+
+def intent_labels() -> tuple[str, ...]:
+    schema = load_schema("shopper_intent.schema.json")
+    return tuple(schema["properties"]["intents"]["items"]["properties"]["label"]["enum"])
+
+
+class PromptRenderer:
+    def __init__(self, config: PromptConfig) -> None:
+        directory = Path(config.templates_dir) if config.templates_dir else PROMPTS_DIR
+        self._config = config
+        self._env = jinja2.Environment(
+            loader=jinja2.FileSystemLoader(directory),
+            undefined=jinja2.StrictUndefined,
+            autoescape=False,
+            keep_trailing_newline=False,
+        )
+        self._env.filters["untrusted"] = lambda v: untrusted(v, config.max_text_chars)
+        try:
+            self._template = self._env.get_template(config.template)
+        except jinja2.TemplateNotFound as exc:
+            raise PromptError(
+                f"prompt template {config.template!r} not found in {directory}"
+            ) from exc
+        except jinja2.TemplateSyntaxError as exc:
+            raise PromptError(
+                f"prompt template {config.template!r} line {exc.lineno}: {exc.message}"
+            ) from exc
+        source = (directory / config.template).read_bytes()
+        self.template_name = config.template
+        self.template_hash = hashlib.sha256(source).hexdigest()[:12]
+        self._labels = intent_labels()
+
+    def render(self, state: SessionState) -> RenderedPrompt:
+        events = list(state.events)
+        dropped = 0
+        while True:
+            system, user = self._render_parts(state, events)
+            tokens = estimate_tokens(system) + estimate_tokens(user)
+            if tokens <= self._config.max_prompt_tokens:
+                break
+            if len(events) <= 1:
+                raise PromptError(
+                    f"prompt for shopper {state.shopper_id} needs ~{tokens} tokens even with one "
+                    f"event; raise prompt.max_prompt_tokens ({self._config.max_prompt_tokens})"
+                )
+            # Drop a quarter at a time: re-rendering per event would be quadratic.
+            cut = max(1, len(events) // 4)
+            events, dropped = events[cut:], dropped + cut
+        return RenderedPrompt(
+            messages=({"role": "system", "content": system}, {"role": "user", "content": user}),
+            template=self.template_name,
+            template_hash=self.template_hash,
+            estimated_tokens=tokens,
+            events_included=len(events),
+            events_dropped=dropped,
+        )
+
+    def _render_parts(self, state: SessionState, events: list) -> tuple[str, str]:
+        start = state.session_started_ms or (events[0].event_time_ms if events else 0)
+        context = {
+            "labels": self._labels,
+            "history": state.history,
+            "events": [_event_view(e, start) for e in events],
+        }
+        try:
+            module = self._template.make_module(context)
+            return str(module.system()).strip(), str(module.user()).strip()
+        except jinja2.UndefinedError as exc:
+            raise PromptError(f"prompt template {self.template_name!r}: {exc.message}") from exc
+
+
+def _event_view(e, session_start_ms: int) -> dict[str, Any]:
+    offset_s = max(0, (e.event_time_ms - session_start_ms) // 1000)
+    return {
+        "minute": f"+{offset_s // 60:02d}:{offset_s % 60:02d}",
+        "event_type": e.event_type,
+        "query": e.query,
+        "title": e.title,
+        "category": e.category,
+        "brand": e.brand,
+        "price": e.price,
+        "quantity": e.quantity,
+    }

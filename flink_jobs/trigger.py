@@ -1,0 +1,73 @@
+"""When a shopper's session is worth a prompt.
+
+A prompt costs a few seconds of GPU; an event costs nothing. So the policy sends one:
+
+* at once after a high-signal event (add to cart, purchase, ...): the intent changes now;
+* after a quiet period while the shopper browses, so one prompt covers a burst of views;
+* never later than ``max_wait`` after the first event not yet covered, so a shopper who
+  never pauses still gets fresh intents;
+* never when nothing material changed since the last prompt (re-viewing the same product);
+* at most once per ``min_interval`` per shopper.
+
+:func:`decide` is pure: the operator calls it when an event arrives and when a timer fires,
+and schedules a timer for the ``wake_at_ms`` it returns.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from enum import Enum
+
+from flink_jobs.config import TriggerConfig
+from flink_jobs.session import SessionState
+
+
+class Verdict(Enum):
+    FIRE = "fire"
+    WAIT = "wait"
+    IDLE = "idle"  # nothing pending
+    UNCHANGED = "unchanged"  # pending events changed nothing material
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    verdict: Verdict
+    reason: str
+    wake_at_ms: int | None = None
+    fingerprint: int = 0
+
+
+def material_fingerprint(state: SessionState) -> int:
+    """What the prompt would be about: event kinds and their subjects, not their times."""
+    digest = hashlib.blake2b(digest_size=8)
+    for kind in sorted({f"{e.event_type}\x1f{e.product_id}\x1f{e.query}" for e in state.events}):
+        digest.update(kind.encode() + b"\x1e")
+    digest.update(repr(state.history).encode())
+    return int.from_bytes(digest.digest(), "big")
+
+
+def decide(state: SessionState, now_ms: int, config: TriggerConfig) -> Decision:
+    if state.pending_since_ms is None:
+        return Decision(Verdict.IDLE, "nothing pending")
+    fingerprint = material_fingerprint(state)
+    if state.last_prompt_ms is not None and fingerprint == state.last_prompt_fingerprint:
+        return Decision(Verdict.UNCHANGED, "nothing material changed", fingerprint=fingerprint)
+
+    earliest_allowed = (
+        state.last_prompt_ms + int(config.min_interval_s * 1000)
+        if state.last_prompt_ms is not None
+        else now_ms
+    )
+    if state.pending_high_signal:
+        due, reason = now_ms, "high-signal event"
+    else:
+        quiet_due = state.newest_event_ms + int(config.quiet_s * 1000)
+        max_wait_due = state.pending_since_ms + int(config.max_wait_s * 1000)
+        due, reason = (
+            (quiet_due, "quiet period") if quiet_due <= max_wait_due else (max_wait_due, "max wait")
+        )
+    due = max(due, earliest_allowed)
+    if now_ms >= due:
+        return Decision(Verdict.FIRE, reason, fingerprint=fingerprint)
+    return Decision(Verdict.WAIT, reason, wake_at_ms=due, fingerprint=fingerprint)

@@ -1,0 +1,188 @@
+"""Command line: ``inference-sidecar router ...`` and ``inference-sidecar cluster ...``.
+
+``router`` serves the router in front of workers that already run; ``cluster`` starts
+vLLM workers from a config, then the router in front of them, and stops everything on
+Ctrl-C or SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+from inference_sidecar.config import DEFAULT_HOST, DEFAULT_PORT, RouterConfig
+from inference_sidecar.exceptions import SidecarError
+from inference_sidecar.policies import POLICY_NAMES
+from inference_sidecar.workers import ClusterConfig, WorkerPool, specs_summary
+
+logger = logging.getLogger("inference_sidecar")
+
+
+def _add_router_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default=DEFAULT_HOST, help="address to bind (default %(default)s)")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help="port (default %(default)s)")
+    p.add_argument("--policy", choices=POLICY_NAMES, default="bounded_hash")
+    p.add_argument(
+        "--load-factor",
+        type=float,
+        default=1.25,
+        help="bound on a worker's in-flight requests, as a multiple of the mean (default 1.25)",
+    )
+    p.add_argument("--max-attempts", type=int, default=3, help="workers tried per request")
+    p.add_argument("--request-timeout", type=float, default=120.0, help="seconds per attempt")
+    p.add_argument(
+        "--health-interval", type=float, default=2.0, help="seconds between probes; 0 disables"
+    )
+    p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
+    p.add_argument(
+        "--key-header",
+        action="append",
+        dest="key_headers",
+        metavar="NAME",
+        help="header carrying the routing key (repeatable; default X-Session-ID)",
+    )
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="inference-sidecar",
+        description="Shopper-sticky, load-bounded router for vLLM workers.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    router = sub.add_parser("router", help="serve the router in front of running workers")
+    _add_router_options(router)
+    router.add_argument("--worker", action="extend", nargs="+", default=[], metavar="URL")
+    router.add_argument("--prefill", action="extend", nargs="+", default=[], metavar="URL")
+    router.add_argument("--decode", action="extend", nargs="+", default=[], metavar="URL")
+
+    cluster = sub.add_parser("cluster", help="start vLLM workers and the router in front")
+    _add_router_options(cluster)
+    cluster.add_argument("--config", type=Path, help="cluster settings (.toml or .json)")
+    cluster.add_argument("--mode", choices=["aggregated", "disaggregated"])
+    cluster.add_argument("--workers", type=int, help="workers in aggregated mode")
+    cluster.add_argument("--prefill-workers", type=int, dest="prefill")
+    cluster.add_argument("--decode-workers", type=int, dest="decode")
+    cluster.add_argument("--base-port", type=int)
+    cluster.add_argument("--model-dir", type=Path)
+    cluster.add_argument("--served-model-name")
+    cluster.add_argument("--profile", choices=["cpu", "gpu"])
+    cluster.add_argument("--kv-connector", choices=["ExampleConnector", "NixlConnector"])
+    cluster.add_argument("--max-model-len", type=int)
+    cluster.add_argument("--kv-cache-bytes", type=int)
+    cluster.add_argument("--log-dir", type=Path)
+    cluster.add_argument("--ready-timeout", type=float, default=300.0)
+    return parser
+
+
+def router_config(args: argparse.Namespace, **overrides: Any) -> RouterConfig:
+    kwargs: dict[str, Any] = {
+        "host": args.host,
+        "port": args.port,
+        "policy": args.policy,
+        "load_factor": args.load_factor,
+        "max_attempts": args.max_attempts,
+        "request_timeout_s": args.request_timeout,
+        "health_interval_s": args.health_interval,
+        "max_body_bytes": args.max_body_bytes,
+    }
+    if args.key_headers:
+        kwargs["key_headers"] = tuple(args.key_headers)
+    kwargs.update(overrides)
+    return RouterConfig(**kwargs)
+
+
+def cluster_config(args: argparse.Namespace) -> ClusterConfig:
+    """The config file's settings, overridden by the flags given on the command line."""
+    base = ClusterConfig.load(args.config) if args.config else ClusterConfig()
+    overrides = {
+        f.name: getattr(args, f.name)
+        for f in fields(ClusterConfig)
+        if getattr(args, f.name, None) is not None
+    }
+    values = {f.name: getattr(base, f.name) for f in fields(ClusterConfig)}
+    return ClusterConfig(**{**values, **overrides})
+
+
+def serve(config: RouterConfig, log_level: str) -> None:
+    """Run the router until SIGINT/SIGTERM (uvicorn handles both)."""
+    import uvicorn
+
+    from inference_sidecar.router import create_app
+
+    logger.info(
+        "router on http://%s:%d (%s, policy %s) -> %s",
+        config.host,
+        config.port,
+        config.mode,
+        config.policy,
+        ", ".join(config.workers or (*config.prefill, *config.decode)),
+    )
+    uvicorn.run(
+        create_app(config),
+        host=config.host,
+        port=config.port,
+        log_level=log_level,
+        access_log=log_level == "debug",
+        timeout_graceful_shutdown=10,
+    )
+
+
+def run_router(args: argparse.Namespace) -> int:
+    config = router_config(
+        args, workers=tuple(args.worker), prefill=tuple(args.prefill), decode=tuple(args.decode)
+    )
+    serve(config, args.log_level)
+    return 0
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def run_cluster(args: argparse.Namespace) -> int:
+    cfg = cluster_config(args)
+    pool = WorkerPool(cfg, ready_timeout_s=args.ready_timeout)
+    # SIGTERM while workers start must still stop them: turn it into KeyboardInterrupt.
+    signal.signal(signal.SIGTERM, _interrupt)
+    logger.info("starting %d worker(s):\n%s", len(pool.specs), specs_summary(pool.specs))
+    try:
+        with pool:
+            if cfg.mode == "aggregated":
+                rc = router_config(args, workers=tuple(pool.worker_urls))
+            else:
+                rc = router_config(
+                    args, prefill=tuple(pool.prefill_urls), decode=tuple(pool.decode_urls)
+                )
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)  # uvicorn installs its own
+            serve(rc, args.log_level)
+    except KeyboardInterrupt:
+        logger.info("interrupted; workers stopped")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    if args.log_level != "debug":  # httpx logs every request (health probes too) at info
+        logging.getLogger("httpx").setLevel(logging.WARNING)
+    try:
+        if args.command == "router":
+            return run_router(args)
+        return run_cluster(args)
+    except SidecarError as exc:
+        print(f"inference-sidecar: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,82 @@
+"""Router configuration: one frozen, validated value built once at start-up."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+from urllib.parse import urlsplit
+
+from inference_sidecar.exceptions import ConfigError
+from inference_sidecar.health import HealthConfig
+from inference_sidecar.policies import POLICY_NAMES
+from inference_sidecar.routing_key import DEFAULT_KEY_HEADERS
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8000
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+DEFAULT_REQUEST_TIMEOUT_S = 120.0
+
+
+def normalise_url(url: str, key: str) -> str:
+    """``http://host:port`` without a trailing slash; raises ``ConfigError`` naming ``key``."""
+    url = url.strip().rstrip("/")
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(key, f"expected an http(s)://host:port URL, got {url!r}")
+    if parts.path.endswith("/v1"):
+        url = url[: -len("/v1")]
+    return url
+
+
+@dataclass(frozen=True, slots=True)
+class RouterConfig:
+    """Everything the router needs; ``workers`` XOR (``prefill`` and ``decode``)."""
+
+    workers: tuple[str, ...] = ()
+    prefill: tuple[str, ...] = ()
+    decode: tuple[str, ...] = ()
+    host: str = DEFAULT_HOST
+    port: int = DEFAULT_PORT
+    policy: str = "bounded_hash"
+    load_factor: float = 1.25
+    key_headers: tuple[str, ...] = DEFAULT_KEY_HEADERS
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    connect_timeout_s: float = 2.0
+    request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S
+    max_attempts: int = 3
+    """Workers tried per request (per step in disaggregated mode) before giving up."""
+    health_interval_s: float = 2.0
+    """Seconds between active ``GET /health`` probes of every worker; 0 disables them."""
+    health_timeout_s: float = 1.0
+    health: HealthConfig = field(default_factory=HealthConfig)
+    max_connections: int = 512
+
+    def __post_init__(self) -> None:
+        for name in ("workers", "prefill", "decode"):
+            urls = tuple(normalise_url(u, name) for u in getattr(self, name))
+            if len(set(urls)) != len(urls):
+                raise ConfigError(name, "the same URL is listed twice")
+            object.__setattr__(self, name, urls)
+        if self.workers and (self.prefill or self.decode):
+            raise ConfigError("workers", "give either workers or prefill+decode, not both")
+        if not self.workers and not (self.prefill and self.decode):
+            raise ConfigError(
+                "workers", "give at least one worker, or at least one prefill and one decode"
+            )
+        if self.policy not in POLICY_NAMES:
+            raise ConfigError("policy", f"unknown policy {self.policy!r}; one of {POLICY_NAMES}")
+        if not self.load_factor >= 1.0:
+            raise ConfigError("load_factor", f"must be >= 1.0, got {self.load_factor}")
+        if not 0 < self.port < 65536:
+            raise ConfigError("port", f"must be in 1..65535, got {self.port}")
+        if self.max_body_bytes < 1024:
+            raise ConfigError("max_body_bytes", "must be at least 1024")
+        if self.max_attempts < 1:
+            raise ConfigError("max_attempts", "must be >= 1")
+        if self.request_timeout_s <= 0 or self.connect_timeout_s <= 0:
+            raise ConfigError("request_timeout_s", "timeouts must be > 0")
+        object.__setattr__(self, "key_headers", tuple(h.lower() for h in self.key_headers))
+
+    @property
+    def mode(self) -> Literal["aggregated", "disaggregated"]:
+        return "disaggregated" if self.prefill else "aggregated"

