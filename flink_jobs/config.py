@@ -83,8 +83,12 @@ class LlmConfig:
     max_attempts: int = 3
     backoff_initial_s: float = 0.5
     backoff_max_s: float = 8.0
-    # In-flight requests per async operator (PyFlink AsyncDataStream capacity).
-    capacity: int = 32
+    # Prompts one async operator holds (PyFlink AsyncDataStream capacity): the bound on
+    # queued work; a full queue back-pressures the job.
+    capacity: int = 128
+    # Requests in flight to the LLM endpoint per operator; queued prompts of a shopper that
+    # a newer one supersedes are dropped before they are sent (see inference.Coalescer).
+    max_concurrency: int = 16
     # Send the JSON Schema as response_format so the server constrains decoding to it.
     guided_json: bool = True
 
@@ -92,7 +96,13 @@ class LlmConfig:
         if not self.base_url.startswith(("http://", "https://")):
             raise ConfigError(f"llm.base_url must be an http(s) URL (got {self.base_url!r})")
         _require(self.model, "llm", "model")
-        for name in ("max_tokens", "request_timeout_s", "max_attempts", "capacity"):
+        for name in (
+            "max_tokens",
+            "request_timeout_s",
+            "max_attempts",
+            "capacity",
+            "max_concurrency",
+        ):
             _positive(getattr(self, name), "llm", name)
 
 
@@ -113,9 +123,9 @@ class SessionConfig:
 @dataclass(frozen=True)
 class TriggerConfig:
     high_signal_types: tuple[str, ...] = ("add_to_cart", "purchase", "remove_from_cart")
-    quiet_s: float = 3.0
-    max_wait_s: float = 10.0
-    min_interval_s: float = 2.0
+    quiet_s: float = 5.0
+    max_wait_s: float = 20.0
+    min_interval_s: float = 10.0
 
     def validate(self) -> None:
         for name in ("quiet_s", "max_wait_s"):

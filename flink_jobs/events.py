@@ -151,14 +151,17 @@ def decode_event(
         brand=product.get("brand", ""),
         price=product.get("price"),
         query=doc.get("query", ""),
-        quantity=doc.get("quantity", 1),
+        quantity=int(doc.get("quantity", 1)),
     )
 
 
 def parse_event_time(value: str | int) -> int | None:
     """Epoch milliseconds from RFC 3339 text (an offset is required) or epoch ms."""
-    if isinstance(value, int):
-        return value
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int | float):
+        # JSON Schema counts 1.7e12 as an integer, so a whole float passes validation.
+        return int(value) if float(value).is_integer() else None
     try:
         parsed = datetime.fromisoformat(value.replace("Z", "+00:00").replace("z", "+00:00"))
     except ValueError:

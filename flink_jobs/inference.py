@@ -34,11 +34,56 @@ class PromptTask:
 
 @dataclass(frozen=True, slots=True)
 class TaskResult:
-    outcome: str  # written | stale | dead_letter
+    outcome: str  # written | stale | superseded | dead_letter
     dead_letter: DeadLetter | None = None
     attempts: int = 0
     llm_latency_s: float = 0.0
     prompt_tokens: int = 0
+
+
+class Coalescer:
+    """Latest context wins: while prompts wait for a free LLM slot, a newer prompt of the
+    same shopper makes the older one pointless, so the older one is dropped (counted as
+    superseded) instead of computed. Bounds LLM work by throughput, not by event rate.
+
+    Lives on one event loop; ``max_concurrency`` calls run at once, the rest wait here
+    (their number is bounded by the async operator's capacity).
+    """
+
+    def __init__(self, max_concurrency: int) -> None:
+        self._slots = asyncio.Semaphore(max_concurrency)
+        self._newest: dict[str, int] = {}
+
+    def offer(self, shopper_id: str, seq: int) -> None:
+        if seq > self._newest.get(shopper_id, -1):
+            self._newest[shopper_id] = seq
+
+    def superseded(self, shopper_id: str, seq: int) -> bool:
+        return self._newest.get(shopper_id, -1) > seq
+
+    def done(self, shopper_id: str, seq: int) -> None:
+        if self._newest.get(shopper_id) == seq:
+            del self._newest[shopper_id]
+
+    @property
+    def slots(self) -> asyncio.Semaphore:
+        return self._slots
+
+    @property
+    def waiting_shoppers(self) -> int:
+        return len(self._newest)
+
+
+async def run_coalesced(task: PromptTask, coalescer: Coalescer, run) -> TaskResult:
+    """Run ``run(task)`` in an LLM slot unless a newer prompt of the shopper arrived first."""
+    coalescer.offer(task.shopper_id, task.seq)
+    try:
+        async with coalescer.slots:
+            if coalescer.superseded(task.shopper_id, task.seq):
+                return TaskResult("superseded")
+            return await run(task)
+    finally:
+        coalescer.done(task.shopper_id, task.seq)
 
 
 class RedisUnavailable(RuntimeError):

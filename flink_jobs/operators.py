@@ -24,7 +24,7 @@ from pyflink.datastream.state import StateTtlConfig, ValueStateDescriptor
 
 from flink_jobs.config import AppConfig
 from flink_jobs.events import DeadLetter, ShopperEvent, SourcePosition, decode_event
-from flink_jobs.inference import PromptTask, TaskResult, run_task
+from flink_jobs.inference import Coalescer, PromptTask, TaskResult, run_coalesced, run_task
 from flink_jobs.prompting import PromptError, PromptRenderer
 from flink_jobs.session import (
     Outcome,
@@ -142,8 +142,8 @@ class ShopperSessions(KeyedProcessFunction, _Counted):
                     DeadLetter(
                         "late",
                         "too_late",
-                        "event is more than session.max_lateness_s="
-                        f"{self._config.session.max_lateness_s:.0f} s behind the shopper's newest event",
+                        f"event is more than {self._config.session.max_lateness_s:.0f} s "
+                        "(session.max_lateness_s) behind the shopper's newest event",
                         shopper_id=event.shopper_id,
                         context={"event_id": event.event_id, "event_time_ms": event.event_time_ms},
                     )
@@ -221,6 +221,7 @@ class InferIntents(AsyncFunction):
     def open(self, runtime_context: RuntimeContext) -> None:
         self._llm = None
         self._store = None
+        self._coalescer = None
         self._stats = StatsReporter(
             self._config.redis.url, self._config.redis.key_prefix, self._config.job.stats_flush_s
         )
@@ -248,13 +249,18 @@ class InferIntents(AsyncFunction):
                 client, self._config.redis.key_prefix, self._config.redis.intent_ttl_s * 1000
             )
             self._llm = LlmClient(self._config.llm)
-        return self._llm, self._store
+            self._coalescer = Coalescer(self._config.llm.max_concurrency)
+        return self._llm, self._store, self._coalescer
 
     async def async_invoke(self, task: PromptTask) -> list[str]:
-        llm, store = self._clients()
-        result: TaskResult = await run_task(
-            task, llm, store, self._config.llm.model, self._config.redis.write_retry_budget_s
-        )
+        llm, store, coalescer = self._clients()
+
+        def run(t: PromptTask):
+            return run_task(
+                t, llm, store, self._config.llm.model, self._config.redis.write_retry_budget_s
+            )
+
+        result: TaskResult = await run_coalesced(task, coalescer, run)
         self._record(result)
         if result.dead_letter is not None:
             return [_dead_letter_json(result.dead_letter)]

@@ -21,6 +21,7 @@ import contextlib
 import json
 import logging
 import os
+import random
 import shutil
 import signal
 import socket
@@ -319,6 +320,18 @@ def port_is_free(host: str, port: int) -> bool:
         except OSError:
             return False
     return True
+
+
+def find_free_port_range(
+    count: int, host: str = "127.0.0.1", start: int = 20000, stop: int = 40000
+) -> int:
+    """A base port ``p`` with ``p .. p+count-1`` all free now (racy, good enough for tests)."""
+    bases = list(range(start, stop - count, count + 7))
+    random.shuffle(bases)  # concurrent callers rarely race for the same range
+    for base in bases:
+        if all(port_is_free(host, base + i) for i in range(count)):
+            return base
+    raise ConfigError("base_port", f"no {count} consecutive free ports in {start}..{stop}")
 
 
 class WorkerPool:

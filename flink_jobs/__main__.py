@@ -1,0 +1,5 @@
+import sys
+
+from flink_jobs.cli import main
+
+sys.exit(main())

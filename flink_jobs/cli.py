@@ -1,0 +1,169 @@
+"""``shopper-intents``: run the job, or watch it work on an embedded stack.
+
+``shopper-intents demo``
+    Starts the embedded stack (broker, Redis, vLLM on the CPU, router), submits the job
+    to a PyFlink mini-cluster, replays the bundled sample of shopper sessions, shows
+    progress and the intents as they land, prints a summary and stops everything when
+    the run has settled (or on Ctrl-C).
+
+``shopper-intents run``
+    Runs the job against the endpoints in the configuration (env / properties file).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import threading
+import time
+from pathlib import Path
+
+import orjson
+import redis
+
+from flink_jobs.config import ConfigError, load_config
+from flink_jobs.local_services import cache_dir
+from flink_jobs.run_report import (
+    events_accounted,
+    percentile,
+    prompts_settled,
+    read_intents,
+    read_prefix_cache,
+    read_stats,
+)
+
+log = logging.getLogger("shopper-intents")
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_SAMPLE = REPO / "data" / "sample_sessions.jsonl"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="shopper-intents", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    demo = sub.add_parser("demo", help="run the job end to end on an embedded stack")
+    demo.add_argument("--sample", type=Path, default=DEFAULT_SAMPLE, help="events to replay (JSONL/CSV)")
+    demo.add_argument("--speed", type=float, default=30.0, help="replay speed-up (default %(default)s)")
+    demo.add_argument("--llm-workers", type=int, default=1, help="vLLM workers (one core each)")
+    demo.add_argument("--workdir", type=Path, default=None, help="logs and state (default: <cache>/demo)")
+    demo.add_argument("--timeout", type=float, default=1200.0, help="give up after this many seconds")
+    sub.add_parser("run", help="run the job against the configured endpoints")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("py4j").setLevel(logging.WARNING)
+    try:
+        if args.command == "run":
+            from flink_jobs.job import main as run_job
+
+            run_job()
+            return 0
+        return run_demo(args)
+    except ConfigError as exc:
+        log.error("configuration error: %s", exc)
+        return 2
+    except KeyboardInterrupt:
+        log.info("interrupted")
+        return 130
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    from flink_jobs.embedded_stack import start_embedded_stack
+    from flink_jobs.job import create_job
+    from flink_jobs.replay import read_records, replay_records
+
+    records = read_records(args.sample)
+    workdir = args.workdir or cache_dir() / "demo"
+    base = load_config()
+    with start_embedded_stack(
+        workdir, [base.kafka.events_topic, base.kafka.dead_letter_topic], llm_workers=args.llm_workers
+    ) as stack:
+        overrides = stack.config_overrides()
+        overrides["kafka"]["starting_offsets"] = "earliest"
+        config = load_config(overrides=overrides)
+        log.info("submitting the Flink job to a local mini-cluster")
+        job = create_job(config).execute_async(config.job.name)
+        try:
+            return _watch(args, config, stack, job, records, replay_records, workdir)
+        finally:
+            log.info("cancelling the job and stopping the stack")
+            try:
+                job.cancel().result()
+            except Exception as exc:  # the job may already have failed; say so, don't mask
+                log.warning("job cancel: %s", exc)
+
+
+def _watch(args, config, stack, job, records, replay_records, workdir: Path) -> int:
+    client = redis.Redis.from_url(stack.redis_url)
+    prefix = config.redis.key_prefix
+    replay_result: dict = {}
+
+    def replay() -> None:
+        replay_result["summary"] = replay_records(
+            stack.bootstrap, config.kafka.events_topic, records, speed=args.speed, rebase_time="send"
+        )
+
+    log.info("replaying %d records from %s at %.0fx", len(records), args.sample, args.speed)
+    started = time.monotonic()
+    replayer = threading.Thread(target=replay, name="replay", daemon=True)
+    replayer.start()
+
+    seen: dict[str, int] = {}
+    settled_since: float | None = None
+    quiet_needed = config.trigger.max_wait_s + 5
+    while time.monotonic() - started < args.timeout:
+        time.sleep(2.0)
+        stats = read_stats(client, prefix)
+        for row in read_intents(client, prefix):
+            if seen.get(row.shopper_id) != row.written_at_ms:
+                seen[row.shopper_id] = row.written_at_ms
+                print(f"  intent  {row.shopper_id:<14} {row.top_label:<20} {row.latency_ms / 1000:5.1f} s  {row.summary[:60]}")
+        print(
+            f"[{time.monotonic() - started:6.0f}s] events in {stats.get('events_in', 0)}/{len(records)}"
+            f"  dead-lettered {stats.get('dead_letter_decode', 0)}  prompts {stats.get('prompts_sent', 0)}"
+            f" (done {prompts_settled(stats)}, superseded {stats.get('prompts_superseded', 0)})"
+            f"  intents in Redis {len(seen)}",
+            flush=True,
+        )
+        done = (
+            not replayer.is_alive()
+            and stats.get("events_in", 0) >= len(records)
+            and events_accounted(stats) == stats.get("events_in", 0)
+            and prompts_settled(stats) == stats.get("prompts_sent", 0)
+        )
+        if not done:
+            settled_since = None
+        elif settled_since is None:
+            settled_since = time.monotonic()
+        elif time.monotonic() - settled_since >= quiet_needed:
+            break
+    else:
+        log.error("the run did not settle within %.0f s", args.timeout)
+        return 1
+
+    elapsed = time.monotonic() - started
+    summary = _summary(client, prefix, stats, stack, elapsed, replay_result.get("summary"))
+    (workdir / "summary.json").write_bytes(orjson.dumps(summary, option=orjson.OPT_INDENT_2))
+    print(orjson.dumps(summary, option=orjson.OPT_INDENT_2).decode())
+    log.info("summary written to %s", workdir / "summary.json")
+    return 0
+
+
+def _summary(client, prefix, stats, stack, elapsed, replay_summary) -> dict:
+    rows = read_intents(client, prefix)
+    latencies = [r.latency_ms / 1000 for r in rows]
+    cache = read_prefix_cache(stack.llm.worker_urls)
+    llm_calls = stats.get("prompts_sent", 0) - stats.get("prompts_superseded", 0)
+    return {
+        "elapsed_s": round(elapsed, 1),
+        "replay": replay_summary.describe("events") if replay_summary else None,
+        "stats": stats,
+        "shoppers_with_intent": len(rows),
+        "event_to_intent_latency_s": {"p50": percentile(latencies, 50), "p99": percentile(latencies, 99)},
+        "llm_calls_per_event": round(llm_calls / max(1, stats.get("events_accepted", 0)), 3),
+        "prefix_cache_hit_ratio": round(cache.hit_ratio, 3),
+    }
+
+
+if __name__ == "__main__":
+    sys.exit(main())

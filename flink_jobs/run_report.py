@@ -1,0 +1,170 @@
+"""What a run did, read back from where its results land: Redis, the dead-letter topic and
+the vLLM workers' own metrics. Shared by the demo's console and the integration tests.
+
+The accounting identity every run must satisfy (see ``stats.py`` for the counters)::
+
+    events_in = events_accepted + events_late_folded + events_duplicate
+              + events_late_dropped + dead_letter_decode
+
+and every prompt sent ends as exactly one of: an intent written, a stale write skipped
+(a newer intent was already there), superseded by a newer prompt before it was sent, or
+a dead letter.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import httpx
+import orjson
+import redis
+from prometheus_client.parser import text_string_to_metric_families
+
+from flink_jobs.intent_store import intent_key
+from flink_jobs.stats import stats_key
+
+EVENT_OUTCOMES = (
+    "events_accepted",
+    "events_late_folded",
+    "events_duplicate",
+    "events_late_dropped",
+    "dead_letter_decode",
+)
+PROMPT_OUTCOMES = ("intents_written", "intents_stale", "prompts_superseded", "dead_letter_inference")
+
+
+def read_stats(client: redis.Redis, prefix: str) -> dict[str, int]:
+    return {_text(k): int(v) for k, v in client.hgetall(stats_key(prefix)).items()}
+
+
+def events_accounted(stats: dict[str, int]) -> int:
+    return sum(stats.get(name, 0) for name in EVENT_OUTCOMES)
+
+
+def prompts_settled(stats: dict[str, int]) -> int:
+    return sum(stats.get(name, 0) for name in PROMPT_OUTCOMES)
+
+
+def is_settled(stats: dict[str, int], events_produced: int) -> bool:
+    """Every produced event has an outcome and every prompt sent has finished."""
+    return (
+        stats.get("events_in", 0) >= events_produced
+        and events_accounted(stats) == stats.get("events_in", 0)
+        and prompts_settled(stats) == stats.get("prompts_sent", 0)
+    )
+
+
+@dataclass(frozen=True)
+class IntentRow:
+    shopper_id: str
+    top_label: str
+    summary: str
+    event_time_ms: int
+    written_at_ms: int
+    intent: dict
+
+    @property
+    def latency_ms(self) -> int:
+        return self.written_at_ms - self.event_time_ms
+
+
+def read_intents(client: redis.Redis, prefix: str, shopper_ids: Iterable[str] | None = None) -> list[IntentRow]:
+    if shopper_ids is None:
+        keys = list(client.scan_iter(match=intent_key("*", prefix), count=1000))
+    else:
+        keys = [intent_key(s, prefix) for s in shopper_ids]
+    pipe = client.pipeline(transaction=False)
+    for key in keys:
+        pipe.hgetall(key)
+    rows = []
+    marker = intent_key("", prefix)
+    for key, fields in zip(keys, pipe.execute(), strict=True):
+        if not fields:
+            continue
+        f = {_text(k): _text(v) for k, v in fields.items()}
+        rows.append(
+            IntentRow(
+                shopper_id=_text(key)[len(marker) :],
+                top_label=f.get("top_label", ""),
+                summary=f.get("summary", ""),
+                event_time_ms=int(f.get("event_time_ms", 0)),
+                written_at_ms=int(f.get("written_at_ms", 0)),
+                intent=orjson.loads(f["intent"]) if "intent" in f else {},
+            )
+        )
+    return rows
+
+
+def percentile(values: list[float], pct: float) -> float:
+    """Nearest-rank percentile; NaN for no values."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    rank = max(1, math.ceil(pct / 100 * len(ordered)))
+    return ordered[rank - 1]
+
+
+@dataclass(frozen=True)
+class PrefixCacheStats:
+    queries: float
+    hits: float
+    prompt_tokens: float
+    requests: float
+
+    @property
+    def hit_ratio(self) -> float:
+        return self.hits / self.queries if self.queries else math.nan
+
+
+def read_prefix_cache(worker_urls: Iterable[str]) -> PrefixCacheStats:
+    """Sum vLLM's own prefix-cache counters (in tokens) over the workers."""
+    totals = {
+        "vllm:prefix_cache_queries": 0.0,
+        "vllm:prefix_cache_hits": 0.0,
+        "vllm:prompt_tokens": 0.0,
+        "vllm:request_success": 0.0,
+    }
+    for url in worker_urls:
+        text = httpx.get(f"{url.rstrip('/')}/metrics", timeout=5.0).text
+        for family in text_string_to_metric_families(text):
+            if family.name in totals:
+                totals[family.name] += sum(s.value for s in family.samples if s.name.endswith("_total"))
+    return PrefixCacheStats(
+        totals["vllm:prefix_cache_queries"],
+        totals["vllm:prefix_cache_hits"],
+        totals["vllm:prompt_tokens"],
+        totals["vllm:request_success"],
+    )
+
+
+def read_dead_letters(bootstrap: str, topic: str, expected: int, timeout_s: float = 30.0) -> list[dict]:
+    """Read the dead-letter topic from the start until ``expected`` records or the timeout."""
+    from confluent_kafka import Consumer, TopicPartition
+
+    consumer = Consumer(
+        {
+            "bootstrap.servers": bootstrap,
+            "group.id": f"dead-letter-reader-{time.monotonic_ns()}",
+            "enable.auto.commit": False,
+        }
+    )
+    try:
+        partitions = consumer.list_topics(topic, timeout=10).topics[topic].partitions
+        consumer.assign([TopicPartition(topic, p, 0) for p in partitions])
+        records: list[dict] = []
+        deadline = time.monotonic() + timeout_s
+        while len(records) < expected and time.monotonic() < deadline:
+            msg = consumer.poll(0.5)
+            if msg is None or msg.error():
+                continue
+            records.append(orjson.loads(msg.value()))
+        return records
+    finally:
+        consumer.close()
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value

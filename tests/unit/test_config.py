@@ -1,0 +1,257 @@
+"""The job's configuration: typed defaults, then a Managed Flink properties file, then
+``SI_<GROUP>_<FIELD>`` environment variables, then explicit overrides; anything unknown or
+malformed fails with an error naming the key."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from flink_jobs.config import (
+    AppConfig,
+    ConfigError,
+    config_as_property_groups,
+    load_config,
+    read_property_groups,
+)
+
+
+def write_properties(path: Path, groups: list[dict[str, Any]]) -> Path:
+    path.write_text(json.dumps(groups))
+    return path
+
+
+class TestDefaults:
+    def test_defaults_are_valid(self) -> None:
+        config = load_config(environ={})
+
+        assert config == AppConfig()
+        assert config.kafka.starting_offsets == "committed"
+        assert config.trigger.max_wait_s >= config.trigger.quiet_s
+
+    def test_unrelated_environment_variables_are_ignored(self) -> None:
+        environ = {"PATH": "/usr/bin", "SI_TEST_SERVICES": "local", "SI_CACHE_DIR": "/tmp/x"}
+
+        assert load_config(environ=environ) == AppConfig()
+
+
+class TestEnvironment:
+    def test_si_group_field_overrides_the_default(self) -> None:
+        config = load_config(environ={"SI_KAFKA_BOOTSTRAP_SERVERS": "broker-1:9092,broker-2:9092"})
+
+        assert config.kafka.bootstrap_servers == "broker-1:9092,broker-2:9092"
+
+    def test_values_are_converted_to_the_field_type(self) -> None:
+        config = load_config(
+            environ={
+                "SI_LLM_MAX_TOKENS": "128",
+                "SI_TRIGGER_QUIET_S": "2.5",
+                "SI_LLM_GUIDED_JSON": "off",
+            }
+        )
+
+        assert config.llm.max_tokens == 128
+        assert config.trigger.quiet_s == 2.5
+        assert config.llm.guided_json is False
+
+    def test_unknown_key_of_a_known_group_raises(self) -> None:
+        with pytest.raises(ConfigError, match=r"unknown key redis\.urll"):
+            load_config(environ={"SI_REDIS_URLL": "redis://elsewhere:6379/0"})
+
+    def test_named_properties_file_that_does_not_exist_raises(self, tmp_path: Path) -> None:
+        missing = tmp_path / "nope.json"
+
+        with pytest.raises(ConfigError, match="SI_PROPERTIES_FILE"):
+            load_config(environ={"SI_PROPERTIES_FILE": str(missing)})
+
+
+class TestPropertiesFile:
+    def test_reads_the_managed_flink_format(self, tmp_path: Path) -> None:
+        path = write_properties(
+            tmp_path / "application_properties.json",
+            [
+                {
+                    "PropertyGroupId": "kafka",
+                    "PropertyMap": {"bootstrap_servers": "b-1.msk:9098", "group_id": "si-prod"},
+                },
+                {"PropertyGroupId": "redis", "PropertyMap": {"intent_ttl_s": "3600"}},
+            ],
+        )
+
+        config = load_config(environ={}, properties_file=path)
+
+        assert config.kafka.bootstrap_servers == "b-1.msk:9098"
+        assert config.kafka.group_id == "si-prod"
+        assert config.redis.intent_ttl_s == 3600
+
+    def test_groups_of_other_applications_are_ignored(self, tmp_path: Path) -> None:
+        path = write_properties(
+            tmp_path / "props.json",
+            [
+                {
+                    "PropertyGroupId": "kinesis.analytics.flink.run.options",
+                    "PropertyMap": {"python": "main.py"},
+                }
+            ],
+        )
+
+        assert load_config(environ={}, properties_file=path) == AppConfig()
+
+    def test_is_found_through_si_properties_file(self, tmp_path: Path) -> None:
+        path = write_properties(
+            tmp_path / "props.json",
+            [{"PropertyGroupId": "llm", "PropertyMap": {"model": "smollm2"}}],
+        )
+
+        config = load_config(environ={"SI_PROPERTIES_FILE": str(path)})
+
+        assert config.llm.model == "smollm2"
+
+    def test_environment_beats_file_and_overrides_beat_environment(self, tmp_path: Path) -> None:
+        path = write_properties(
+            tmp_path / "props.json",
+            [{"PropertyGroupId": "job", "PropertyMap": {"name": "from-file", "parallelism": "2"}}],
+        )
+
+        config = load_config(
+            overrides={"job": {"parallelism": 4}},
+            environ={"SI_JOB_NAME": "from-env", "SI_JOB_PARALLELISM": "3"},
+            properties_file=path,
+        )
+
+        assert config.job.name == "from-env"
+        assert config.job.parallelism == 4
+
+    def test_round_trips_through_config_as_property_groups(self, tmp_path: Path) -> None:
+        original = AppConfig().with_overrides(
+            {
+                "kafka": {"client_properties": {"security.protocol": "SSL"}},
+                "trigger": {"high_signal_types": ("purchase",)},
+            }
+        )
+        path = write_properties(tmp_path / "props.json", config_as_property_groups(original))
+
+        assert load_config(environ={}, properties_file=path) == original
+
+    @pytest.mark.parametrize(
+        ("content", "message"),
+        [
+            ("{not json", "cannot read properties file"),
+            ('{"kafka": {}}', "expected a JSON list"),
+            ('[{"PropertyMap": {}}]', "PropertyGroupId"),
+        ],
+    )
+    def test_malformed_file_raises(self, tmp_path: Path, content: str, message: str) -> None:
+        path = tmp_path / "props.json"
+        path.write_text(content)
+
+        with pytest.raises(ConfigError, match=message):
+            read_property_groups(path)
+
+    def test_unknown_key_in_the_file_raises_naming_it(self, tmp_path: Path) -> None:
+        path = write_properties(
+            tmp_path / "props.json",
+            [{"PropertyGroupId": "session", "PropertyMap": {"max_event": "10"}}],
+        )
+
+        with pytest.raises(ConfigError, match=r"session\.max_event\b.*max_events"):
+            load_config(environ={}, properties_file=path)
+
+
+class TestBadValues:
+    def test_unknown_group_raises_listing_the_known_ones(self) -> None:
+        with pytest.raises(ConfigError, match=r"unknown property group 'kafak'.*kafka"):
+            load_config(overrides={"kafak": {"group_id": "x"}}, environ={})
+
+    @pytest.mark.parametrize(
+        ("group", "key", "value"),
+        [
+            ("llm", "max_tokens", "many"),
+            ("llm", "max_tokens", 2.5),
+            ("llm", "guided_json", "maybe"),
+            ("trigger", "quiet_s", "soon"),
+            ("kafka", "client_properties", "[1, 2]"),
+            ("kafka", "client_properties", "{broken"),
+        ],
+    )
+    def test_value_of_the_wrong_shape_raises_naming_the_key(
+        self, group: str, key: str, value: Any
+    ) -> None:
+        with pytest.raises(ConfigError, match=rf"^{group}\.{key}: cannot use"):
+            load_config(overrides={group: {key: value}}, environ={})
+
+    @pytest.mark.parametrize(
+        ("group", "key", "value"),
+        [
+            ("session", "max_events", "0"),
+            ("llm", "max_concurrency", "-1"),
+            ("redis", "intent_ttl_s", "0"),
+            ("job", "parallelism", "0"),
+            ("prompt", "max_prompt_tokens", "0"),
+        ],
+    )
+    def test_non_positive_value_raises_naming_the_key(
+        self, group: str, key: str, value: str
+    ) -> None:
+        with pytest.raises(ConfigError, match=rf"{group}\.{key} must be > 0"):
+            load_config(overrides={group: {key: value}}, environ={})
+
+    def test_starting_offsets_must_be_a_known_mode(self) -> None:
+        with pytest.raises(ConfigError, match=r"kafka\.starting_offsets must be one of"):
+            load_config(environ={"SI_KAFKA_STARTING_OFFSETS": "beginning"})
+
+    def test_empty_bootstrap_servers_raise_naming_the_variable(self) -> None:
+        with pytest.raises(ConfigError, match="SI_KAFKA_BOOTSTRAP_SERVERS"):
+            load_config(environ={"SI_KAFKA_BOOTSTRAP_SERVERS": ""})
+
+    def test_redis_url_needs_a_redis_scheme(self) -> None:
+        with pytest.raises(ConfigError, match=r"redis\.url"):
+            load_config(environ={"SI_REDIS_URL": "http://127.0.0.1:6379"})
+
+    def test_llm_base_url_must_be_http(self) -> None:
+        with pytest.raises(ConfigError, match=r"llm\.base_url"):
+            load_config(environ={"SI_LLM_BASE_URL": "127.0.0.1:8000/v1"})
+
+    def test_max_wait_shorter_than_quiet_period_raises(self) -> None:
+        with pytest.raises(ConfigError, match=r"trigger\.max_wait_s must be >= trigger\.quiet_s"):
+            load_config(overrides={"trigger": {"quiet_s": 10, "max_wait_s": 5}}, environ={})
+
+    def test_negative_min_interval_raises(self) -> None:
+        with pytest.raises(ConfigError, match=r"trigger\.min_interval_s"):
+            load_config(overrides={"trigger": {"min_interval_s": -1}}, environ={})
+
+
+class TestStructuredFields:
+    def test_tuple_field_reads_comma_separated_text(self) -> None:
+        config = load_config(environ={"SI_TRIGGER_HIGH_SIGNAL_TYPES": "add_to_cart, purchase,"})
+
+        assert config.trigger.high_signal_types == ("add_to_cart", "purchase")
+
+    def test_tuple_field_accepts_a_list(self) -> None:
+        config = load_config(overrides={"job": {"jars": ["/opt/a.jar", "/opt/b.jar"]}}, environ={})
+
+        assert config.job.jars == ("/opt/a.jar", "/opt/b.jar")
+
+    def test_json_object_field_reads_json_text(self) -> None:
+        config = load_config(
+            environ={
+                "SI_KAFKA_CLIENT_PROPERTIES": (
+                    '{"security.protocol": "SASL_SSL", "sasl.mechanism": "AWS_MSK_IAM"}'
+                )
+            }
+        )
+
+        assert config.kafka.client_properties == {
+            "security.protocol": "SASL_SSL",
+            "sasl.mechanism": "AWS_MSK_IAM",
+        }
+
+    def test_json_object_values_become_strings(self) -> None:
+        config = load_config(
+            overrides={"kafka": {"client_properties": {"request.timeout.ms": 30000}}}, environ={}
+        )
+
+        assert config.kafka.client_properties == {"request.timeout.ms": "30000"}
