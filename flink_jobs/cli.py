@@ -43,15 +43,26 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="shopper-intents", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="run the job end to end on an embedded stack")
-    demo.add_argument("--sample", type=Path, default=DEFAULT_SAMPLE, help="events to replay (JSONL/CSV)")
-    demo.add_argument("--speed", type=float, default=30.0, help="replay speed-up (default %(default)s)")
+    demo.add_argument(
+        "--sample", type=Path, default=DEFAULT_SAMPLE, help="events to replay (JSONL/CSV)"
+    )
+    demo.add_argument(
+        "--speed", type=float, default=30.0, help="replay speed-up (default %(default)s)"
+    )
     demo.add_argument("--llm-workers", type=int, default=1, help="vLLM workers (one core each)")
-    demo.add_argument("--workdir", type=Path, default=None, help="logs and state (default: <cache>/demo)")
-    demo.add_argument("--timeout", type=float, default=1200.0, help="give up after this many seconds")
+    demo.add_argument(
+        "--workdir", type=Path, default=None, help="logs and state (default: <cache>/demo)"
+    )
+    demo.add_argument(
+        "--timeout", type=float, default=1200.0, help="give up after this many seconds"
+    )
     sub.add_parser("run", help="run the job against the configured endpoints")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("py4j").setLevel(logging.WARNING)
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    for noisy in ("py4j", "httpx", "apache_beam"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
     try:
         if args.command == "run":
             from flink_jobs.job import main as run_job
@@ -76,7 +87,9 @@ def run_demo(args: argparse.Namespace) -> int:
     workdir = args.workdir or cache_dir() / "demo"
     base = load_config()
     with start_embedded_stack(
-        workdir, [base.kafka.events_topic, base.kafka.dead_letter_topic], llm_workers=args.llm_workers
+        workdir,
+        [base.kafka.events_topic, base.kafka.dead_letter_topic],
+        llm_workers=args.llm_workers,
     ) as stack:
         overrides = stack.config_overrides()
         overrides["kafka"]["starting_offsets"] = "earliest"
@@ -100,7 +113,11 @@ def _watch(args, config, stack, job, records, replay_records, workdir: Path) -> 
 
     def replay() -> None:
         replay_result["summary"] = replay_records(
-            stack.bootstrap, config.kafka.events_topic, records, speed=args.speed, rebase_time="send"
+            stack.bootstrap,
+            config.kafka.events_topic,
+            records,
+            speed=args.speed,
+            rebase_time="send",
         )
 
     log.info("replaying %d records from %s at %.0fx", len(records), args.sample, args.speed)
@@ -117,11 +134,17 @@ def _watch(args, config, stack, job, records, replay_records, workdir: Path) -> 
         for row in read_intents(client, prefix):
             if seen.get(row.shopper_id) != row.written_at_ms:
                 seen[row.shopper_id] = row.written_at_ms
-                print(f"  intent  {row.shopper_id:<14} {row.top_label:<20} {row.latency_ms / 1000:5.1f} s  {row.summary[:60]}")
+                latency_s = row.latency_ms / 1000
+                print(
+                    f"  intent  {row.shopper_id:<14} {row.top_label:<20} {latency_s:5.1f} s"
+                    f"  {row.summary[:60]}"
+                )
         print(
-            f"[{time.monotonic() - started:6.0f}s] events in {stats.get('events_in', 0)}/{len(records)}"
-            f"  dead-lettered {stats.get('dead_letter_decode', 0)}  prompts {stats.get('prompts_sent', 0)}"
-            f" (done {prompts_settled(stats)}, superseded {stats.get('prompts_superseded', 0)})"
+            f"[{time.monotonic() - started:6.0f}s]"
+            f" events in {stats.get('events_in', 0)}/{len(records)}"
+            f"  dead-lettered {stats.get('dead_letter_decode', 0)}"
+            f"  prompts {stats.get('prompts_sent', 0)} (done {prompts_settled(stats)},"
+            f" superseded {stats.get('prompts_superseded', 0)})"
             f"  intents in Redis {len(seen)}",
             flush=True,
         )
@@ -159,7 +182,10 @@ def _summary(client, prefix, stats, stack, elapsed, replay_summary) -> dict:
         "replay": replay_summary.describe("events") if replay_summary else None,
         "stats": stats,
         "shoppers_with_intent": len(rows),
-        "event_to_intent_latency_s": {"p50": percentile(latencies, 50), "p99": percentile(latencies, 99)},
+        "event_to_intent_latency_s": {
+            "p50": percentile(latencies, 50),
+            "p99": percentile(latencies, 99),
+        },
         "llm_calls_per_event": round(llm_calls / max(1, stats.get("events_accepted", 0)), 3),
         "prefix_cache_hit_ratio": round(cache.hit_ratio, 3),
     }

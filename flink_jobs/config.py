@@ -77,7 +77,7 @@ class LlmConfig:
     base_url: str = "http://127.0.0.1:8000/v1"
     model: str = "SmolLM2-135M-Instruct"
     api_key: str = ""
-    max_tokens: int = 96
+    max_tokens: int = 160
     temperature: float = 0.0
     request_timeout_s: float = 60.0
     max_attempts: int = 3

@@ -18,7 +18,13 @@ from typing import Any
 
 import httpx
 
-from flink_jobs.local_services import LocalProcess, create_topics, free_port, start_redis, start_tansu
+from flink_jobs.local_services import (
+    LocalProcess,
+    create_topics,
+    free_port,
+    start_redis,
+    start_tansu,
+)
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +53,9 @@ def start_llm_tier(workdir: Path, workers: int = 1, ready_timeout_s: float = 300
     try:
         base_port = free_port()
         pool = WorkerPool(
-            ClusterConfig(mode="aggregated", workers=workers, base_port=base_port, log_dir=workdir / "logs"),
+            ClusterConfig(
+                mode="aggregated", workers=workers, base_port=base_port, log_dir=workdir / "logs"
+            ),
             ready_timeout_s=ready_timeout_s,
         )
         exit_stack.enter_context(pool)
@@ -58,7 +66,9 @@ def start_llm_tier(workdir: Path, workers: int = 1, ready_timeout_s: float = 300
         router = LocalProcess("router", argv, workdir / "logs" / "router.log")
         exit_stack.enter_context(router)
         router_url = f"http://127.0.0.1:{router_port}"
-        router.wait_ready(lambda: _answers(f"{router_url}/health"), timeout_s=ROUTER_READY_TIMEOUT_S)
+        router.wait_ready(
+            lambda: _answers(f"{router_url}/health"), timeout_s=ROUTER_READY_TIMEOUT_S
+        )
     except BaseException:
         exit_stack.close()
         raise
@@ -107,7 +117,9 @@ def start_embedded_stack(
         kafka = exit_stack.enter_context(start_tansu(workdir=workdir / "broker"))
         create_topics(kafka.bootstrap, topics, partitions)
         log.info("broker ready at %s with topics %s", kafka.bootstrap, ", ".join(topics))
-        log.info("starting %d vLLM worker(s) and the router (about a minute on a CPU)...", llm_workers)
+        log.info(
+            "starting %d vLLM worker(s) and the router (about a minute on a CPU)...", llm_workers
+        )
         llm = start_llm_tier(workdir / "llm", llm_workers)
         exit_stack.callback(llm.stop)
         log.info("LLM tier ready at %s (workers %s)", llm.base_url, ", ".join(llm.worker_urls))

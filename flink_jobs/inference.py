@@ -125,6 +125,12 @@ async def run_task(
         )
     parsed = parse_intent(answer.text)
     if isinstance(parsed, IntentError):
+        if answer.completion.finish_reason == "length":
+            parsed = IntentError(
+                "truncated",
+                f"the answer was cut at llm.max_tokens ({answer.completion.completion_tokens} "
+                f"tokens) before it was complete: raise llm.max_tokens ({parsed.detail})",
+            )
         return TaskResult(
             "dead_letter",
             _dead_letter(task, "intent", parsed.reason, parsed.detail, answer=answer.text[:2000]),
@@ -142,14 +148,14 @@ async def run_task(
         event_time_ms=task.event_time_ms,
         template=task.prompt.template,
         template_hash=task.prompt.template_hash,
-        model=answer.model or model,
+        model=answer.completion.model or model,
     )
     written = await upsert_with_retry(store, record, redis_retry_budget_s)
     return TaskResult(
         "written" if written else "stale",
         attempts=answer.attempts,
         llm_latency_s=answer.latency_s,
-        prompt_tokens=answer.prompt_tokens,
+        prompt_tokens=answer.completion.prompt_tokens,
     )
 
 

@@ -67,7 +67,12 @@ def parse_intent(answer: str | None) -> Intent | IntentError:
         _validator()(body)
     except fastjsonschema.JsonSchemaValueException as exc:
         return IntentError("schema_violation", f"{exc.message}: {answer[:200]!r}")
-    intents = sorted(body["intents"], key=lambda i: -i["confidence"])
+    # Small models repeat a label; keep its most confident entry.
+    best: dict[str, dict[str, Any]] = {}
+    for item in body["intents"]:
+        if item["label"] not in best or item["confidence"] > best[item["label"]]["confidence"]:
+            best[item["label"]] = item
+    intents = sorted(best.values(), key=lambda i: -i["confidence"])
     body = {"intents": intents, "summary": body["summary"]}
     return Intent(body, intents[0]["label"], float(intents[0]["confidence"]), body["summary"])
 

@@ -54,13 +54,25 @@ class _RetryableError(Exception):
 
 
 @dataclass(frozen=True, slots=True)
-class LlmAnswer:
+class Completion:
+    """What one chat completion body says."""
+
     text: str
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    model: str = ""
+    finish_reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class LlmAnswer:
+    completion: Completion
     attempts: int
     latency_s: float
-    prompt_tokens: int
-    completion_tokens: int
-    model: str
+
+    @property
+    def text(self) -> str:
+        return self.completion.text
 
 
 def build_request(
@@ -102,8 +114,7 @@ def parse_retry_after(value: str | None) -> float | None:
         return None
 
 
-def read_answer(payload: bytes) -> tuple[str, int, int, str]:
-    """(text, prompt tokens, completion tokens, model) from a chat completion body."""
+def read_answer(payload: bytes) -> Completion:
     doc = orjson.loads(payload)
     choice = doc["choices"][0]
     message = choice.get("message") or {}
@@ -111,11 +122,12 @@ def read_answer(payload: bytes) -> tuple[str, int, int, str]:
     if text is None:
         text = choice.get("text", "")
     usage = doc.get("usage") or {}
-    return (
+    return Completion(
         text or "",
         int(usage.get("prompt_tokens") or 0),
         int(usage.get("completion_tokens") or 0),
         doc.get("model", ""),
+        choice.get("finish_reason") or "",
     )
 
 
@@ -141,16 +153,20 @@ class LlmClient:
         last: _RetryableError | None = None
         for attempt in range(1, self._config.max_attempts + 1):
             try:
-                text, p_tok, c_tok, model = await asyncio.wait_for(
+                completion = await asyncio.wait_for(
                     self._attempt(headers, body), timeout=self._config.request_timeout_s
                 )
-                return LlmAnswer(text, attempt, time.monotonic() - started, p_tok, c_tok, model)
+                return LlmAnswer(completion, attempt, time.monotonic() - started)
             except TimeoutError:
                 last = _RetryableError(
                     "timeout", f"no answer within {self._config.request_timeout_s} s", None
                 )
             except _RetryableError as exc:
                 last = exc
+            except LlmError as exc:  # not retryable: report the attempts made so far
+                if exc.attempts == attempt:
+                    raise
+                raise LlmError(exc.reason, exc.detail, attempt, exc.status) from exc
             if attempt < self._config.max_attempts:
                 delay = (
                     last.retry_after_s
@@ -161,7 +177,7 @@ class LlmClient:
         assert last is not None
         raise LlmError(last.reason, last.detail, self._config.max_attempts, last.status)
 
-    async def _attempt(self, headers: dict[str, str], body: bytes) -> tuple[str, int, int, str]:
+    async def _attempt(self, headers: dict[str, str], body: bytes) -> Completion:
         try:
             response = await self._client.post("chat/completions", content=body, headers=headers)
         except httpx.TimeoutException as exc:

@@ -51,10 +51,10 @@ def estimate_tokens(text: str) -> int:
 
 def untrusted(value: Any, max_chars: int) -> str:
     """Quote text from outside: no control characters, cut to length, JSON-escaped, and
-    no raw ``<``/``>`` so it cannot close or open a delimiter block."""
+    no raw ``<``, so it can neither open nor close a delimiter block (``>`` alone can't)."""
     text = _CONTROL.sub(" ", str(value))[:max_chars]
     quoted = orjson.dumps(text).decode("utf-8")
-    return quoted.replace("<", "\\u003c").replace(">", "\\u003e")
+    return quoted.replace("<", "\\u003c")
 
 
 def intent_labels() -> tuple[str, ...]:

@@ -33,7 +33,12 @@ EVENT_OUTCOMES = (
     "events_late_dropped",
     "dead_letter_decode",
 )
-PROMPT_OUTCOMES = ("intents_written", "intents_stale", "prompts_superseded", "dead_letter_inference")
+PROMPT_OUTCOMES = (
+    "intents_written",
+    "intents_stale",
+    "prompts_superseded",
+    "dead_letter_inference",
+)
 
 
 def read_stats(client: redis.Redis, prefix: str) -> dict[str, int]:
@@ -71,7 +76,9 @@ class IntentRow:
         return self.written_at_ms - self.event_time_ms
 
 
-def read_intents(client: redis.Redis, prefix: str, shopper_ids: Iterable[str] | None = None) -> list[IntentRow]:
+def read_intents(
+    client: redis.Redis, prefix: str, shopper_ids: Iterable[str] | None = None
+) -> list[IntentRow]:
     if shopper_ids is None:
         keys = list(client.scan_iter(match=intent_key("*", prefix), count=1000))
     else:
@@ -131,7 +138,9 @@ def read_prefix_cache(worker_urls: Iterable[str]) -> PrefixCacheStats:
         text = httpx.get(f"{url.rstrip('/')}/metrics", timeout=5.0).text
         for family in text_string_to_metric_families(text):
             if family.name in totals:
-                totals[family.name] += sum(s.value for s in family.samples if s.name.endswith("_total"))
+                totals[family.name] += sum(
+                    s.value for s in family.samples if s.name.endswith("_total")
+                )
     return PrefixCacheStats(
         totals["vllm:prefix_cache_queries"],
         totals["vllm:prefix_cache_hits"],
@@ -140,7 +149,9 @@ def read_prefix_cache(worker_urls: Iterable[str]) -> PrefixCacheStats:
     )
 
 
-def read_dead_letters(bootstrap: str, topic: str, expected: int, timeout_s: float = 30.0) -> list[dict]:
+def read_dead_letters(
+    bootstrap: str, topic: str, expected: int, timeout_s: float = 30.0
+) -> list[dict]:
     """Read the dead-letter topic from the start until ``expected`` records or the timeout."""
     from confluent_kafka import Consumer, TopicPartition
 

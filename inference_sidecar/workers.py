@@ -26,6 +26,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import threading
 import time
 import tomllib
 from collections.abc import Mapping, Sequence
@@ -105,6 +106,9 @@ class ClusterConfig:
     kv_connector: Connector = "ExampleConnector"
     max_model_len: int = 4096
     kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES
+    kv_store_ttl_s: float = 120.0
+    """ExampleConnector only: KV folders older than this are deleted from the shared
+    storage (the connector never deletes; a decode reads its KV within seconds)."""
     log_dir: Path | None = None
     """Default: ``<cache_dir>/logs/workers``."""
     cache_dir: Path | None = None
@@ -352,6 +356,8 @@ class WorkerPool:
         self.specs = plan_workers(self.config, self.kv_dir)
         self._procs: dict[str, subprocess.Popen[bytes]] = {}
         self._logs: dict[str, IO[bytes]] = {}
+        self._janitor_stop = threading.Event()
+        self._janitor: threading.Thread | None = None
 
     # ----- addresses ----------------------------------------------------------------
 
@@ -389,6 +395,11 @@ class WorkerPool:
             self.config.log_dir.mkdir(parents=True, exist_ok=True)
         if self.config.mode == "disaggregated" and self.config.kv_connector == "ExampleConnector":
             self.kv_dir.mkdir(parents=True, exist_ok=True)
+            self._janitor_stop.clear()
+            self._janitor = threading.Thread(
+                target=self._prune_kv_store, name="kv-store-janitor", daemon=True
+            )
+            self._janitor.start()
         try:
             for spec in self.specs:
                 self._launch(spec)
@@ -455,8 +466,18 @@ class WorkerPool:
                     )
                 time.sleep(0.5)
 
+    def _prune_kv_store(self) -> None:
+        """Delete ExampleConnector KV folders older than ``kv_store_ttl_s``, until stopped.
+
+        Each prompt leaves megabytes of KV on disk; without this the disk fills up.
+        """
+        ttl = self.config.kv_store_ttl_s
+        while not self._janitor_stop.wait(min(ttl / 2, 30.0)):
+            prune_older_than(self.kv_dir, time.time() - ttl)
+
     def stop(self, grace_s: float = 15.0) -> None:
         """SIGTERM every worker's process group, then SIGKILL what is left after ``grace_s``."""
+        self._janitor_stop.set()
         for name, proc in self._procs.items():
             if proc.poll() is None:
                 _signal_group(proc, signal.SIGTERM)
@@ -489,6 +510,26 @@ class WorkerPool:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def prune_older_than(directory: Path, cutoff: float) -> int:
+    """Remove the entries of ``directory`` last modified before ``cutoff``; returns how many."""
+    removed = 0
+    try:
+        entries = list(directory.iterdir())
+    except OSError:
+        return 0
+    for entry in entries:
+        try:
+            if entry.stat().st_mtime < cutoff:
+                if entry.is_dir():
+                    shutil.rmtree(entry, ignore_errors=True)
+                else:
+                    entry.unlink(missing_ok=True)
+                removed += 1
+        except OSError:
+            continue
+    return removed
 
 
 def _signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:

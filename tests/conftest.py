@@ -16,7 +16,9 @@ Sections, in file order:
 Services are session-scoped and shared by all tests: use unique key prefixes and topic
 names, and start a private service (``local_services.start_redis(...)``) for a test that
 restarts or breaks one. A service handle keeps its port across ``restart()`` on both
-backends. New service fixtures (vLLM, the Flink job) get their own section below.
+backends.
+5. The LLM tier: ``llm_tier`` (one vLLM worker on the CPU behind the router; ``.base_url``,
+   ``.worker_urls``), started once per session.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from typing import TYPE_CHECKING, Protocol
 import pytest
 import redis
 
-from flink_jobs import local_services
+from flink_jobs import embedded_stack, local_services
 
 if TYPE_CHECKING:
     from testcontainers.core.container import DockerContainer
@@ -289,3 +291,15 @@ def kafka_service(service_backend: str, services_dir: Path) -> Iterator[KafkaHan
 @pytest.fixture(scope="session")
 def kafka_bootstrap(kafka_service: KafkaHandle) -> str:
     return kafka_service.bootstrap
+
+
+# --- 5. the LLM tier ---------------------------------------------------------------------
+# vLLM on the CPU is the real model server users run; it takes about a minute to start,
+# so one worker and the router in front of it serve the whole session.
+
+
+@pytest.fixture(scope="session")
+def llm_tier(tmp_path_factory: pytest.TempPathFactory) -> Iterator[embedded_stack.LlmTier]:
+    tier = embedded_stack.start_llm_tier(tmp_path_factory.mktemp("llm"), workers=1)
+    yield tier
+    tier.stop()

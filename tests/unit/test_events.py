@@ -160,16 +160,14 @@ class TestRefusals:
         ("change", "detail"),
         [
             ({"event_type": "wishlist"}, "event.event_type must be one of"),
-            ({"product": None}, "event.product"),
+            ({"shopper_id": "shopper 146; DROP"}, "event.shopper_id must match pattern"),
             ({"coupon": "SUMMER"}, "must not contain {'coupon'}"),
             ({"quantity": "2"}, "event.quantity"),
             ({"product": {"product_id": "sku-1", "price": -1}}, "event.product.price"),
         ],
     )
     def test_schema_violation_names_the_field(self, change: dict[str, Any], detail: str) -> None:
-        doc = {k: v for k, v in {**PRODUCT_EVENT, **change}.items() if v is not None}
-
-        dead = refused(doc)
+        dead = refused({**PRODUCT_EVENT, **change})
 
         assert dead.reason == "schema_violation"
         assert detail in dead.detail
@@ -283,9 +281,7 @@ class TestDeadLetterJson:
         assert "context" not in body
 
     def test_context_is_included_when_given(self) -> None:
-        dead = DeadLetter(
-            "intent", "not_json", "nope", "shopper-00146", context={"prompt_seq": 3}
-        )
+        dead = DeadLetter("intent", "not_json", "nope", "shopper-00146", context={"prompt_seq": 3})
 
         body = orjson.loads(dead.to_json(NOW_MS))
 

@@ -1,0 +1,169 @@
+"""Pool bookkeeping, router configuration, PD rewriting and the command line."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import pytest
+
+from inference_sidecar import cli, pd
+from inference_sidecar.config import RouterConfig
+from inference_sidecar.exceptions import ConfigError
+from inference_sidecar.health import HealthEvent
+from inference_sidecar.policies import make_policy
+from inference_sidecar.pool import RoutingPool, classify
+
+A, B, C = "http://127.0.0.1:9001", "http://127.0.0.1:9002", "http://127.0.0.1:9003"
+
+
+class TestClassify:
+    def test_cases(self) -> None:
+        assert classify(None, A, [A, B]) == "balanced"
+        assert classify(A, A, [A, B]) == "sticky"
+        assert classify(A, B, [A, B]) == "spilled"
+        assert classify(A, B, [B]) == "failed_over"
+
+
+class TestRoutingPool:
+    def pool(self, **kw) -> RoutingPool:
+        return RoutingPool("worker", [A, B, C], make_policy("bounded_hash"), **kw)
+
+    def test_sticky_then_failed_over_when_home_excluded(self) -> None:
+        pool = self.pool()
+        first = pool.choose("k")
+        assert first is not None and first.decision == "sticky"
+        second = pool.choose("k", exclude=[first.worker])
+        assert second is not None and second.worker != first.worker
+        assert second.decision == "failed_over"
+
+    def test_none_when_everything_excluded(self) -> None:
+        assert self.pool().choose("k", exclude=[A, B, C]) is None
+
+    def test_in_flight_accounting_never_negative(self) -> None:
+        pool = self.pool()
+        pool.start(A)
+        pool.finish(A, True, 0.1, 0.0)
+        pool.finish(A, True, 0.1, 0.0)
+        assert pool.in_flight[A] == 0
+
+    def test_events_are_reported_and_ejected_worker_skipped(self) -> None:
+        events: list[tuple[str, HealthEvent]] = []
+        pool = self.pool(on_event=lambda name, e: events.append((name, e)))
+        for _ in range(3):
+            pool.start(B)
+            pool.finish(B, False, 0.1, 0.0)
+        assert events == [("worker", HealthEvent("ejected", B, "consecutive_failures"))]
+        assert B not in pool.candidates()
+        assert all(pool.choose(f"k{i}").worker != B for i in range(50))  # type: ignore[union-attr]
+
+    def test_client_errors_do_not_count(self) -> None:
+        pool = self.pool()
+        for _ in range(5):
+            pool.start(A)
+            pool.finish(A, None, 0.1, 0.0)
+        assert pool.is_in_service(A) and pool.health.get(A).outcomes == ()
+
+    def test_duplicates_and_empty(self) -> None:
+        assert RoutingPool("p", [A, A, B], make_policy("round_robin")).workers == (A, B)
+        with pytest.raises(ValueError):
+            RoutingPool("p", [], make_policy("round_robin"))
+
+
+class TestRouterConfig:
+    def test_aggregated_and_normalised_urls(self) -> None:
+        cfg = RouterConfig(workers=(A + "/", A.replace("9001", "9002") + "/v1"))
+        assert cfg.workers == (A, B) and cfg.mode == "aggregated"
+        assert cfg.host == "127.0.0.1"
+
+    def test_disaggregated(self) -> None:
+        assert RouterConfig(prefill=(A,), decode=(B,)).mode == "disaggregated"
+
+    @pytest.mark.parametrize(
+        ("kw", "key"),
+        [
+            ({}, "workers"),
+            ({"workers": (A,), "prefill": (B,), "decode": (C,)}, "workers"),
+            ({"prefill": (A,)}, "workers"),
+            ({"workers": ("127.0.0.1:9001",)}, "workers"),
+            ({"workers": (A, A)}, "workers"),
+            ({"workers": (A,), "policy": "random"}, "policy"),
+            ({"workers": (A,), "load_factor": 0.5}, "load_factor"),
+            ({"workers": (A,), "port": 0}, "port"),
+            ({"workers": (A,), "max_attempts": 0}, "max_attempts"),
+        ],
+    )
+    def test_invalid(self, kw, key) -> None:
+        with pytest.raises(ConfigError) as err:
+            RouterConfig(**kw)
+        assert err.value.key == key
+
+    def test_key_headers_lowercased(self) -> None:
+        assert RouterConfig(workers=(A,), key_headers=("X-User-ID",)).key_headers == ("x-user-id",)
+
+
+class TestPdRewriting:
+    BODY: ClassVar[dict[str, Any]] = {
+        "model": "m",
+        "messages": [],
+        "max_tokens": 50,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "min_tokens": 5,
+    }
+
+    def test_prefill_body(self) -> None:
+        out = pd.prefill_body(self.BODY)
+        assert out["max_tokens"] == 1 and out["stream"] is False
+        assert "stream_options" not in out and "min_tokens" not in out
+        assert out["kv_transfer_params"] == pd.PREFILL_KV_TRANSFER_PARAMS
+        assert self.BODY["max_tokens"] == 50  # the client's body is untouched
+        assert "max_completion_tokens" not in out
+
+    def test_prefill_params_are_a_copy(self) -> None:
+        pd.prefill_body(self.BODY)["kv_transfer_params"]["remote_host"] = "x"
+        assert pd.PREFILL_KV_TRANSFER_PARAMS["remote_host"] is None
+
+    def test_decode_body(self) -> None:
+        params = {"remote_engine_id": "e", "remote_block_ids": [1]}
+        out = pd.decode_body(self.BODY, {"kv_transfer_params": params})
+        assert out == {**self.BODY, "kv_transfer_params": params}
+
+    def test_decode_body_without_params(self) -> None:
+        body = {**self.BODY, "kv_transfer_params": {"stale": True}}
+        assert "kv_transfer_params" not in pd.decode_body(body, {"kv_transfer_params": None})
+        assert "kv_transfer_params" not in pd.decode_body(body, "not a dict")
+
+
+class TestCli:
+    def test_router_flags(self) -> None:
+        args = cli.build_parser().parse_args(
+            ["router", "--port", "9500", "--worker", A, B, "--worker", C, "--policy",
+             "round_robin", "--load-factor", "1.5", "--key-header", "X-User-ID"]
+        )  # fmt: skip
+        cfg = cli.router_config(args, workers=tuple(args.worker))
+        assert cfg.workers == (A, B, C) and cfg.port == 9500 and cfg.host == "127.0.0.1"
+        assert cfg.policy == "round_robin" and cfg.load_factor == 1.5
+        assert cfg.key_headers == ("x-user-id",)
+
+    def test_router_pd_flags(self) -> None:
+        args = cli.build_parser().parse_args(["router", "--prefill", A, "--decode", B, C])
+        cfg = cli.router_config(args, prefill=tuple(args.prefill), decode=tuple(args.decode))
+        assert cfg.mode == "disaggregated" and cfg.decode == (B, C)
+
+    def test_router_without_workers_is_a_clear_error(self, capsys) -> None:
+        assert cli.main(["router", "--port", "9500"]) == 2
+        assert "workers" in capsys.readouterr().err
+
+    def test_cluster_flags_override_the_file(self, tmp_path) -> None:
+        path = tmp_path / "c.toml"
+        path.write_text('mode = "disaggregated"\nprefill = 2\nbase_port = 9000\n')
+        args = cli.build_parser().parse_args(
+            ["cluster", "--config", str(path), "--decode-workers", "3", "--base-port", "9100"]
+        )
+        cfg = cli.cluster_config(args)
+        assert (cfg.mode, cfg.prefill, cfg.decode, cfg.base_port) == ("disaggregated", 2, 3, 9100)
+
+    def test_cluster_flags_alone(self) -> None:
+        args = cli.build_parser().parse_args(["cluster", "--workers", "3", "--profile", "gpu"])
+        cfg = cli.cluster_config(args)
+        assert cfg.workers == 3 and cfg.profile == "gpu" and cfg.mode == "aggregated"

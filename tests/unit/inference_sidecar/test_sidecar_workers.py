@@ -1,0 +1,246 @@
+"""Worker planning (pure) and the process lifecycle, with a stand-in for vLLM."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import stat
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from inference_sidecar.exceptions import ConfigError, WorkerStartError
+from inference_sidecar.workers import (
+    ClusterConfig,
+    WorkerPool,
+    find_free_port_range,
+    log_tail,
+    plan_workers,
+    prune_older_than,
+)
+
+
+def resolved(tmp_path: Path, **kw) -> ClusterConfig:
+    kw.setdefault("python", tmp_path / "python")
+    kw.setdefault("model_dir", tmp_path / "model")
+    kw.setdefault("log_dir", tmp_path / "logs")
+    kw.setdefault("cache_dir", tmp_path / "cache")
+    kw.setdefault("cores", (0, 1))
+    return ClusterConfig(**kw)
+
+
+def arg(argv: tuple[str, ...], flag: str) -> str:
+    return argv[argv.index(flag) + 1]
+
+
+class TestClusterConfig:
+    def test_defaults(self) -> None:
+        cfg = ClusterConfig()
+        assert cfg.mode == "aggregated" and cfg.size == 2 and cfg.profile == "cpu"
+
+    @pytest.mark.parametrize(
+        ("kw", "key"),
+        [
+            ({"mode": "pipelined"}, "mode"),
+            ({"profile": "tpu"}, "profile"),
+            ({"kv_connector": "Lmcache"}, "kv_connector"),
+            ({"workers": 0}, "workers"),
+            ({"mode": "disaggregated", "decode": 0}, "decode"),
+            ({"base_port": 80}, "base_port"),
+            ({"max_model_len": 8}, "max_model_len"),
+        ],
+    )
+    def test_invalid_values_name_their_key(self, kw, key) -> None:
+        with pytest.raises(ConfigError) as err:
+            ClusterConfig(**kw)
+        assert err.value.key == key
+
+    def test_from_mapping_rejects_unknown_keys(self) -> None:
+        with pytest.raises(ConfigError) as err:
+            ClusterConfig.from_mapping({"mode": "aggregated", "wokers": 3})
+        assert err.value.key == "wokers"
+
+    def test_load_toml_with_cluster_table(self, tmp_path: Path) -> None:
+        path = tmp_path / "cluster.toml"
+        path.write_text(
+            '[cluster]\nmode = "disaggregated"\nprefill = 2\ndecode = 1\nlog_dir = "/tmp/x"\n'
+        )
+        cfg = ClusterConfig.load(path)
+        assert (cfg.mode, cfg.prefill, cfg.decode, cfg.size) == ("disaggregated", 2, 1, 3)
+        assert cfg.log_dir == Path("/tmp/x")
+
+    def test_load_json(self, tmp_path: Path) -> None:
+        path = tmp_path / "cluster.json"
+        path.write_text(json.dumps({"workers": 3, "base_port": 9000}))
+        assert ClusterConfig.load(path).workers == 3
+
+    def test_load_errors(self, tmp_path: Path) -> None:
+        with pytest.raises(ConfigError):
+            ClusterConfig.load(tmp_path / "missing.toml")
+        bad = tmp_path / "bad.json"
+        bad.write_text("{")
+        with pytest.raises(ConfigError):
+            ClusterConfig.load(bad)
+
+    def test_resolved_finds_venv_and_model_under_the_cache(
+        self, tmp_path: Path, monkeypatch
+    ) -> None:
+        cache = tmp_path / "cache"
+        (cache / "vllm-venv" / "bin").mkdir(parents=True)
+        (cache / "vllm-venv" / "bin" / "python").touch()
+        (cache / "models" / "M").mkdir(parents=True)
+        (cache / "models" / "M" / "config.json").write_text("{}")
+        monkeypatch.setenv("SI_CACHE_DIR", str(cache))
+        cfg = ClusterConfig(served_model_name="M").resolved()
+        assert cfg.python == cache / "vllm-venv" / "bin" / "python"
+        assert cfg.model_dir == cache / "models" / "M"
+        assert cfg.log_dir == cache / "logs" / "workers"
+        assert cfg.cores
+
+    def test_resolved_explains_a_missing_venv(self, tmp_path: Path, monkeypatch) -> None:
+        monkeypatch.setenv("SI_CACHE_DIR", str(tmp_path))
+        with pytest.raises(ConfigError, match=r"setup\.sh"):
+            ClusterConfig().resolved()
+
+
+class TestPlan:
+    def test_aggregated_cpu(self, tmp_path: Path) -> None:
+        specs = plan_workers(resolved(tmp_path, workers=3, base_port=9100))
+        assert [s.name for s in specs] == ["worker-0", "worker-1", "worker-2"]
+        assert [s.url for s in specs] == [f"http://127.0.0.1:{9100 + i}" for i in range(3)]
+        assert [s.env["VLLM_CPU_OMP_THREADS_BIND"] for s in specs] == ["0", "1", "0"]
+        argv = specs[0].argv
+        assert argv[1:3] == ("-m", "vllm.entrypoints.openai.api_server")
+        assert arg(argv, "--port") == "9100" and arg(argv, "--host") == "127.0.0.1"
+        assert arg(argv, "--kv-cache-memory-bytes") == str(256 * 1024 * 1024)
+        assert "--enforce-eager" in argv and "--kv-transfer-config" not in argv
+        assert json.loads(arg(argv, "--structured-outputs-config"))["backend"] == "guidance"
+        assert specs[0].env["HF_HUB_OFFLINE"] == "1" and specs[0].env["VLLM_HOST_IP"] == "127.0.0.1"
+        assert specs[1].log_path == tmp_path / "logs" / "worker-1.log"
+
+    def test_disaggregated_example_connector(self, tmp_path: Path) -> None:
+        specs = plan_workers(
+            resolved(tmp_path, mode="disaggregated", prefill=2, decode=1), kv_dir=tmp_path / "kv"
+        )
+        assert [s.name for s in specs] == ["prefill-0", "prefill-1", "decode-0"]
+        roles = [json.loads(arg(s.argv, "--kv-transfer-config")) for s in specs]
+        assert [r["kv_role"] for r in roles] == ["kv_producer", "kv_producer", "kv_consumer"]
+        assert {r["kv_connector"] for r in roles} == {"ExampleConnector"}
+        assert {r["kv_connector_extra_config"]["shared_storage_path"] for r in roles} == {
+            str(tmp_path / "kv")
+        }
+
+    def test_disaggregated_nixl_cpu_has_distinct_side_channels(self, tmp_path: Path) -> None:
+        cfg = resolved(tmp_path, mode="disaggregated", kv_connector="NixlConnector", base_port=9000)
+        specs = plan_workers(cfg)
+        kv = [json.loads(arg(s.argv, "--kv-transfer-config")) for s in specs]
+        assert all(k["kv_role"] == "kv_both" and k["kv_buffer_device"] == "cpu" for k in kv)
+        ports = [s.env["VLLM_NIXL_SIDE_CHANNEL_PORT"] for s in specs]
+        assert len(set(ports)) == 2
+
+    def test_gpu_profile(self, tmp_path: Path) -> None:
+        cfg = resolved(tmp_path, profile="gpu", mode="disaggregated", kv_connector="NixlConnector")
+        specs = plan_workers(cfg)
+        assert [s.env["CUDA_VISIBLE_DEVICES"] for s in specs] == ["0", "1"]
+        assert all("VLLM_CPU_OMP_THREADS_BIND" not in s.env for s in specs)
+        kv = json.loads(arg(specs[0].argv, "--kv-transfer-config"))
+        assert kv["kv_buffer_device"] == "cuda"
+
+    def test_extra_args_and_env(self, tmp_path: Path) -> None:
+        cfg = resolved(tmp_path, extra_args=("--seed", "1"), env={"X": "y"}, enforce_eager=False)
+        spec = plan_workers(cfg)[0]
+        assert spec.argv[-2:] == ("--seed", "1") and spec.env["X"] == "y"
+        assert "--enforce-eager" not in spec.argv
+
+    def test_unresolved_config_is_refused(self) -> None:
+        with pytest.raises(ConfigError):
+            plan_workers(ClusterConfig())
+
+
+FAKE_VLLM = textwrap.dedent(
+    """\
+    #!{python}
+    # Stands in for vLLM: serves /health on --port, or exits at once if FAKE_EXIT is set.
+    import http.server, os, sys
+    print("fake vllm starting", sys.argv[1:], flush=True)
+    if os.environ.get("FAKE_EXIT"):
+        print("boom: engine failed", flush=True)
+        sys.exit(3)
+    port = int(sys.argv[sys.argv.index("--port") + 1])
+    class H(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200); self.end_headers()
+        def log_message(self, *a):
+            pass
+    http.server.HTTPServer(("127.0.0.1", port), H).serve_forever()
+    """
+)
+
+
+@pytest.fixture
+def fake_python(tmp_path: Path) -> Path:
+    path = tmp_path / "fake-python"
+    path.write_text(FAKE_VLLM.format(python=sys.executable))
+    path.chmod(path.stat().st_mode | stat.S_IEXEC)
+    return path
+
+
+class TestWorkerPool:
+    def config(self, tmp_path: Path, fake_python: Path, **kw) -> ClusterConfig:
+        (tmp_path / "model").mkdir(exist_ok=True)
+        return resolved(tmp_path, python=fake_python, base_port=find_free_port_range(3), **kw)
+
+    def test_start_wait_stop(self, tmp_path: Path, fake_python: Path) -> None:
+        cfg = self.config(tmp_path, fake_python, mode="disaggregated")
+        with WorkerPool(cfg, ready_timeout_s=20) as pool:
+            assert len(pool.prefill_urls) == 1 and len(pool.decode_urls) == 1
+            assert pool.urls == pool.prefill_urls + pool.decode_urls
+            pids = [pool.pid(s.name) for s in pool.specs]
+            assert pool.kv_dir.is_dir()
+        for pid in pids:
+            assert pid is not None
+            with pytest.raises(ProcessLookupError):
+                os.kill(pid, 0)
+        assert not pool.kv_dir.exists()
+        assert "fake vllm starting" in (tmp_path / "logs" / "decode-0.log").read_text()
+
+    def test_exiting_worker_fails_fast_with_its_log(
+        self, tmp_path: Path, fake_python: Path
+    ) -> None:
+        cfg = self.config(tmp_path, fake_python, env={"FAKE_EXIT": "1"})
+        started = time.monotonic()
+        pool = WorkerPool(cfg, ready_timeout_s=60)
+        with pytest.raises(WorkerStartError, match="boom: engine failed") as err:
+            pool.__enter__()
+        assert time.monotonic() - started < 20
+        assert err.value.worker.startswith("worker-")
+
+    def test_busy_port_is_reported(self, tmp_path: Path, fake_python: Path) -> None:
+        cfg = self.config(tmp_path, fake_python)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", cfg.base_port))
+            s.listen()
+            with pytest.raises(ConfigError, match="in use"):
+                WorkerPool(cfg).start()
+
+
+def test_log_tail(tmp_path: Path) -> None:
+    log = tmp_path / "w.log"
+    log.write_text("\n".join(f"line {i}" for i in range(100)))
+    assert log_tail(log, 3) == "line 97\nline 98\nline 99"
+    assert log_tail(tmp_path / "none.log") == ""
+
+
+def test_prune_older_than(tmp_path: Path) -> None:
+    old, new = tmp_path / "old", tmp_path / "new"
+    for d in (old, new):
+        d.mkdir()
+        (d / "layer.safetensors").write_bytes(b"x")
+    os.utime(old, (1000, 1000))
+    assert prune_older_than(tmp_path, time.time() - 60) == 1
+    assert not old.exists() and new.exists()
+    assert prune_older_than(tmp_path / "missing", time.time()) == 0

@@ -1,0 +1,397 @@
+"""One prompt's trip: ask the model (over httpx's MockTransport), check the answer, upsert
+the intent into a real Redis. Outcomes are written, stale, superseded or a dead letter;
+an unreachable Redis is retried for the budget and then raised, never swallowed."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+import redis
+import redis.asyncio
+
+from flink_jobs.config import LlmConfig
+from flink_jobs.inference import (
+    Coalescer,
+    PromptTask,
+    RedisUnavailable,
+    TaskResult,
+    run_coalesced,
+    run_task,
+    upsert_with_retry,
+)
+from flink_jobs.intent_store import (
+    AsyncIntentStore,
+    IntentRecord,
+    StoredIntent,
+    StoreUnavailableError,
+)
+from flink_jobs.llm_client import LlmClient
+from flink_jobs.local_services import free_port
+from flink_jobs.prompting import RenderedPrompt
+
+T0 = 1_780_304_400_000  # 2026-06-01T09:00:00Z
+MODEL = "SmolLM2-135M-Instruct"
+LLM = LlmConfig(base_url="http://llm.test/v1", model=MODEL, max_attempts=1)
+BUDGET_S = 5.0
+
+INTENT = {
+    "intents": [
+        {"label": "researching_product", "confidence": 0.3},
+        {"label": "comparing_options", "confidence": 0.65, "category": "headphones"},
+    ],
+    "summary": "Comparing over-ear headphones from Sonique and Auralis.",
+}
+
+Handler = Callable[[httpx.Request], Awaitable[httpx.Response]]
+
+
+def completion(content: str, model: str = "smollm2-served") -> httpx.Response:
+    body = {
+        "model": model,
+        "choices": [{"message": {"role": "assistant", "content": content}}],
+        "usage": {"prompt_tokens": 412, "completion_tokens": 30},
+    }
+    return httpx.Response(200, content=orjson.dumps(body))
+
+
+def answering(content: str = orjson.dumps(INTENT).decode(), **kwargs: Any) -> Handler:
+    async def handler(request: httpx.Request) -> httpx.Response:
+        return completion(content, **kwargs)
+
+    return handler
+
+
+def task(shopper_id: str = "shopper-00146", seq: int = 3, at_s: float = 95) -> PromptTask:
+    prompt = RenderedPrompt(
+        messages=(
+            {"role": "system", "content": "You infer a shopper's current shopping intent."},
+            {"role": "user", "content": f"<events>\n+01:35 view seq={seq}\n</events>"},
+        ),
+        template="shopper_intent_v1.j2",
+        template_hash="56171ff6b9a3",
+        estimated_tokens=400,
+        events_included=6,
+        events_dropped=0,
+    )
+    time_ms = T0 + int(at_s * 1000)
+    return PromptTask(shopper_id, seq, version_ts=time_ms, event_time_ms=time_ms, prompt=prompt)
+
+
+def stored_record(shopper_id: str, version_ts: int, seq: int) -> IntentRecord:
+    return IntentRecord(
+        shopper_id=shopper_id,
+        version_ts=version_ts,
+        version_seq=seq,
+        intent_json=orjson.dumps(INTENT).decode(),
+        top_label="ready_to_buy",
+        top_confidence=0.9,
+        summary="newer",
+        event_time_ms=version_ts,
+        template="shopper_intent_v1.j2",
+        template_hash="56171ff6b9a3",
+        model=MODEL,
+    )
+
+
+class Pipeline:
+    """An LLM client over a MockTransport and an intent store over the test Redis, both
+    bound to the running event loop."""
+
+    def __init__(self, redis_url: str, prefix: str, handler: Handler) -> None:
+        self.redis = redis.asyncio.Redis.from_url(redis_url)
+        self.store = AsyncIntentStore(self.redis, prefix=prefix)
+        self.llm = LlmClient(LLM, transport=httpx.MockTransport(handler))
+
+    async def run(self, t: PromptTask, budget_s: float = BUDGET_S) -> TaskResult:
+        return await run_task(t, self.llm, self.store, MODEL, budget_s)
+
+    async def stored(self, shopper_id: str) -> StoredIntent | None:
+        return await self.store.read(shopper_id)
+
+    async def close(self) -> None:
+        await self.llm.aclose()
+        await self.redis.aclose()
+
+
+def run_in_pipeline(
+    redis_url: str, prefix: str, handler: Handler, body: Callable[[Pipeline], Awaitable[Any]]
+) -> Any:
+    async def main() -> Any:
+        pipeline = Pipeline(redis_url, prefix, handler)
+        try:
+            return await body(pipeline)
+        finally:
+            await pipeline.close()
+
+    return asyncio.run(main())
+
+
+@pytest.fixture
+def prefix(unique_name: str) -> str:
+    return unique_name
+
+
+class TestWritten:
+    def test_valid_answer_is_written_with_its_provenance(self, redis_url: str, prefix: str):
+        async def body(p: Pipeline) -> tuple[TaskResult, StoredIntent | None]:
+            return await p.run(task(seq=3)), await p.stored("shopper-00146")
+
+        result, stored = run_in_pipeline(redis_url, prefix, answering(), body)
+
+        assert result.outcome == "written"
+        assert result.dead_letter is None
+        assert (result.attempts, result.prompt_tokens) == (1, 412)
+        assert stored is not None
+        assert stored.version == (task().version_ts, 3)
+        assert (stored.top_label, stored.top_confidence) == ("comparing_options", 0.65)
+        assert stored.intent["intents"][0]["label"] == "comparing_options"
+        assert stored.summary == INTENT["summary"]
+        assert (stored.template, stored.template_hash) == ("shopper_intent_v1.j2", "56171ff6b9a3")
+        assert stored.model == "smollm2-served"
+
+    def test_configured_model_is_recorded_when_the_answer_names_none(
+        self, redis_url: str, prefix: str
+    ) -> None:
+        async def body(p: Pipeline) -> StoredIntent | None:
+            await p.run(task())
+            return await p.stored("shopper-00146")
+
+        stored = run_in_pipeline(
+            redis_url, prefix, answering(orjson.dumps(INTENT).decode(), model=""), body
+        )
+
+        assert stored.model == MODEL
+
+    def test_older_result_is_stale_and_leaves_the_newer_intent(
+        self, redis_url: str, prefix: str
+    ) -> None:
+        newer = stored_record("shopper-00146", version_ts=T0 + 200_000, seq=5)
+
+        async def body(p: Pipeline) -> tuple[TaskResult, StoredIntent | None]:
+            await p.store.upsert(newer)
+            return await p.run(task(seq=4, at_s=150)), await p.stored("shopper-00146")
+
+        result, stored = run_in_pipeline(redis_url, prefix, answering(), body)
+
+        assert result.outcome == "stale"
+        assert stored.version == newer.version
+        assert stored.summary == "newer"
+
+
+class TestDeadLetters:
+    def test_llm_failure_is_a_dead_letter_with_the_call_context(
+        self, redis_url: str, prefix: str, redis_client: redis.Redis
+    ) -> None:
+        async def bad_request(request: httpx.Request) -> httpx.Response:
+            return httpx.Response(400, text="maximum context length exceeded")
+
+        result = run_in_pipeline(redis_url, prefix, bad_request, lambda p: p.run(task(seq=7)))
+
+        assert result.outcome == "dead_letter"
+        dead = result.dead_letter
+        assert (dead.stage, dead.reason, dead.shopper_id) == ("llm", "http_error", "shopper-00146")
+        assert "maximum context length" in dead.detail
+        assert dead.context == {
+            "prompt_seq": 7,
+            "version_ts": task().version_ts,
+            "template": "shopper_intent_v1.j2",
+            "template_hash": "56171ff6b9a3",
+            "status": 400,
+            "attempts": 1,
+        }
+        assert redis_client.exists(f"{prefix}:intent:shopper-00146") == 0
+
+    def test_unreachable_llm_is_a_dead_letter_after_its_attempts(
+        self, redis_url: str, prefix: str
+    ) -> None:
+        async def refused(request: httpx.Request) -> httpx.Response:
+            raise httpx.ConnectError("connection refused")
+
+        result = run_in_pipeline(redis_url, prefix, refused, lambda p: p.run(task()))
+
+        assert result.dead_letter.reason == "connection_error"
+        assert result.dead_letter.context["attempts"] == LLM.max_attempts
+
+    @pytest.mark.parametrize(
+        ("answer", "reason"),
+        [
+            ("The shopper is comparing headphones.", "not_json"),
+            (
+                '{"intents": [{"label": "refund_fraud", "confidence": 1}], "summary": "x"}',
+                "schema_violation",
+            ),
+            ("", "empty_answer"),
+        ],
+    )
+    def test_invalid_answer_is_a_dead_letter_carrying_the_answer(
+        self, redis_url: str, prefix: str, redis_client: redis.Redis, answer: str, reason: str
+    ) -> None:
+        result = run_in_pipeline(redis_url, prefix, answering(answer), lambda p: p.run(task()))
+
+        assert result.outcome == "dead_letter"
+        assert (result.dead_letter.stage, result.dead_letter.reason) == ("intent", reason)
+        assert result.dead_letter.context["answer"] == answer
+        assert result.attempts == 1
+        assert redis_client.exists(f"{prefix}:intent:shopper-00146") == 0
+
+    def test_dead_letter_serialises_with_its_context(self, redis_url: str, prefix: str) -> None:
+        result = run_in_pipeline(redis_url, prefix, answering("nope"), lambda p: p.run(task()))
+
+        body = orjson.loads(result.dead_letter.to_json(dead_lettered_at_ms=T0))
+
+        assert body["stage"] == "intent"
+        assert body["context"]["template_hash"] == "56171ff6b9a3"
+
+
+class SlowFirstCall:
+    """An LLM whose first call blocks until released; records which prompts it computed."""
+
+    def __init__(self) -> None:
+        self.entered = asyncio.Event()
+        self.release = asyncio.Event()
+        self.computed: list[tuple[str, str]] = []
+
+    async def __call__(self, request: httpx.Request) -> httpx.Response:
+        body = orjson.loads(request.content)
+        self.computed.append((request.headers["X-Session-ID"], body["messages"][1]["content"]))
+        if len(self.computed) == 1:
+            self.entered.set()
+            await self.release.wait()
+        return completion(orjson.dumps(INTENT).decode())
+
+
+class TestCoalescing:
+    def run_queued(
+        self, redis_url: str, prefix: str, first: PromptTask, queued: list[PromptTask]
+    ) -> tuple[list[TaskResult], SlowFirstCall]:
+        """``first`` takes the only LLM slot and blocks; ``queued`` wait behind it."""
+
+        async def main() -> tuple[list[TaskResult], SlowFirstCall]:
+            llm = SlowFirstCall()
+            pipeline = Pipeline(redis_url, prefix, llm)
+            coalescer = Coalescer(max_concurrency=1)
+            try:
+                running = asyncio.create_task(run_coalesced(first, coalescer, pipeline.run))
+                await llm.entered.wait()
+                waiting = [
+                    asyncio.create_task(run_coalesced(t, coalescer, pipeline.run)) for t in queued
+                ]
+                await asyncio.sleep(0)  # let them queue on the slot
+                assert coalescer.waiting_shoppers == len({t.shopper_id for t in [first, *queued]})
+                llm.release.set()
+                results = await asyncio.gather(running, *waiting)
+                assert coalescer.waiting_shoppers == 0
+                return results, llm
+            finally:
+                await pipeline.close()
+
+        return asyncio.run(main())
+
+    def test_queued_prompt_superseded_by_a_newer_one_is_not_computed(
+        self, redis_url: str, prefix: str, redis_client: redis.Redis
+    ) -> None:
+        prompts = [task(seq=1, at_s=10), task(seq=2, at_s=20), task(seq=3, at_s=30)]
+
+        results, llm = self.run_queued(redis_url, prefix, prompts[0], prompts[1:])
+
+        assert [r.outcome for r in results] == ["written", "superseded", "written"]
+        assert [content for _, content in llm.computed] == [
+            prompts[0].prompt.messages[1]["content"],
+            prompts[2].prompt.messages[1]["content"],
+        ]
+        stored = redis_client.hget(f"{prefix}:intent:shopper-00146", "version_seq")
+        assert stored == b"3"
+
+    def test_prompts_of_other_shoppers_are_not_superseded(
+        self, redis_url: str, prefix: str
+    ) -> None:
+        slow = task("shopper-00043", seq=1)
+        queued = [task("shopper-00146", seq=1), task("shopper-00299", seq=1)]
+
+        results, llm = self.run_queued(redis_url, prefix, slow, queued)
+
+        assert [r.outcome for r in results] == ["written"] * 3
+        assert [shopper for shopper, _ in llm.computed] == [
+            "shopper-00043",
+            "shopper-00146",
+            "shopper-00299",
+        ]
+
+    def test_every_queued_but_the_newest_is_superseded(self, redis_url: str, prefix: str):
+        slow = task("shopper-00043", seq=1)
+        queued = [task("shopper-00146", seq=s, at_s=10 * s) for s in (1, 2, 3)]
+
+        results, llm = self.run_queued(redis_url, prefix, slow, queued)
+
+        assert [r.outcome for r in results] == ["written", "superseded", "superseded", "written"]
+        assert len(llm.computed) == 2
+
+
+class TestCoalescerBookkeeping:
+    def test_newest_offer_supersedes_older_ones(self) -> None:
+        coalescer = Coalescer(max_concurrency=1)
+        coalescer.offer("shopper-00146", 2)
+        coalescer.offer("shopper-00146", 5)
+        coalescer.offer("shopper-00146", 4)  # an older prompt arriving late changes nothing
+
+        assert coalescer.superseded("shopper-00146", 4)
+        assert not coalescer.superseded("shopper-00146", 5)
+        assert not coalescer.superseded("shopper-00299", 1)
+
+    def test_done_of_the_newest_forgets_the_shopper(self) -> None:
+        coalescer = Coalescer(max_concurrency=1)
+        coalescer.offer("shopper-00146", 2)
+        coalescer.offer("shopper-00146", 3)
+
+        coalescer.done("shopper-00146", 2)
+        assert coalescer.waiting_shoppers == 1
+        coalescer.done("shopper-00146", 3)
+        assert coalescer.waiting_shoppers == 0
+
+
+class FlakyStore:
+    """The real store behind a Redis outage of ``failures`` calls."""
+
+    def __init__(self, store: AsyncIntentStore, failures: int) -> None:
+        self.store, self.failures, self.calls = store, failures, 0
+
+    async def upsert(self, record: IntentRecord) -> bool:
+        self.calls += 1
+        if self.calls <= self.failures:
+            raise StoreUnavailableError("Redis unavailable: connection refused")
+        return await self.store.upsert(record)
+
+
+class TestRedisUnavailable:
+    def test_short_outage_is_retried_within_the_budget(self, redis_url: str, prefix: str):
+        record = stored_record("shopper-00146", T0, 1)
+
+        async def body(p: Pipeline) -> tuple[bool, int]:
+            flaky = FlakyStore(p.store, failures=2)
+            written = await upsert_with_retry(flaky, record, budget_s=BUDGET_S)
+            return written, flaky.calls
+
+        written, calls = run_in_pipeline(redis_url, prefix, answering(), body)
+
+        assert (written, calls) == (True, 3)
+
+    def test_unreachable_redis_beyond_the_budget_raises(self) -> None:
+        async def main() -> None:
+            client = redis.asyncio.Redis.from_url(f"redis://127.0.0.1:{free_port()}/0")
+            llm = LlmClient(LLM, transport=httpx.MockTransport(answering()))
+            try:
+                store = AsyncIntentStore(client, prefix="unreachable")
+                await run_task(task(), llm, store, MODEL, redis_retry_budget_s=0.25)
+            finally:
+                await llm.aclose()
+                await client.aclose()
+
+        with pytest.raises(RedisUnavailable, match="shopper-00146") as caught:
+            asyncio.run(main())
+
+        assert isinstance(caught.value.__cause__, StoreUnavailableError)

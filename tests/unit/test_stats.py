@@ -1,0 +1,132 @@
+"""Outcome counters published to one Redis hash: counted in memory, added with HINCRBY on
+flush (by a background thread and on close), and never lost while Redis is away."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from flink_jobs import local_services
+from flink_jobs.stats import StatsReporter, stats_key
+
+SLOW_FLUSH_S = 60.0  # long enough that only explicit flushes and close() publish
+
+
+@pytest.fixture
+def reporter(redis_url: str, unique_name: str) -> Iterator[StatsReporter]:
+    reporter = StatsReporter(redis_url, unique_name, flush_interval_s=SLOW_FLUSH_S)
+    try:
+        yield reporter
+    finally:
+        reporter.close()
+
+
+def published(client: redis.Redis, prefix: str) -> dict[str, int]:
+    return {k.decode(): int(v) for k, v in client.hgetall(stats_key(prefix)).items()}
+
+
+class TestKey:
+    def test_stats_live_in_one_hash_under_the_prefix(self) -> None:
+        assert stats_key("si") == "si:stats"
+
+
+class TestFlush:
+    def test_counts_are_added_to_the_hash(
+        self, reporter: StatsReporter, redis_client: redis.Redis, unique_name: str
+    ) -> None:
+        reporter.add("events_in", 5)
+        reporter.add("events_accepted", 4)
+        reporter.add("dead_letter_decode")
+
+        reporter.flush()
+
+        assert published(redis_client, unique_name) == {
+            "events_in": 5,
+            "events_accepted": 4,
+            "dead_letter_decode": 1,
+        }
+
+    def test_nothing_is_published_before_a_flush(
+        self, reporter: StatsReporter, redis_client: redis.Redis, unique_name: str
+    ) -> None:
+        reporter.add("events_in", 3)
+
+        assert published(redis_client, unique_name) == {}
+
+    def test_successive_flushes_add_deltas(
+        self, reporter: StatsReporter, redis_client: redis.Redis, unique_name: str
+    ) -> None:
+        reporter.add("events_in", 2)
+        reporter.flush()
+        reporter.add("events_in", 3)
+        reporter.flush()
+        reporter.flush()  # nothing pending: adds nothing
+
+        assert published(redis_client, unique_name) == {"events_in": 5}
+
+    def test_reporters_of_several_operators_sum_in_one_hash(
+        self, redis_url: str, redis_client: redis.Redis, unique_name: str
+    ) -> None:
+        reporters = [StatsReporter(redis_url, unique_name, SLOW_FLUSH_S) for _ in range(3)]
+        for i, r in enumerate(reporters, start=1):
+            r.add("llm_calls", i)
+            r.close()
+
+        assert published(redis_client, unique_name) == {"llm_calls": 6}
+
+    def test_background_thread_flushes_on_its_interval(
+        self, redis_url: str, redis_client: redis.Redis, unique_name: str
+    ) -> None:
+        reporter = StatsReporter(redis_url, unique_name, flush_interval_s=0.02)
+        try:
+            reporter.add("intents_written", 2)
+            deadline = time.monotonic() + 2.0
+            while not published(redis_client, unique_name) and time.monotonic() < deadline:
+                time.sleep(0.01)
+
+            assert published(redis_client, unique_name) == {"intents_written": 2}
+        finally:
+            reporter.close()
+
+
+class TestClose:
+    def test_close_flushes_what_is_pending(
+        self, redis_url: str, redis_client: redis.Redis, unique_name: str
+    ) -> None:
+        reporter = StatsReporter(redis_url, unique_name, flush_interval_s=SLOW_FLUSH_S)
+        reporter.add("events_late_dropped", 7)
+
+        started = time.monotonic()
+        reporter.close()
+
+        assert published(redis_client, unique_name) == {"events_late_dropped": 7}
+        assert time.monotonic() - started < 1.0  # does not wait out the interval
+
+
+class TestRedisAway:
+    def test_counts_survive_an_outage_and_are_published_after_it(
+        self, tmp_path: Path, unique_name: str
+    ) -> None:
+        private = local_services.start_redis(workdir=tmp_path / "redis")
+        reporter = StatsReporter(private.url, unique_name, flush_interval_s=SLOW_FLUSH_S)
+        try:
+            reporter.add("events_in", 4)
+            private.stop()
+
+            reporter.flush()  # fails quietly and keeps the deltas
+            reporter.add("events_in", 1)
+
+            private.start()
+            reporter.flush()
+            client = redis.Redis.from_url(private.url)
+            try:
+                assert published(client, unique_name) == {"events_in": 5}
+            finally:
+                client.close()
+        finally:
+            reporter.close()
+            private.stop()
