@@ -26,10 +26,11 @@ from flink_jobs.config import ConfigError, load_config
 from flink_jobs.local_services import cache_dir
 from flink_jobs.run_report import (
     events_accounted,
-    percentile,
+    latency_summary,
     prompts_settled,
     read_intents,
     read_prefix_cache,
+    read_samples,
     read_stats,
 )
 
@@ -49,7 +50,10 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument(
         "--speed", type=float, default=30.0, help="replay speed-up (default %(default)s)"
     )
-    demo.add_argument("--llm-workers", type=int, default=1, help="vLLM workers (one core each)")
+    demo.add_argument(
+        "--shoppers", type=int, default=100, help="replay the first N shoppers (0: all)"
+    )
+    demo.add_argument("--llm-workers", type=int, default=2, help="vLLM workers (one core each)")
     demo.add_argument(
         "--workdir", type=Path, default=None, help="logs and state (default: <cache>/demo)"
     )
@@ -83,7 +87,7 @@ def run_demo(args: argparse.Namespace) -> int:
     from flink_jobs.job import create_job
     from flink_jobs.replay import read_records, replay_records
 
-    records = read_records(args.sample)
+    records = first_shoppers(read_records(args.sample), args.shoppers)
     workdir = args.workdir or cache_dir() / "demo"
     base = load_config()
     with start_embedded_stack(
@@ -104,6 +108,25 @@ def run_demo(args: argparse.Namespace) -> int:
                 job.cancel().result()
             except Exception as exc:  # the job may already have failed; say so, don't mask
                 log.warning("job cancel: %s", exc)
+
+
+def first_shoppers(records: list, limit: int) -> list:
+    """The records of the first ``limit`` shoppers, plus every record without a readable
+    shopper id (the bad ones, which the demo should show being dead-lettered)."""
+    if limit <= 0:
+        return records
+    from flink_jobs.replay import shopper_key
+
+    kept: set[bytes] = set()
+    out = []
+    for record in records:
+        key = record.key or shopper_key(record.value)
+        if key is not None and key not in kept:
+            if len(kept) >= limit:
+                continue
+            kept.add(key)
+        out.append(record)
+    return out
 
 
 def _watch(args, config, stack, job, records, replay_records, workdir: Path) -> int:
@@ -173,20 +196,19 @@ def _watch(args, config, stack, job, records, replay_records, workdir: Path) -> 
 
 
 def _summary(client, prefix, stats, stack, elapsed, replay_summary) -> dict:
-    rows = read_intents(client, prefix)
-    latencies = [r.latency_ms / 1000 for r in rows]
     cache = read_prefix_cache(stack.llm.worker_urls)
-    llm_calls = stats.get("prompts_sent", 0) - stats.get("prompts_superseded", 0)
     return {
         "elapsed_s": round(elapsed, 1),
         "replay": replay_summary.describe("events") if replay_summary else None,
         "stats": stats,
-        "shoppers_with_intent": len(rows),
-        "event_to_intent_latency_s": {
-            "p50": percentile(latencies, 50),
-            "p99": percentile(latencies, 99),
-        },
-        "llm_calls_per_event": round(llm_calls / max(1, stats.get("events_accepted", 0)), 3),
+        "shoppers_with_intent": len(read_intents(client, prefix)),
+        "event_to_intent_latency_s": latency_summary(
+            read_samples(client, prefix, "event_to_intent_ms")
+        ),
+        "llm_latency_s": latency_summary(read_samples(client, prefix, "llm_latency_ms")),
+        "llm_calls_per_event": round(
+            stats.get("llm_calls", 0) / max(1, stats.get("events_accepted", 0)), 3
+        ),
         "prefix_cache_hit_ratio": round(cache.hit_ratio, 3),
     }
 

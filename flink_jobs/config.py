@@ -88,7 +88,10 @@ class LlmConfig:
     capacity: int = 128
     # Requests in flight to the LLM endpoint per operator; queued prompts of a shopper that
     # a newer one supersedes are dropped before they are sent (see inference.Coalescer).
-    max_concurrency: int = 16
+    max_concurrency: int = 8
+    # An answer that is not a valid intent is asked for again this many times before it
+    # is dead-lettered.
+    invalid_answer_retries: int = 1
     # Send the JSON Schema as response_format so the server constrains decoding to it.
     guided_json: bool = True
 

@@ -29,6 +29,9 @@ from flink_jobs.local_services import (
 log = logging.getLogger(__name__)
 
 ROUTER_READY_TIMEOUT_S = 30.0
+# Room for every in-flight prompt's KV blocks: a cache that is nearly full makes vLLM
+# preempt and recompute requests, which costs more than the memory.
+KV_CACHE_BYTES = 1 << 30
 
 
 @dataclass
@@ -44,7 +47,7 @@ class LlmTier:
         self._exit.close()
 
 
-def start_llm_tier(workdir: Path, workers: int = 1, ready_timeout_s: float = 300.0) -> LlmTier:
+def start_llm_tier(workdir: Path, workers: int = 2, ready_timeout_s: float = 300.0) -> LlmTier:
     """Start ``workers`` vLLM workers (one core each) and the router in front of them."""
     from inference_sidecar.workers import ClusterConfig, WorkerPool
 
@@ -54,7 +57,11 @@ def start_llm_tier(workdir: Path, workers: int = 1, ready_timeout_s: float = 300
         base_port = free_port()
         pool = WorkerPool(
             ClusterConfig(
-                mode="aggregated", workers=workers, base_port=base_port, log_dir=workdir / "logs"
+                mode="aggregated",
+                workers=workers,
+                base_port=base_port,
+                log_dir=workdir / "logs",
+                kv_cache_bytes=KV_CACHE_BYTES,
             ),
             ready_timeout_s=ready_timeout_s,
         )
@@ -107,7 +114,7 @@ class EmbeddedStack:
 
 
 def start_embedded_stack(
-    workdir: Path, topics: list[str], llm_workers: int = 1, partitions: int = 2
+    workdir: Path, topics: list[str], llm_workers: int = 2, partitions: int = 2
 ) -> EmbeddedStack:
     exit_stack = ExitStack()
     started = time.monotonic()

@@ -112,29 +112,37 @@ async def run_task(
     store: AsyncIntentStore,
     model: str,
     redis_retry_budget_s: float,
+    invalid_answer_retries: int = 1,
 ) -> TaskResult:
-    try:
-        answer = await llm.complete(task.prompt, task.shopper_id)
-    except LlmError as exc:
-        return TaskResult(
-            "dead_letter",
-            _dead_letter(
-                task, "llm", exc.reason, exc.detail, status=exc.status, attempts=exc.attempts
-            ),
-            attempts=exc.attempts,
-        )
-    parsed = parse_intent(answer.text)
-    if isinstance(parsed, IntentError):
+    attempts = 0
+    for _ in range(1 + invalid_answer_retries):
+        try:
+            answer = await llm.complete(task.prompt, task.shopper_id)
+        except LlmError as exc:
+            return TaskResult(
+                "dead_letter",
+                _dead_letter(
+                    task, "llm", exc.reason, exc.detail, status=exc.status, attempts=exc.attempts
+                ),
+                attempts=attempts + exc.attempts,
+            )
+        attempts += answer.attempts
+        parsed = parse_intent(answer.text)
+        if not isinstance(parsed, IntentError):
+            break
         if answer.completion.finish_reason == "length":
             parsed = IntentError(
                 "truncated",
                 f"the answer was cut at llm.max_tokens ({answer.completion.completion_tokens} "
                 f"tokens) before it was complete: raise llm.max_tokens ({parsed.detail})",
             )
+    else:
+        # Guided decoding should make this rare; a second draw usually fixes what a
+        # preempted or badly batched generation broke, a third would not be cheaper.
         return TaskResult(
             "dead_letter",
             _dead_letter(task, "intent", parsed.reason, parsed.detail, answer=answer.text[:2000]),
-            attempts=answer.attempts,
+            attempts=attempts,
             llm_latency_s=answer.latency_s,
         )
     record = IntentRecord(
@@ -153,7 +161,7 @@ async def run_task(
     written = await upsert_with_retry(store, record, redis_retry_budget_s)
     return TaskResult(
         "written" if written else "stale",
-        attempts=answer.attempts,
+        attempts=attempts,
         llm_latency_s=answer.latency_s,
         prompt_tokens=answer.completion.prompt_tokens,
     )

@@ -211,6 +211,14 @@ class ShopperSessions(KeyedProcessFunction, _Counted):
         self._session.update(state)
 
 
+_OUTCOME_COUNTERS = {
+    "written": "intents_written",
+    "stale": "intents_stale",
+    "superseded": "prompts_superseded",
+    "dead_letter": "dead_letter_inference",
+}
+
+
 class InferIntents(AsyncFunction):
     """The async LLM call. Clients are created on the operator's event loop, lazily:
     PyFlink calls ``open`` before that loop runs."""
@@ -226,10 +234,7 @@ class InferIntents(AsyncFunction):
             self._config.redis.url, self._config.redis.key_prefix, self._config.job.stats_flush_s
         )
         metrics = runtime_context.get_metrics_group().add_group("shopper_intents")
-        self._flink_counters = {
-            name: metrics.counter(name)
-            for name in ("intents_written", "intents_stale", "dead_letter_inference")
-        }
+        self._flink_counters = {name: metrics.counter(name) for name in _OUTCOME_COUNTERS.values()}
 
     def close(self) -> None:
         if getattr(self, "_stats", None) is not None:
@@ -257,11 +262,18 @@ class InferIntents(AsyncFunction):
 
         def run(t: PromptTask):
             return run_task(
-                t, llm, store, self._config.llm.model, self._config.redis.write_retry_budget_s
+                t,
+                llm,
+                store,
+                self._config.llm.model,
+                self._config.redis.write_retry_budget_s,
+                self._config.llm.invalid_answer_retries,
             )
 
         result: TaskResult = await run_coalesced(task, coalescer, run)
         self._record(result)
+        if result.outcome == "written":
+            self._stats.sample("event_to_intent_ms", _now_ms() - task.event_time_ms)
         if result.dead_letter is not None:
             return [_dead_letter_json(result.dead_letter)]
         return []
@@ -280,9 +292,7 @@ class InferIntents(AsyncFunction):
         return [_dead_letter_json(result.dead_letter)]
 
     def _record(self, result: TaskResult) -> None:
-        name = {"written": "intents_written", "stale": "intents_stale"}.get(
-            result.outcome, "dead_letter_inference"
-        )
+        name = _OUTCOME_COUNTERS[result.outcome]
         self._flink_counters[name].inc()
         self._stats.add(name)
         if result.dead_letter is not None:
@@ -291,4 +301,6 @@ class InferIntents(AsyncFunction):
             self._stats.add("llm_retries", result.attempts - 1)
         if result.prompt_tokens:
             self._stats.add("llm_prompt_tokens", result.prompt_tokens)
-        self._stats.add("llm_latency_ms_total", int(result.llm_latency_s * 1000))
+        if result.llm_latency_s:
+            self._stats.add("llm_calls")
+            self._stats.sample("llm_latency_ms", int(result.llm_latency_s * 1000))

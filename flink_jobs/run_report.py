@@ -24,7 +24,7 @@ import redis
 from prometheus_client.parser import text_string_to_metric_families
 
 from flink_jobs.intent_store import intent_key
-from flink_jobs.stats import stats_key
+from flink_jobs.stats import samples_key, stats_key
 
 EVENT_OUTCOMES = (
     "events_accepted",
@@ -43,6 +43,10 @@ PROMPT_OUTCOMES = (
 
 def read_stats(client: redis.Redis, prefix: str) -> dict[str, int]:
     return {_text(k): int(v) for k, v in client.hgetall(stats_key(prefix)).items()}
+
+
+def read_samples(client: redis.Redis, prefix: str, name: str) -> list[int]:
+    return [int(v) for v in client.lrange(samples_key(prefix, name), 0, -1)]
 
 
 def events_accounted(stats: dict[str, int]) -> int:
@@ -112,6 +116,12 @@ def percentile(values: list[float], pct: float) -> float:
     ordered = sorted(values)
     rank = max(1, math.ceil(pct / 100 * len(ordered)))
     return ordered[rank - 1]
+
+
+def latency_summary(values_ms: list[int]) -> dict[str, float]:
+    """p50 and p99 in seconds."""
+    seconds = [v / 1000 for v in values_ms]
+    return {"p50": round(percentile(seconds, 50), 2), "p99": round(percentile(seconds, 99), 2)}
 
 
 @dataclass(frozen=True)

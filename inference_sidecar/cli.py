@@ -78,6 +78,11 @@ def build_parser() -> argparse.ArgumentParser:
     cluster.add_argument("--max-model-len", type=int)
     cluster.add_argument("--kv-cache-bytes", type=int)
     cluster.add_argument("--log-dir", type=Path)
+    cluster.add_argument(
+        "--cores",
+        type=lambda v: tuple(int(c) for c in v.split(",")),
+        help="CPU cores to pin workers to, e.g. 0,1 (default: all usable cores)",
+    )
     cluster.add_argument("--ready-timeout", type=float, default=300.0)
     return parser
 

@@ -345,9 +345,18 @@ class WorkerPool:
     ``/health`` (``ready_timeout_s``), and stops them all on exit, even on error.
     """
 
-    def __init__(self, config: ClusterConfig, ready_timeout_s: float = 300.0) -> None:
+    def __init__(
+        self,
+        config: ClusterConfig,
+        ready_timeout_s: float = 300.0,
+        stall_timeout_s: float = 90.0,
+        max_restarts: int = 1,
+    ) -> None:
         self.config = config.resolved()
         self.ready_timeout_s = ready_timeout_s
+        self.stall_timeout_s = stall_timeout_s
+        self.max_restarts = max_restarts
+        self.restarts: dict[str, int] = {}
         self.kv_dir = (
             (self.config.cache_dir or default_cache_dir())
             / "kv-shared"
@@ -434,7 +443,10 @@ class WorkerPool:
         """Block until every worker answers ``GET /health`` with 200.
 
         Raises ``WorkerStartError`` with the log tail as soon as a worker exits, or
-        when the deadline passes.
+        when the deadline passes. A worker whose log has not grown for
+        ``stall_timeout_s`` is killed and started again (at most ``max_restarts``
+        times): on a crowded machine vLLM's start-up was seen to hang for good right
+        after binding its OpenMP threads, while a second start went through.
         """
         deadline = time.monotonic() + (timeout_s if timeout_s is not None else self.ready_timeout_s)
         pending = {s.name: s for s in self.specs}
@@ -449,6 +461,9 @@ class WorkerPool:
                         raise WorkerStartError(
                             name, f"exited with code {code}", log_tail(spec.log_path)
                         )
+                    if self._stalled(spec):
+                        self._restart(spec)
+                        continue
                     try:
                         if client.get(f"{spec.url}/health").status_code == 200:
                             del pending[name]
@@ -465,6 +480,29 @@ class WorkerPool:
                         log_tail(spec.log_path),
                     )
                 time.sleep(0.5)
+
+    def _stalled(self, spec: WorkerSpec) -> bool:
+        if self.restarts.get(spec.name, 0) >= self.max_restarts:
+            return False
+        try:
+            silent_for = time.time() - spec.log_path.stat().st_mtime
+        except OSError:
+            return False
+        return silent_for > self.stall_timeout_s
+
+    def _restart(self, spec: WorkerSpec) -> None:
+        logger.warning(
+            "%s wrote nothing for %.0f s while starting; restarting it",
+            spec.name,
+            self.stall_timeout_s,
+        )
+        proc = self._procs.pop(spec.name)
+        _signal_group(proc, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=10)
+        self._logs.pop(spec.name).close()
+        self.restarts[spec.name] = self.restarts.get(spec.name, 0) + 1
+        self._launch(spec)
 
     def _prune_kv_store(self) -> None:
         """Delete ExampleConnector KV folders older than ``kv_store_ttl_s``, until stopped.

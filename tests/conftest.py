@@ -17,7 +17,7 @@ Services are session-scoped and shared by all tests: use unique key prefixes and
 names, and start a private service (``local_services.start_redis(...)``) for a test that
 restarts or breaks one. A service handle keeps its port across ``restart()`` on both
 backends.
-5. The LLM tier: ``llm_tier`` (one vLLM worker on the CPU behind the router; ``.base_url``,
+5. The LLM tier: ``llm_tier`` (two vLLM workers on the CPU behind the router; ``.base_url``,
    ``.worker_urls``), started once per session.
 """
 
@@ -295,11 +295,11 @@ def kafka_bootstrap(kafka_service: KafkaHandle) -> str:
 
 # --- 5. the LLM tier ---------------------------------------------------------------------
 # vLLM on the CPU is the real model server users run; it takes about a minute to start,
-# so one worker and the router in front of it serve the whole session.
+# so two workers (one core each) and the router in front of them serve the whole session.
 
 
 @pytest.fixture(scope="session")
 def llm_tier(tmp_path_factory: pytest.TempPathFactory) -> Iterator[embedded_stack.LlmTier]:
-    tier = embedded_stack.start_llm_tier(tmp_path_factory.mktemp("llm"), workers=1)
+    tier = embedded_stack.start_llm_tier(tmp_path_factory.mktemp("llm"), workers=2)
     yield tier
     tier.stop()

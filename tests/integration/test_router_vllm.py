@@ -18,14 +18,17 @@ disaggregated one starts.
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import json
+import os
 import re
 import signal
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,6 +39,7 @@ from inference_sidecar.exceptions import ConfigError
 from inference_sidecar.workers import (
     ClusterConfig,
     WorkerPool,
+    default_cache_dir,
     find_free_port_range,
     log_tail,
     port_is_free,
@@ -103,6 +107,29 @@ def worker_metric(url: str, name: str, **labels: str) -> float:
 
 
 @dataclass
+class RouterProcess:
+    url: str
+    proc: subprocess.Popen[bytes]
+    log: Path
+
+    def post(self, body: dict, shopper: str | None = None, timeout: float = 120) -> httpx.Response:
+        headers = {"X-Session-ID": shopper} if shopper else {}
+        return httpx.post(f"{self.url}{CHAT}", json=body, headers=headers, timeout=timeout)
+
+    def metric(self, name: str, **labels: str) -> float:
+        return metric_sum(httpx.get(f"{self.url}/metrics", timeout=10).text, name, **labels)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=5)
+
+
+@dataclass
 class Cluster:
     mode: str
     pool: WorkerPool
@@ -116,13 +143,7 @@ class Cluster:
         return httpx.post(f"{self.router_url}{CHAT}", json=body, headers=headers, timeout=timeout)
 
     def stop(self) -> None:
-        if self.router.poll() is None:
-            self.router.send_signal(signal.SIGTERM)
-            try:
-                self.router.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.router.kill()
-                self.router.wait(timeout=5)
+        RouterProcess(self.router_url, self.router, self.router_log).stop()
         self.pool.stop()
 
 
@@ -165,27 +186,38 @@ class Stack:
 
     def _start_router(self, pool: WorkerPool, mode: str, port: int) -> Cluster:
         assert port_is_free("127.0.0.1", port)
-        args = [sys.executable, "-m", "inference_sidecar", "router", "--port", str(port)]
         if mode == "aggregated":
-            args += ["--worker", *pool.worker_urls]
+            args = ["--worker", *pool.worker_urls]
         else:
-            args += ["--prefill", *pool.prefill_urls, "--decode", *pool.decode_urls]
-        args += ["--health-interval", "0.5"]
-        log = self.log_dir / f"router-{mode}.log"
+            args = ["--prefill", *pool.prefill_urls, "--decode", *pool.decode_urls]
+        router = self.start_router([], mode, args, port)
+        return Cluster(mode, pool, router.url, router.proc, router.log)
+
+    def start_router(
+        self, workers: list[str], name: str, extra: Sequence[str] = (), port: int | None = None
+    ) -> RouterProcess:
+        """``python -m inference_sidecar router`` as the pipeline starts it; waits for
+        ``/health``."""
+        port = port or find_free_port_range(1)
+        args = [sys.executable, "-m", "inference_sidecar", "router", "--port", str(port)]
+        if workers:
+            args += ["--worker", *workers]
+        args += ["--health-interval", "0.5", *extra]
+        log = self.log_dir / f"router-{name}.log"
         with log.open("wb") as out:
             proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
-        url = f"http://127.0.0.1:{port}"
+        router = RouterProcess(f"http://127.0.0.1:{port}", proc, log)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             if proc.poll() is not None:
                 raise RuntimeError(f"router exited:\n{log_tail(log)}")
             try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    return Cluster(mode, pool, url, proc, log)
+                if httpx.get(f"{router.url}/health", timeout=1).status_code == 200:
+                    return router
             except httpx.HTTPError:
                 pass
             time.sleep(0.2)
-        proc.kill()
+        router.stop()
         raise RuntimeError(f"router not healthy after 30 s:\n{log_tail(log)}")
 
     def close(self) -> None:
@@ -195,8 +227,12 @@ class Stack:
 
 
 @pytest.fixture(scope="session")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    s = Stack(tmp_path_factory.mktemp("router-vllm"))
+def stack() -> Iterator[Stack]:
+    # Logs go under the cache, not pytest's tmp_path: concurrent pytest runs on this
+    # machine rotate old tmp_path folders away while a run still writes to them.
+    log_dir = default_cache_dir() / "logs" / "test-router-vllm" / str(os.getpid())
+    log_dir.mkdir(parents=True, exist_ok=True)
+    s = Stack(log_dir)
     yield s
     s.close()
 
@@ -246,6 +282,53 @@ def greedy(cluster: Cluster, name: str) -> str:
     r = cluster.post(chat_body(messages, 24), shopper)
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]["message"]["content"]
+
+
+class SlowProxy:
+    """A degraded worker: forwards to a real one, adding ``delay_s`` to every POST.
+
+    ``GET /health`` is forwarded at once, as a sick GPU still answers its health check.
+    Runs uvicorn in a thread of the test process.
+    """
+
+    def __init__(self, target: str, delay_s: float) -> None:
+        import uvicorn
+        from starlette.applications import Starlette
+        from starlette.requests import Request
+        from starlette.responses import Response
+        from starlette.routing import Route
+
+        self.delay_s = delay_s
+        client = httpx.AsyncClient(base_url=target, timeout=60)
+
+        async def forward(request: Request) -> Response:
+            if request.method == "POST":
+                await asyncio.sleep(self.delay_s)
+            reply = await client.request(
+                request.method,
+                request.url.path,
+                content=await request.body(),
+                headers={"content-type": "application/json"},
+            )
+            return Response(
+                reply.content, reply.status_code, media_type=reply.headers.get("content-type")
+            )
+
+        app = Starlette(routes=[Route("/{path:path}", forward, methods=["GET", "POST"])])
+        self.port = find_free_port_range(1)
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(
+            uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
+        )
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 10
+        while not self.server.started and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
 
 
 class TestAggregated:
@@ -307,6 +390,59 @@ class TestAggregated:
         """Record aggregated greedy outputs for the disaggregated comparison."""
         for name in GREEDY_PROMPTS:
             stack.greedy_reference[name] = greedy(aggregated, name)
+
+    def test_hot_shopper_burst_spills_within_the_bound(self, aggregated: Cluster) -> None:
+        """16 concurrent requests, 10 of them from one hot shopper: all succeed, the hot
+        shopper's home takes what the bound allows and the rest spill to the other."""
+        workers = aggregated.pool.worker_urls
+        before = {w: worker_metric(w, "vllm:request_success_total") for w in workers}
+        shoppers = ["hot"] * 10 + [f"cold-{i}" for i in range(6)]
+        with concurrent.futures.ThreadPoolExecutor(len(shoppers)) as ex:
+            replies = list(
+                ex.map(
+                    lambda s: aggregated.post(chat_body(shopper_messages(s, 3), 24), s), shoppers
+                )
+            )
+        assert all(r.status_code == 200 for r in replies), [r.text for r in replies]
+        hot_workers = {r.headers["x-sidecar-worker"] for r in replies[:10]}
+        assert hot_workers == set(workers)
+        router_metrics = httpx.get(f"{aggregated.router_url}/metrics", timeout=10).text
+        assert metric_sum(router_metrics, "inference_sidecar_routing_decisions_total",
+                          decision="spilled") >= 1  # fmt: skip
+        grew = {w: worker_metric(w, "vllm:request_success_total") - before[w] for w in workers}
+        assert sum(grew.values()) == len(shoppers) and min(grew.values()) >= 4, grew
+
+    def test_slowed_worker_is_ejected_then_readmitted(
+        self, aggregated: Cluster, stack: Stack
+    ) -> None:
+        """A second router sees worker-1 through a proxy adding 1.5 s per request: it is
+        ejected on latency (no request fails meanwhile), probed after its 5 s back-off
+        and re-admitted."""
+        healthy, sick = aggregated.pool.worker_urls
+        proxy = SlowProxy(sick, delay_s=1.5)
+        router = stack.start_router([healthy, proxy.url], "degraded", ["--request-timeout", "30"])
+        try:
+            ejected_at = None
+            for i in range(40):
+                r = router.post(chat_body(GREEDY_PROMPTS["short"], 2), f"slow-{i}")
+                assert r.status_code == 200, r.text
+                if router.metric("inference_sidecar_ejections_total", reason="latency") >= 1:
+                    ejected_at = time.monotonic()
+                    break
+            assert ejected_at is not None, "the slowed worker was never ejected"
+            health = httpx.get(f"{router.url}/health", timeout=5).json()
+            assert health["pools"]["worker"][proxy.url]["ejected"]
+            proxy.delay_s = 0.0  # it recovers
+            deadline = ejected_at + 20
+            while time.monotonic() < deadline:
+                if router.metric("inference_sidecar_health_events_total", event="readmitted"):
+                    break
+                time.sleep(0.5)
+            assert router.metric("inference_sidecar_health_events_total", event="readmitted") == 1
+            assert router.metric("inference_sidecar_requests_total", status="200") == i + 1
+        finally:
+            router.stop()
+            proxy.close()
 
     def test_killed_worker_loses_no_request(self, aggregated: Cluster) -> None:
         """Last aggregated test: it kills a worker (the next test restarts the stack)."""

@@ -50,10 +50,14 @@ INTENT = {
 Handler = Callable[[httpx.Request], Awaitable[httpx.Response]]
 
 
-def completion(content: str, model: str = "smollm2-served") -> httpx.Response:
+def completion(
+    content: str, model: str = "smollm2-served", finish_reason: str = "stop"
+) -> httpx.Response:
     body = {
         "model": model,
-        "choices": [{"message": {"role": "assistant", "content": content}}],
+        "choices": [
+            {"message": {"role": "assistant", "content": content}, "finish_reason": finish_reason}
+        ],
         "usage": {"prompt_tokens": 412, "completion_tokens": 30},
     }
     return httpx.Response(200, content=orjson.dumps(body))
@@ -228,7 +232,7 @@ class TestDeadLetters:
             ("", "empty_answer"),
         ],
     )
-    def test_invalid_answer_is_a_dead_letter_carrying_the_answer(
+    def test_invalid_answer_is_asked_again_once_then_dead_lettered_with_the_answer(
         self, redis_url: str, prefix: str, redis_client: redis.Redis, answer: str, reason: str
     ) -> None:
         result = run_in_pipeline(redis_url, prefix, answering(answer), lambda p: p.run(task()))
@@ -236,8 +240,28 @@ class TestDeadLetters:
         assert result.outcome == "dead_letter"
         assert (result.dead_letter.stage, result.dead_letter.reason) == ("intent", reason)
         assert result.dead_letter.context["answer"] == answer
-        assert result.attempts == 1
+        assert result.attempts == 2
         assert redis_client.exists(f"{prefix}:intent:shopper-00146") == 0
+
+    def test_a_second_valid_answer_is_written(self, redis_url: str, prefix: str) -> None:
+        answers = iter(["The shopper is comparing headphones.", orjson.dumps(INTENT).decode()])
+
+        async def handler(request: httpx.Request) -> httpx.Response:
+            return completion(next(answers))
+
+        result = run_in_pipeline(redis_url, prefix, handler, lambda p: p.run(task()))
+
+        assert (result.outcome, result.attempts) == ("written", 2)
+
+    def test_answer_cut_at_max_tokens_is_reported_as_truncated(
+        self, redis_url: str, prefix: str
+    ) -> None:
+        handler = answering('{"intents":[{"label":"brow', finish_reason="length")
+
+        result = run_in_pipeline(redis_url, prefix, handler, lambda p: p.run(task()))
+
+        assert result.dead_letter.reason == "truncated"
+        assert "llm.max_tokens" in result.dead_letter.detail
 
     def test_dead_letter_serialises_with_its_context(self, redis_url: str, prefix: str) -> None:
         result = run_in_pipeline(redis_url, prefix, answering("nope"), lambda p: p.run(task()))

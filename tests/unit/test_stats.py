@@ -11,7 +11,8 @@ import pytest
 import redis
 
 from flink_jobs import local_services
-from flink_jobs.stats import StatsReporter, stats_key
+from flink_jobs.run_report import read_samples
+from flink_jobs.stats import MAX_SAMPLES, StatsReporter, stats_key
 
 SLOW_FLUSH_S = 60.0  # long enough that only explicit flushes and close() publish
 
@@ -91,6 +92,30 @@ class TestFlush:
             assert published(redis_client, unique_name) == {"intents_written": 2}
         finally:
             reporter.close()
+
+
+class TestSamples:
+    def test_samples_are_appended_to_a_list_per_name(
+        self, reporter: StatsReporter, redis_client: redis.Redis, unique_name: str
+    ) -> None:
+        for value in (120, 80, 3000):
+            reporter.sample("llm_latency_ms", value)
+
+        reporter.flush()
+
+        assert read_samples(redis_client, unique_name, "llm_latency_ms") == [120, 80, 3000]
+
+    def test_only_the_newest_samples_are_kept(
+        self, reporter: StatsReporter, redis_client: redis.Redis, unique_name: str
+    ) -> None:
+        for batch in range(3):
+            for i in range(MAX_SAMPLES // 2):
+                reporter.sample("event_to_intent_ms", batch * MAX_SAMPLES + i)
+            reporter.flush()
+
+        kept = read_samples(redis_client, unique_name, "event_to_intent_ms")
+        assert len(kept) == MAX_SAMPLES
+        assert kept[-1] == 2 * MAX_SAMPLES + MAX_SAMPLES // 2 - 1
 
 
 class TestClose:

@@ -164,6 +164,9 @@ class TestCli:
         assert (cfg.mode, cfg.prefill, cfg.decode, cfg.base_port) == ("disaggregated", 2, 3, 9100)
 
     def test_cluster_flags_alone(self) -> None:
-        args = cli.build_parser().parse_args(["cluster", "--workers", "3", "--profile", "gpu"])
+        args = cli.build_parser().parse_args(
+            ["cluster", "--workers", "3", "--profile", "gpu", "--cores", "2,3"]
+        )
         cfg = cli.cluster_config(args)
         assert cfg.workers == 3 and cfg.profile == "gpu" and cfg.mode == "aggregated"
+        assert cfg.cores == (2, 3)

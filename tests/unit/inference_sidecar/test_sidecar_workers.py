@@ -170,6 +170,11 @@ FAKE_VLLM = textwrap.dedent(
     if os.environ.get("FAKE_EXIT"):
         print("boom: engine failed", flush=True)
         sys.exit(3)
+    marker = os.environ.get("FAKE_HANG_ONCE")
+    if marker and not os.path.exists(marker):
+        open(marker, "w").close()
+        import time
+        time.sleep(600)  # hangs silently, the first time only
     port = int(sys.argv[sys.argv.index("--port") + 1])
     class H(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
@@ -218,6 +223,13 @@ class TestWorkerPool:
             pool.__enter__()
         assert time.monotonic() - started < 20
         assert err.value.worker.startswith("worker-")
+
+    def test_silent_worker_is_restarted_once(self, tmp_path: Path, fake_python: Path) -> None:
+        cfg = self.config(tmp_path, fake_python, env={"FAKE_HANG_ONCE": str(tmp_path / "hung")})
+        pool = WorkerPool(cfg, ready_timeout_s=30, stall_timeout_s=1.0)
+        with pool:
+            # the marker is shared: only the worker that started first hung
+            assert sum(pool.restarts.values()) == 1
 
     def test_busy_port_is_reported(self, tmp_path: Path, fake_python: Path) -> None:
         cfg = self.config(tmp_path, fake_python)
