@@ -4,7 +4,8 @@
     Starts the embedded stack (broker, Redis, vLLM on the CPU, router), submits the job
     to a PyFlink mini-cluster, replays the bundled sample of shopper sessions, shows
     progress and the intents as they land, prints a summary and stops everything when
-    the run has settled (or on Ctrl-C).
+    the run has settled (or on Ctrl-C). With ``--external`` it starts nothing and uses
+    the Kafka, Redis and LLM endpoints of the configuration.
 
 ``shopper-intents run``
     Runs the job against the endpoints in the configuration (env / properties file).
@@ -17,6 +18,7 @@ import logging
 import sys
 import threading
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 import orjson
@@ -49,6 +51,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     demo.add_argument(
         "--speed", type=float, default=30.0, help="replay speed-up (default %(default)s)"
+    )
+    demo.add_argument(
+        "--external",
+        action="store_true",
+        help="use the Kafka, Redis and LLM endpoints of the configuration, start nothing",
     )
     demo.add_argument(
         "--shoppers", type=int, default=100, help="replay the first N shoppers (0: all)"
@@ -85,29 +92,35 @@ def main(argv: list[str] | None = None) -> int:
 def run_demo(args: argparse.Namespace) -> int:
     from flink_jobs.embedded_stack import start_embedded_stack
     from flink_jobs.job import create_job
-    from flink_jobs.replay import read_records, replay_records
+    from flink_jobs.replay import read_records
 
     records = first_shoppers(read_records(args.sample), args.shoppers)
     workdir = args.workdir or cache_dir() / "demo"
-    base = load_config()
-    with start_embedded_stack(
-        workdir,
-        [base.kafka.events_topic, base.kafka.dead_letter_topic],
-        llm_workers=args.llm_workers,
-    ) as stack:
-        overrides = stack.config_overrides()
-        overrides["kafka"]["starting_offsets"] = "earliest"
-        config = load_config(overrides=overrides)
+    workdir.mkdir(parents=True, exist_ok=True)
+    with ExitStack() as resources:
+        config = load_config()
+        worker_urls: list[str] = []
+        if not args.external:
+            topics = [config.kafka.events_topic, config.kafka.dead_letter_topic]
+            stack = resources.enter_context(
+                start_embedded_stack(workdir, topics, llm_workers=args.llm_workers)
+            )
+            overrides = stack.config_overrides()
+            overrides["kafka"]["starting_offsets"] = "earliest"
+            config = load_config(overrides=overrides)
+            worker_urls = stack.llm.worker_urls
         log.info("submitting the Flink job to a local mini-cluster")
         job = create_job(config).execute_async(config.job.name)
-        try:
-            return _watch(args, config, stack, job, records, replay_records, workdir)
-        finally:
-            log.info("cancelling the job and stopping the stack")
-            try:
-                job.cancel().result()
-            except Exception as exc:  # the job may already have failed; say so, don't mask
-                log.warning("job cancel: %s", exc)
+        resources.callback(_cancel, job)
+        return _watch(args, config, worker_urls, records, workdir)
+
+
+def _cancel(job) -> None:
+    log.info("cancelling the job and stopping the stack")
+    try:
+        job.cancel().result()
+    except Exception as exc:  # the job may already have failed; say so, don't mask it
+        log.warning("job cancel: %s", exc)
 
 
 def first_shoppers(records: list, limit: int) -> list:
@@ -129,14 +142,16 @@ def first_shoppers(records: list, limit: int) -> list:
     return out
 
 
-def _watch(args, config, stack, job, records, replay_records, workdir: Path) -> int:
-    client = redis.Redis.from_url(stack.redis_url)
+def _watch(args, config, worker_urls: list[str], records: list, workdir: Path) -> int:
+    from flink_jobs.replay import replay_records
+
+    client = redis.Redis.from_url(config.redis.url)
     prefix = config.redis.key_prefix
     replay_result: dict = {}
 
     def replay() -> None:
         replay_result["summary"] = replay_records(
-            stack.bootstrap,
+            config.kafka.bootstrap_servers,
             config.kafka.events_topic,
             records,
             speed=args.speed,
@@ -188,15 +203,15 @@ def _watch(args, config, stack, job, records, replay_records, workdir: Path) -> 
         return 1
 
     elapsed = time.monotonic() - started
-    summary = _summary(client, prefix, stats, stack, elapsed, replay_result.get("summary"))
+    summary = _summary(client, prefix, stats, worker_urls, elapsed, replay_result.get("summary"))
     (workdir / "summary.json").write_bytes(orjson.dumps(summary, option=orjson.OPT_INDENT_2))
     print(orjson.dumps(summary, option=orjson.OPT_INDENT_2).decode())
     log.info("summary written to %s", workdir / "summary.json")
     return 0
 
 
-def _summary(client, prefix, stats, stack, elapsed, replay_summary) -> dict:
-    cache = read_prefix_cache(stack.llm.worker_urls)
+def _summary(client, prefix, stats, worker_urls, elapsed, replay_summary) -> dict:
+    cache = read_prefix_cache(worker_urls) if worker_urls else None
     return {
         "elapsed_s": round(elapsed, 1),
         "replay": replay_summary.describe("events") if replay_summary else None,
@@ -209,7 +224,7 @@ def _summary(client, prefix, stats, stack, elapsed, replay_summary) -> dict:
         "llm_calls_per_event": round(
             stats.get("llm_calls", 0) / max(1, stats.get("events_accepted", 0)), 3
         ),
-        "prefix_cache_hit_ratio": round(cache.hit_ratio, 3),
+        "prefix_cache_hit_ratio": round(cache.hit_ratio, 3) if cache else None,
     }
 
 

@@ -49,12 +49,12 @@ class LlmTier:
 
 def start_llm_tier(workdir: Path, workers: int = 2, ready_timeout_s: float = 300.0) -> LlmTier:
     """Start ``workers`` vLLM workers (one core each) and the router in front of them."""
-    from inference_sidecar.workers import ClusterConfig, WorkerPool
+    from inference_sidecar.workers import ClusterConfig, WorkerPool, find_free_port_range
 
     workdir.mkdir(parents=True, exist_ok=True)
     exit_stack = ExitStack()
     try:
-        base_port = free_port()
+        base_port = find_free_port_range(workers)
         pool = WorkerPool(
             ClusterConfig(
                 mode="aggregated",

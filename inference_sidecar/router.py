@@ -521,16 +521,9 @@ class Router:
         endpoint: str,
         received: float,
     ) -> Response:
+        """The client's bytes, unchanged, to the key's worker."""
         pool = self.pools["worker"]
-        if streaming:
-            return await self.stream(pool, key, path, raw, headers, endpoint, received)
-        reply = await self.exchange(pool, key, path, raw, headers)
-        return Response(
-            reply.body,
-            status_code=reply.status,
-            media_type=reply.content_type,
-            headers={WORKER_HEADER: reply.worker},
-        )
+        return await self._serve(pool, key, path, raw, headers, streaming, endpoint, received, {})
 
     async def _disaggregated(
         self,
@@ -542,21 +535,74 @@ class Router:
         endpoint: str,
         received: float,
     ) -> Response:
-        prefill = await self.exchange(
-            self.pools["prefill"], key, path, orjson.dumps(pd.prefill_body(body)), headers
-        )
-        if prefill.status >= 300:
-            return Response(
-                prefill.body, status_code=prefill.status, media_type=prefill.content_type
+        """Prefill on the key's prefill worker, decode on its decode worker.
+
+        Degrades instead of failing: with no prefill worker answering, the decode
+        worker computes the prompt itself; with no decode worker answering, a prefill
+        worker runs the whole request. Each fallback is counted as ``pd_fallback``.
+        """
+        prefill_pool, decode_pool = self.pools["prefill"], self.pools["decode"]
+        extra: dict[str, str] = {}
+        try:
+            prefill = await self.exchange(
+                prefill_pool, key, path, orjson.dumps(pd.prefill_body(body)), headers
             )
-        decode_content = orjson.dumps(pd.decode_body(body, orjson.loads(prefill.body)))
-        extra = {PREFILL_WORKER_HEADER: prefill.worker}
-        decode_pool = self.pools["decode"]
+        except UpstreamError as exc:
+            logger.warning("prefill failed (%s); the decode worker computes the prompt", exc)
+            self.metrics.decisions.labels(self.policy_name, "prefill", "pd_fallback").inc()
+            decode_content = orjson.dumps(pd.decode_body(body, None))
+        else:
+            if prefill.status >= 300:
+                return Response(
+                    prefill.body, status_code=prefill.status, media_type=prefill.content_type
+                )
+            decode_content = orjson.dumps(pd.decode_body(body, orjson.loads(prefill.body)))
+            extra[PREFILL_WORKER_HEADER] = prefill.worker
+        try:
+            return await self._serve(
+                decode_pool,
+                key,
+                path,
+                decode_content,
+                headers,
+                streaming,
+                endpoint,
+                received,
+                extra,
+            )
+        except UpstreamError as exc:
+            if not extra:  # the prefill pool failed already: nothing left to try
+                raise
+            logger.warning("decode failed (%s); a prefill worker runs the whole request", exc)
+            self.metrics.decisions.labels(self.policy_name, "decode", "pd_fallback").inc()
+            return await self._serve(
+                prefill_pool,
+                key,
+                path,
+                orjson.dumps(pd.decode_body(body, None)),
+                headers,
+                streaming,
+                endpoint,
+                received,
+                {},
+            )
+
+    async def _serve(
+        self,
+        pool: RoutingPool,
+        key: RoutingKey,
+        path: str,
+        content: bytes,
+        headers: dict[str, str],
+        streaming: bool,
+        endpoint: str,
+        received: float,
+        extra: dict[str, str],
+    ) -> Response:
+        """Send the answering request to ``pool``, streamed or not."""
         if streaming:
-            return await self.stream(
-                decode_pool, key, path, decode_content, headers, endpoint, received, extra
-            )
-        reply = await self.exchange(decode_pool, key, path, decode_content, headers)
+            return await self.stream(pool, key, path, content, headers, endpoint, received, extra)
+        reply = await self.exchange(pool, key, path, content, headers)
         return Response(
             reply.body,
             status_code=reply.status,
@@ -565,28 +611,21 @@ class Router:
         )
 
     async def models(self, request: Request) -> Response:
+        """Proxy ``GET /v1/models`` to the first serving worker that answers."""
         pool = self.serving_pool
-        key = RoutingKey("models", "none")
-        try:
-            tried: list[str] = []
-            attempts: list[tuple[str, str]] = []
-            while len(tried) < self.config.max_attempts:
-                worker = self._choose(pool, key, tried)
-                if worker is None:
-                    break
-                try:
-                    reply = await self._client.get(f"{worker}/v1/models")
-                    if reply.status_code < 500:
-                        orjson.loads(reply.content)
-                        return Response(reply.content, reply.status_code, media_type=JSON)
-                    attempts.append((worker, f"HTTP {reply.status_code}"))
-                except (httpx.HTTPError, orjson.JSONDecodeError) as exc:
-                    attempts.append((worker, f"{type(exc).__name__}: {exc}"))
-            raise self._exhausted(pool, attempts)
-        except NoWorkerAvailable as exc:
-            return error_response(503, exc.message, "service_unavailable", code=503)
-        except UpstreamError as exc:
-            return error_response(502, exc.message, "upstream_error", code=502)
+        attempts: list[tuple[str, str]] = []
+        for worker in pool.candidates()[: self.config.max_attempts]:
+            try:
+                reply = await self._client.get(f"{worker}/v1/models")
+                if reply.status_code < 500:
+                    orjson.loads(reply.content)
+                    return Response(reply.content, reply.status_code, media_type=JSON)
+                attempts.append((worker, f"HTTP {reply.status_code}"))
+            except (httpx.HTTPError, orjson.JSONDecodeError) as exc:
+                attempts.append((worker, f"{type(exc).__name__}: {exc}"))
+        error = self._exhausted(pool, attempts)
+        status = 503 if isinstance(error, NoWorkerAvailable) else 502
+        return error_response(status, error.message, "upstream_error", code=status)
 
     async def health(self, request: Request) -> Response:
         ready, doc = self.readiness()

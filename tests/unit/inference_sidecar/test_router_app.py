@@ -424,6 +424,47 @@ class TestDisaggregated:
         r = await client.post(CHAT, json=BODY, headers=session("s1"))
         assert r.status_code == 200 and r.headers["x-sidecar-prefill-worker"] == C
 
+    async def test_no_prefill_worker_decode_computes_the_prompt(self, fake, client_for) -> None:
+        client, router = client_for(workers=(), prefill=(A,), decode=(B,))
+        fake.behaviour = {A: "down"}
+        r = await client.post(CHAT, json=BODY, headers=session("s1"))
+        assert r.status_code == 200 and r.headers[WORKER_HEADER] == B
+        assert "kv_transfer_params" not in fake.sent_to(B)[0].body
+        assert "x-sidecar-prefill-worker" not in r.headers
+        assert (
+            metric(
+                router,
+                "inference_sidecar_routing_decisions_total",
+                policy="bounded_hash",
+                pool="prefill",
+                decision="pd_fallback",
+            )
+            == 1
+        )
+
+    async def test_no_decode_worker_prefill_worker_runs_it_all(self, fake, client_for) -> None:
+        client, router = client_for(workers=(), prefill=(A,), decode=(B,))
+        fake.behaviour = {B: "error500"}
+        r = await client.post(CHAT, json={**BODY, "stream": True}, headers=session("s1"))
+        assert r.status_code == 200 and r.headers[WORKER_HEADER] == A
+        whole = fake.sent_to(A)[-1].body
+        assert whole["max_tokens"] == 50 and "kv_transfer_params" not in whole
+        assert (
+            metric(
+                router,
+                "inference_sidecar_routing_decisions_total",
+                policy="bounded_hash",
+                pool="decode",
+                decision="pd_fallback",
+            )
+            == 1
+        )
+
+    async def test_both_pools_down_is_a_502(self, fake, client_for) -> None:
+        client, _ = client_for(workers=(), prefill=(A,), decode=(B,))
+        fake.behaviour = {A: "down", B: "down"}
+        assert_openai_error(await client.post(CHAT, json=BODY), 502)
+
     async def test_prefill_client_error_is_returned(self, fake, client_for) -> None:
         client, _ = client_for(workers=(), prefill=(A,), decode=(B,))
         fake.behaviour = {A: "bad_request"}
@@ -481,3 +522,23 @@ class TestHealthAndMetrics:
             "inference_sidecar_ttft_seconds",
         ):
             assert name in text
+
+    async def test_lifespan_runs_health_checks_and_closes(self, fake) -> None:
+        router = make_router(fake, health_interval_s=0.02)
+        app = build_app(router)
+        async with (
+            app.router.lifespan_context(app),
+            httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://r") as c,
+        ):
+            for _ in range(250):
+                if (await c.get("/health")).status_code == 200:
+                    break
+                await asyncio.sleep(0.02)
+            assert (await c.get("/health")).json()["status"] == "ok"
+            fake.behaviour = {A: "down"}
+            for _ in range(250):
+                if (await c.get("/health")).json()["pools"]["worker"][A]["down"]:
+                    break
+                await asyncio.sleep(0.02)
+            assert not router.pools["worker"].is_in_service(A)
+        assert router._health_task is None
