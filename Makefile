@@ -4,7 +4,7 @@ SHELL := /bin/bash
 VENV := $(or $(SI_CACHE_DIR),$(CURDIR)/.cache)/venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo test unit integration lint format
+.PHONY: setup demo test unit integration lint format bench-routing
 setup:
 	@bash scripts/setup.sh
 
@@ -25,3 +25,9 @@ lint: setup
 
 format: setup
 	$(VENV)/bin/ruff format . && $(VENV)/bin/ruff check --fix .
+
+# Routing benchmark (~20 min): our router vs round-robin vs vllm-router on three vLLM
+# workers; writes bench/results/routing.{json,md}. Takes the machine's heavy-run lock.
+bench-routing:
+	SI_WITH_BENCH=1 bash scripts/setup.sh
+	flock /tmp/si-heavy.lock $(PY) -m bench.routing $(ARGS)

@@ -1,0 +1,166 @@
+"""The benchmark's client side: streamed chat requests through a router, timed, and a
+sampler of each worker's in-flight requests.
+
+Every request carries ``X-Session-ID: <shopper>`` (our router and vllm-router's
+consistent_hash both key on it), streams so the first chunk gives the TTFT, and asks for
+a few tokens only, so a run measures prefill and caching rather than decoding.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import httpx
+
+from bench._metrics import INFLIGHT_GAUGES, parse_samples
+from bench._workload import Request
+
+logger = logging.getLogger(__name__)
+
+WORKER_HEADER = "x-sidecar-worker"
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    seq: int
+    shopper: str
+    ok: bool
+    ttft_s: float
+    total_s: float
+    worker: str
+    """The worker that served it, when the router says (our router's response header)."""
+    error: str = ""
+
+
+async def send(
+    client: httpx.AsyncClient, url: str, model: str, request: Request, max_tokens: int
+) -> Outcome:
+    body = {
+        "model": model,
+        "messages": list(request.messages),
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "stream": True,
+    }
+    headers = {"X-Session-ID": request.shopper}
+    started = time.perf_counter()
+    ttft = float("nan")
+    try:
+        async with client.stream(
+            "POST", f"{url}/v1/chat/completions", json=body, headers=headers
+        ) as reply:
+            worker = reply.headers.get(WORKER_HEADER, "")
+            if reply.status_code != 200:
+                text = (await reply.aread()).decode(errors="replace")[:200]
+                return Outcome(
+                    request.seq, request.shopper, False, ttft,
+                    time.perf_counter() - started, worker, f"HTTP {reply.status_code}: {text}",
+                )  # fmt: skip
+            async for line in reply.aiter_lines():
+                if line.startswith("data:") and ttft != ttft:  # first chunk: NaN != NaN
+                    ttft = time.perf_counter() - started
+    except httpx.HTTPError as exc:
+        return Outcome(
+            request.seq, request.shopper, False, ttft, time.perf_counter() - started, "",
+            f"{type(exc).__name__}: {exc}",
+        )  # fmt: skip
+    return Outcome(request.seq, request.shopper, True, ttft, time.perf_counter() - started, worker)
+
+
+async def run_ordered(
+    url: str,
+    model: str,
+    requests: Sequence[Request],
+    concurrency: int,
+    max_tokens: int,
+    deadline: float,
+) -> tuple[list[Outcome], bool]:
+    """Send ``requests`` in schedule order with ``concurrency`` in flight; a shopper's next
+    request waits for its previous one (the pipeline never has two prompts of one shopper
+    in flight in the steady state). Stops taking new requests at ``deadline`` (monotonic);
+    returns the outcomes and whether it was cut short."""
+    queue: asyncio.Queue[Request] = asyncio.Queue()
+    for r in requests:
+        queue.put_nowait(r)
+    locks: dict[str, asyncio.Lock] = {}
+    outcomes: list[Outcome] = []
+    cut = False
+
+    async with httpx.AsyncClient(timeout=httpx.Timeout(300.0, connect=5.0)) as client:
+
+        async def loop() -> None:
+            nonlocal cut
+            while True:
+                try:
+                    r = queue.get_nowait()
+                except asyncio.QueueEmpty:
+                    return
+                if time.monotonic() > deadline:
+                    cut = True
+                    return
+                lock = locks.setdefault(r.shopper, asyncio.Lock())
+                async with lock:
+                    outcomes.append(await send(client, url, model, r, max_tokens))
+
+        await asyncio.gather(*(loop() for _ in range(concurrency)))
+    outcomes.sort(key=lambda o: o.seq)
+    return outcomes, cut
+
+
+async def run_waves(
+    url: str, model: str, waves: Sequence[Sequence[Request]], max_tokens: int, deadline: float
+) -> tuple[list[Outcome], bool]:
+    """Each wave's requests all at once; the next wave when the last one finished."""
+    outcomes: list[Outcome] = []
+    async with httpx.AsyncClient(
+        timeout=httpx.Timeout(300.0, connect=5.0), limits=httpx.Limits(max_connections=200)
+    ) as client:
+        for wave in waves:
+            if time.monotonic() > deadline:
+                return outcomes, True
+            outcomes += await asyncio.gather(
+                *(send(client, url, model, r, max_tokens) for r in wave)
+            )
+    return outcomes, False
+
+
+class InflightSampler:
+    """Polls every worker's ``/metrics`` for running + waiting requests every ``interval_s``."""
+
+    def __init__(self, workers: Sequence[str], interval_s: float = 0.1) -> None:
+        self.workers = list(workers)
+        self.interval_s = interval_s
+        self.rows: list[list[float]] = []
+        self._task: asyncio.Task[None] | None = None
+
+    async def _poll(self) -> None:
+        async with httpx.AsyncClient(timeout=2.0) as client:
+            while True:
+                started = time.monotonic()
+                replies = await asyncio.gather(
+                    *(client.get(f"{w}/metrics") for w in self.workers), return_exceptions=True
+                )
+                row = []
+                for reply in replies:
+                    if isinstance(reply, BaseException):
+                        row.append(0.0)
+                        continue
+                    gauges = parse_samples(reply.text, INFLIGHT_GAUGES)
+                    row.append(sum(gauges.values()))
+                self.rows.append(row)
+                await asyncio.sleep(max(0.0, self.interval_s - (time.monotonic() - started)))
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._poll())
+
+    async def stop(self) -> list[list[float]]:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        return self.rows

