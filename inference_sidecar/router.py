@@ -100,6 +100,18 @@ class _AttemptFailed(Exception):
         self.detail = detail
 
 
+_WORKER_FAILURES = (_AttemptFailed, httpx.HTTPError, TimeoutError)
+
+
+def _describe_failure(exc: BaseException) -> tuple[str, str]:
+    """(kind for the health tracker, text for the error message) of a failed attempt."""
+    if isinstance(exc, _AttemptFailed):
+        return exc.kind, str(exc)
+    if isinstance(exc, httpx.TimeoutException | TimeoutError):
+        return "timeout", f"timeout: {type(exc).__name__}"
+    return "transport", f"transport: {type(exc).__name__}: {exc}"
+
+
 def parse_body(raw: bytes) -> dict[str, Any]:
     """Parse and check a completion request body; raises ``RequestError`` with the reason."""
     if not raw.strip():
@@ -320,15 +332,10 @@ class Router:
                     reply.headers.get("content-type", JSON),
                     worker,
                 )
-            except _AttemptFailed as exc:
-                attempts.append((worker, str(exc)))
-                self._fail(pool, worker, exc.kind)
-            except (httpx.TimeoutException, TimeoutError) as exc:
-                attempts.append((worker, f"timeout: {type(exc).__name__}"))
-                self._fail(pool, worker, "timeout")
-            except httpx.HTTPError as exc:
-                attempts.append((worker, f"transport: {type(exc).__name__}: {exc}"))
-                self._fail(pool, worker, "transport")
+            except _WORKER_FAILURES as exc:
+                kind, text = _describe_failure(exc)
+                attempts.append((worker, text))
+                self._fail(pool, worker, kind)
             except asyncio.CancelledError:
                 ok = None  # the client went away; not the worker's fault
                 raise
@@ -395,15 +402,10 @@ class Router:
                     media_type=upstream.headers.get("content-type", "text/event-stream"),
                     headers=response_headers,
                 )
-            except _AttemptFailed as exc:
-                attempts.append((worker, str(exc)))
-                self._fail(pool, worker, exc.kind)
-            except (httpx.TimeoutException, TimeoutError) as exc:
-                attempts.append((worker, f"timeout: {type(exc).__name__}"))
-                self._fail(pool, worker, "timeout")
-            except httpx.HTTPError as exc:
-                attempts.append((worker, f"transport: {type(exc).__name__}: {exc}"))
-                self._fail(pool, worker, "transport")
+            except _WORKER_FAILURES as exc:
+                kind, text = _describe_failure(exc)
+                attempts.append((worker, text))
+                self._fail(pool, worker, kind)
             except asyncio.CancelledError:
                 ok = None
                 raise

@@ -21,8 +21,8 @@ from bench._metrics import (
 )
 from bench._workload import (
     WorkloadConfig,
-    build_hot_requests,
     build_requests,
+    build_skewed_lanes,
     common_prefix_len,
     minimum_new_tokens,
     shared_prefix_tokens,
@@ -118,12 +118,17 @@ class TestWorkload:
         again = build_requests(WorkloadConfig(shoppers=7, requests=30, seed=3))
         assert [r.messages for r in again] == [r.messages for r in requests]
 
-    def test_hot_waves(self):
-        waves = build_hot_requests(hot=2, bursts=2, burst_size=3, background=1, seed=5)
-        assert [len(w) for w in waves] == [7, 7]
-        hot = Counter(r.shopper for w in waves for r in w)
-        assert hot["hot-01"] == hot["hot-02"] == 6
-        assert len({r.seq for w in waves for r in w}) == 14
+    def test_skewed_lanes(self):
+        lanes = build_skewed_lanes(
+            hot=2, lanes_per_hot=3, per_hot=6, background_lanes=2, per_background=2, seed=5
+        )
+        assert len(lanes) == 2 * 3 + 2
+        assert [{r.shopper for r in lane} for lane in lanes[:3]] == [{"hot-01"}] * 3
+        hot = [r for lane in lanes[:3] for r in sorted(lane, key=lambda r: r.seq)]
+        assert sorted(r.events for r in hot) == list(range(hot[0].events, hot[0].events + 6))
+        cold = [r.shopper for lane in lanes[6:] for r in lane]
+        assert len(cold) == len(set(cold)) == 4
+        assert len({r.seq for lane in lanes for r in lane}) == 2 * 6 + 4
 
     def test_config_validation(self):
         with pytest.raises(ValueError, match="growth"):

@@ -1,0 +1,38 @@
+"""Read shopper intents from Redis for ranking services, and an example re-ranker.
+
+    from intent_reader import IntentReader, Candidate, rerank
+
+    reader = IntentReader.from_url("redis://cache:6379/0", max_age_s=900)
+    intent = reader.get("shopper-42")                    # ShopperIntent | None
+    intents = reader.get_many(["shopper-42", "s-7"])     # one round trip
+    ranked = rerank([Candidate("p1", 0.8, "Running Shoes"), ...], intent)
+
+The Redis layout is documented in ``docs/redis_layout.md``.
+"""
+
+from intent_reader.client import (
+    IntentLabel,
+    IntentReader,
+    IntentReaderError,
+    MalformedIntentError,
+    ReaderUnavailableError,
+    ShopperIntent,
+    intent_key,
+    parse_intent,
+)
+from intent_reader.rerank import Candidate, Ranked, RerankWeights, rerank
+
+__all__ = [
+    "Candidate",
+    "IntentLabel",
+    "IntentReader",
+    "IntentReaderError",
+    "MalformedIntentError",
+    "Ranked",
+    "ReaderUnavailableError",
+    "RerankWeights",
+    "ShopperIntent",
+    "intent_key",
+    "parse_intent",
+    "rerank",
+]

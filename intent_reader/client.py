@@ -1,0 +1,302 @@
+"""Read the shopper intents the job writes to Redis: typed, with their age, missing and
+stale made explicit.
+
+The layout read here is documented in ``docs/redis_layout.md`` (one hash per shopper at
+``{prefix}:intent:{shopper_id}``); this module needs only redis-py, not the job.
+
+Behaviour:
+
+- a shopper with no hash (never inferred, or expired after 24 h) is **missing**: ``get``
+  returns None and ``get_many`` maps the shopper to None;
+- an intent whose newest event is older than ``max_age_s`` is **stale**: with
+  ``stale="flag"`` (the default) it is returned with ``stale=True``, with ``stale="drop"``
+  it is treated as missing;
+- a hash that exists but cannot be read as an intent (a foreign writer, a missing field)
+  is treated as missing and logged, or raises :class:`MalformedIntentError` when the
+  reader is ``strict``.
+
+``age_ms`` is the reader's clock minus ``version_ts``: how long ago the newest event the
+intent reflects happened (clamped at 0 for clocks that disagree). ``written_age_ms`` is the
+same for the time the intent landed in Redis (``written_at_ms``, Redis server time).
+
+A batch is one pipelined round trip of ``HMGET`` calls (not a transaction; on Redis
+Cluster each key is read from its own slot by a cluster-aware client).
+
+Errors::
+
+    IntentReaderError             base
+    ├── ReaderUnavailableError    Redis could not be reached or timed out
+    └── MalformedIntentError      a hash is not a readable intent (strict readers only)
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import redis
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PREFIX = "si"
+DEFAULT_MAX_AGE_S = 15 * 60.0
+
+#: The hash fields read, in HMGET order (see docs/redis_layout.md).
+FIELDS = (
+    "version_ts",
+    "version_seq",
+    "intent",
+    "top_label",
+    "top_confidence",
+    "summary",
+    "event_time_ms",
+    "template",
+    "template_hash",
+    "model",
+    "written_at_ms",
+)
+
+StalePolicy = Literal["flag", "drop"]
+
+
+# --- errors ------------------------------------------------------------------------------
+
+
+class IntentReaderError(Exception):
+    """Base error of the intent reader."""
+
+
+class ReaderUnavailableError(IntentReaderError):
+    """Redis could not be reached or did not answer in time."""
+
+
+class MalformedIntentError(IntentReaderError):
+    """A shopper's hash exists but is not a readable intent."""
+
+    def __init__(self, shopper_id: str, reason: str) -> None:
+        self.shopper_id = shopper_id
+        self.reason = reason
+        super().__init__(f"malformed intent hash for shopper {shopper_id!r}: {reason}")
+
+
+# --- values ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class IntentLabel:
+    """One of the (at most three) intents the model gave, most confident first."""
+
+    label: str
+    confidence: float
+    category: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ShopperIntent:
+    """A shopper's stored intent as a ranking service sees it."""
+
+    shopper_id: str
+    labels: tuple[IntentLabel, ...]
+    summary: str
+    top_label: str
+    top_confidence: float
+    version_ts: int
+    version_seq: int
+    event_time_ms: int
+    written_at_ms: int
+    template: str
+    template_hash: str
+    model: str
+    age_ms: int
+    written_age_ms: int
+    stale: bool
+    intent_json: str
+
+    @property
+    def age_s(self) -> float:
+        return self.age_ms / 1000.0
+
+    @property
+    def intent(self) -> Any:
+        """The intent document (``{"intents": [...], "summary": ...}``), decoded."""
+        return json.loads(self.intent_json)
+
+    @property
+    def categories(self) -> tuple[str, ...]:
+        """Categories named by the intents, most confident first, each once."""
+        seen: dict[str, None] = {}
+        for label in self.labels:
+            if label.category:
+                seen.setdefault(label.category, None)
+        return tuple(seen)
+
+    def confidence_of(self, label: str) -> float:
+        """The confidence the model gave ``label`` (0 when it did not name it)."""
+        return max((x.confidence for x in self.labels if x.label == label), default=0.0)
+
+
+# --- the pure part -----------------------------------------------------------------------
+
+
+def intent_key(shopper_id: str, prefix: str = DEFAULT_PREFIX) -> str:
+    """The key of a shopper's intent hash: ``{prefix}:intent:{shopper_id}``."""
+    return f"{prefix}:intent:{shopper_id}"
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode("utf-8") if isinstance(value, bytes) else value
+
+
+def _labels(intent_json: str) -> tuple[IntentLabel, ...]:
+    doc = json.loads(intent_json)
+    out = []
+    for item in doc.get("intents") or ():
+        category = item.get("category") or None
+        out.append(IntentLabel(str(item["label"]), float(item["confidence"]), category))
+    return tuple(out)
+
+
+def parse_intent(
+    shopper_id: str,
+    values: Sequence[bytes | str | None],
+    now_ms: int,
+    max_age_ms: int,
+) -> ShopperIntent | None:
+    """A ``ShopperIntent`` from the HMGET reply for ``FIELDS``; None when the hash is absent.
+
+    Raises :class:`MalformedIntentError` when some fields are there but not all, or a value
+    does not parse.
+    """
+    if len(values) != len(FIELDS):
+        raise ValueError(f"expected {len(FIELDS)} values, got {len(values)}")
+    if all(v is None for v in values):
+        return None
+    data = dict(zip(FIELDS, values, strict=True))
+    absent = [name for name, value in data.items() if value is None]
+    if absent:
+        raise MalformedIntentError(shopper_id, f"missing fields {', '.join(absent)}")
+    text = {name: _text(value) for name, value in data.items()}  # type: ignore[arg-type]
+    try:
+        version_ts = int(text["version_ts"])
+        written_at_ms = int(text["written_at_ms"])
+        labels = _labels(text["intent"])
+        age_ms = max(0, now_ms - version_ts)
+        return ShopperIntent(
+            shopper_id=shopper_id,
+            labels=labels,
+            summary=text["summary"],
+            top_label=text["top_label"],
+            top_confidence=float(text["top_confidence"]),
+            version_ts=version_ts,
+            version_seq=int(text["version_seq"]),
+            event_time_ms=int(text["event_time_ms"]),
+            written_at_ms=written_at_ms,
+            template=text["template"],
+            template_hash=text["template_hash"],
+            model=text["model"],
+            age_ms=age_ms,
+            written_age_ms=max(0, now_ms - written_at_ms),
+            stale=age_ms > max_age_ms,
+            intent_json=text["intent"],
+        )
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise MalformedIntentError(shopper_id, str(e)) from e
+
+
+# --- the client --------------------------------------------------------------------------
+
+
+class IntentReader:
+    """Get and batch-get intents over a ``redis.Redis`` client (thread-safe like the client).
+
+    ``max_age_s`` and ``stale`` set the default staleness rule; each call may override them.
+    """
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        prefix: str = DEFAULT_PREFIX,
+        max_age_s: float = DEFAULT_MAX_AGE_S,
+        stale: StalePolicy = "flag",
+        strict: bool = False,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        if max_age_s <= 0:
+            raise ValueError(f"max_age_s must be positive, got {max_age_s}")
+        _check_policy(stale)
+        self.client = client
+        self.prefix = prefix
+        self.max_age_s = max_age_s
+        self.stale = stale
+        self.strict = strict
+        self._clock = clock
+
+    @classmethod
+    def from_url(cls, url: str, timeout_s: float = 0.05, **kwargs: Any) -> IntentReader:
+        """A reader with its own client; the timeouts suit a ranking request's budget."""
+        client = redis.Redis.from_url(
+            url, socket_timeout=timeout_s, socket_connect_timeout=max(timeout_s, 0.5)
+        )
+        return cls(client, **kwargs)
+
+    def get(
+        self,
+        shopper_id: str,
+        max_age_s: float | None = None,
+        stale: StalePolicy | None = None,
+    ) -> ShopperIntent | None:
+        """The intent of ``shopper_id``; None when missing (or stale, with ``stale="drop"``)."""
+        return self.get_many([shopper_id], max_age_s, stale)[shopper_id]
+
+    def get_many(
+        self,
+        shopper_ids: Iterable[str],
+        max_age_s: float | None = None,
+        stale: StalePolicy | None = None,
+    ) -> dict[str, ShopperIntent | None]:
+        """Each requested shopper mapped to its intent or None, in order (one round trip)."""
+        ids = list(dict.fromkeys(shopper_ids))
+        if not ids:
+            return {}
+        policy = self.stale if stale is None else _check_policy(stale)
+        max_age_ms = int((self.max_age_s if max_age_s is None else max_age_s) * 1000)
+        replies = self._hmget_all(ids)
+        now_ms = int(self._clock() * 1000)
+        out: dict[str, ShopperIntent | None] = {}
+        for shopper_id, values in zip(ids, replies, strict=True):
+            result = self._parse(shopper_id, values, now_ms, max_age_ms)
+            if result is not None and result.stale and policy == "drop":
+                log.debug("intent of %s is stale (%d ms); dropped", shopper_id, result.age_ms)
+                result = None
+            out[shopper_id] = result
+        return out
+
+    def _parse(
+        self, shopper_id: str, values: Sequence[Any], now_ms: int, max_age_ms: int
+    ) -> ShopperIntent | None:
+        try:
+            return parse_intent(shopper_id, values, now_ms, max_age_ms)
+        except MalformedIntentError as e:
+            if self.strict:
+                raise
+            log.warning("%s; treated as missing", e)
+            return None
+
+    def _hmget_all(self, ids: Sequence[str]) -> list[Sequence[Any]]:
+        try:
+            with self.client.pipeline(transaction=False) as pipe:
+                for shopper_id in ids:
+                    pipe.hmget(intent_key(shopper_id, self.prefix), FIELDS)
+                return list(pipe.execute())
+        except (redis.ConnectionError, redis.TimeoutError) as e:
+            raise ReaderUnavailableError(f"Redis unavailable: {e}") from e
+
+
+def _check_policy(stale: str) -> StalePolicy:
+    if stale not in ("flag", "drop"):
+        raise ValueError(f"stale must be 'flag' or 'drop', got {stale!r}")
+    return stale  # type: ignore[return-value]

@@ -1,0 +1,217 @@
+"""The Managed Flink zip runs the job: unpacked, on a clean interpreter, from its own files.
+
+The zip is built for this interpreter (``--local``), unpacked, and its ``main.py`` is run by
+a fresh venv whose ``PYTHONPATH`` holds only the zip's ``pyFiles`` folders and PyFlink with
+its requirements (``deploy.local_run``): what Managed Flink gives it. Configuration comes
+from a properties file in Managed Flink's format, the connector classes from the zip's fat
+jar. Against the session's broker and Redis and a stand-in OpenAI-compatible server (this
+test checks the packaging, not the model), 20 events of 5 shoppers must become 5 intents
+in Redis.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import orjson
+import pytest
+import redis
+
+from deploy import build_managed_flink_zip as builder
+from deploy.local_run import UnpackedApp, unpack
+from deploy.vendor import TargetPlatform
+from flink_jobs.local_services import create_topics
+from flink_jobs.replay import replay_records
+from intent_reader import IntentReader
+
+SHOPPERS = 5
+EVENTS_PER_SHOPPER = 4
+INTENTS_TIMEOUT_S = 100.0
+STAND_IN_MODEL = "stand-in-model"
+STAND_IN_ANSWER = {
+    "intents": [{"label": "ready_to_buy", "confidence": 0.9, "category": "Running Shoes"}],
+    "summary": "Compared running shoes, then added a pair to the cart",
+}
+
+
+class StandInLlm:
+    """A tiny OpenAI-compatible chat endpoint that always gives the same valid intent."""
+
+    def __init__(self) -> None:
+        self.session_ids: list[str] = []
+        owner = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                length = int(self.headers.get("Content-Length") or 0)
+                request = orjson.loads(self.rfile.read(length))
+                owner.session_ids.append(self.headers.get("X-Session-ID", ""))
+                body = orjson.dumps(
+                    {
+                        "id": f"stand-in-{len(owner.session_ids)}",
+                        "object": "chat.completion",
+                        "model": request.get("model", STAND_IN_MODEL),
+                        "choices": [
+                            {
+                                "index": 0,
+                                "message": {
+                                    "role": "assistant",
+                                    "content": json.dumps(STAND_IN_ANSWER),
+                                },
+                                "finish_reason": "stop",
+                            }
+                        ],
+                        "usage": {"prompt_tokens": 100, "completion_tokens": 30},
+                    }
+                )
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.server.server_address[1]}/v1"
+
+    def __enter__(self) -> StandInLlm:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture(scope="module")
+def unpacked_app(tmp_path_factory: pytest.TempPathFactory) -> UnpackedApp:
+    missing = [n for n in builder.JARS if not (builder.DEFAULT_JARS_DIR / n).is_file()]
+    if missing:
+        pytest.skip(f"connector jars not built ({', '.join(missing)}): run scripts/setup.sh")
+    out = tmp_path_factory.mktemp("zip")
+    result = builder.build(out, TargetPlatform.local())
+    return unpack(result.zip_path, tmp_path_factory.mktemp("managed-flink"))
+
+
+def _events(name: str) -> list[bytes]:
+    base_ms = int(time.time() * 1000)
+    kinds = ("view", "click", "view", "add_to_cart")
+    records = []
+    for s in range(SHOPPERS):
+        for i, kind in enumerate(kinds[:EVENTS_PER_SHOPPER]):
+            event = {
+                "event_id": f"{name}-{s}-{i}",
+                "shopper_id": f"{name}-shopper-{s}",
+                "event_type": kind,
+                "event_time": base_ms + (s * EVENTS_PER_SHOPPER + i) * 50,
+                "product": {
+                    "product_id": f"p-{s}-{i % 2}",
+                    "title": "Trail running shoe",
+                    "category": "Running Shoes",
+                    "price": 89.5,
+                },
+            }
+            records.append(orjson.dumps(event))
+    return records
+
+
+def _properties(path: Path, name: str, kafka: str, redis_url: str, llm_url: str) -> Path:
+    groups = {
+        "kafka": {
+            "bootstrap_servers": kafka,
+            "events_topic": f"{name}-events",
+            "dead_letter_topic": f"{name}-dlq",
+            "group_id": name,
+            "starting_offsets": "earliest",
+        },
+        "redis": {"url": redis_url, "key_prefix": name},
+        "llm": {"base_url": llm_url, "model": STAND_IN_MODEL, "request_timeout_s": "10"},
+        "trigger": {"quiet_s": "1", "max_wait_s": "2", "min_interval_s": "0"},
+        "job": {"checkpoint_interval_s": "2", "stats_flush_s": "0.5"},
+    }
+    doc = [{"PropertyGroupId": builder.RUN_OPTIONS_GROUP, "PropertyMap": builder.run_options()}]
+    doc += [{"PropertyGroupId": g, "PropertyMap": m} for g, m in groups.items()]
+    path.write_text(json.dumps(doc))
+    return path
+
+
+@pytest.fixture
+def running_job(
+    unpacked_app: UnpackedApp, kafka_bootstrap: str, redis_url: str, unique_name: str
+) -> Iterator[tuple[str, StandInLlm, Path]]:
+    workdir = unpacked_app.root.parent
+    with StandInLlm() as llm:
+        props = _properties(
+            workdir / f"{unique_name}.json", unique_name, kafka_bootstrap, redis_url, llm.base_url
+        )
+        create_topics(kafka_bootstrap, [f"{unique_name}-events", f"{unique_name}-dlq"], 1)
+        log_path = workdir / f"{unique_name}.log"
+        with log_path.open("wb") as log:
+            proc = subprocess.Popen(
+                unpacked_app.command(),
+                cwd=workdir,
+                env=unpacked_app.environment({"SI_PROPERTIES_FILE": str(props)}),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+            try:
+                yield unique_name, llm, log_path
+                assert proc.poll() is None, _tail(log_path)
+            finally:
+                _stop(proc)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=15)
+
+
+def _tail(path: Path, lines: int = 40) -> str:
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+
+def test_job_from_the_zip_writes_intents(running_job, kafka_bootstrap: str, redis_url: str):
+    name, llm, log_path = running_job
+    records = _events(name)
+    summary = replay_records(kafka_bootstrap, f"{name}-events", records, rate=40.0)
+    assert summary.ok, summary.describe(f"{name}-events")
+
+    client = redis.Redis.from_url(redis_url)
+    reader = IntentReader(client, prefix=name)
+    shoppers = [f"{name}-shopper-{s}" for s in range(SHOPPERS)]
+    deadline = time.monotonic() + INTENTS_TIMEOUT_S
+    found = {}
+    while time.monotonic() < deadline:
+        found = {sid: r for sid, r in reader.get_many(shoppers).items() if r is not None}
+        if len(found) == SHOPPERS:
+            break
+        time.sleep(1.0)
+    assert len(found) == SHOPPERS, f"intents for {sorted(found)}; job log:\n{_tail(log_path)}"
+
+    for shopper_id, result in found.items():
+        assert result.top_label == "ready_to_buy"
+        assert result.intent["summary"] == STAND_IN_ANSWER["summary"]
+        assert result.model == STAND_IN_MODEL
+        assert shopper_id in llm.session_ids  # the stickiness header reached the endpoint
+    stats = {k.decode(): int(v) for k, v in client.hgetall(f"{name}:stats").items()}
+    assert stats.get("events_in", 0) == len(records)

@@ -1,0 +1,242 @@
+"""intent_reader.client: parsing HMGET replies, missing/stale/malformed behaviour, batching.
+
+Redis is replaced by a small in-memory fake with the two calls the reader makes
+(``pipeline(transaction=False)`` and ``hmget``); the hashes are written with the job's
+own ``flink_jobs.intent_store.upsert_args``, so reader and writer agree on the layout.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+
+import pytest
+import redis
+
+from flink_jobs.intent_store import RECORD_FIELDS, IntentRecord, upsert_args
+from intent_reader import (
+    IntentReader,
+    MalformedIntentError,
+    ReaderUnavailableError,
+    ShopperIntent,
+    intent_key,
+    parse_intent,
+)
+from intent_reader.client import FIELDS
+
+NOW_MS = 1_800_000_000_000
+INTENT = {
+    "intents": [
+        {"label": "ready_to_buy", "confidence": 0.8, "category": "Running Shoes"},
+        {"label": "comparing_options", "confidence": 0.4, "category": "Running Shoes"},
+        {"label": "deal_seeking", "confidence": 0.2},
+    ],
+    "summary": "Added trail shoes to the cart",
+}
+
+
+class FakePipeline:
+    def __init__(self, store: FakeRedis) -> None:
+        self.store = store
+        self.calls: list[tuple[str, Sequence[str]]] = []
+
+    def __enter__(self) -> FakePipeline:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+    def hmget(self, key: str, fields: Sequence[str]) -> None:
+        self.calls.append((key, fields))
+
+    def execute(self) -> list[list[bytes | None]]:
+        self.store.round_trips += 1
+        if self.store.fail:
+            raise redis.ConnectionError("connection refused")
+        out = []
+        for key, fields in self.calls:
+            h = self.store.hashes.get(key, {})
+            out.append([h.get(f) for f in fields])
+        return out
+
+
+class FakeRedis:
+    def __init__(self) -> None:
+        self.hashes: dict[str, dict[str, bytes]] = {}
+        self.round_trips = 0
+        self.fail = False
+
+    def pipeline(self, transaction: bool = True) -> FakePipeline:
+        assert transaction is False
+        return FakePipeline(self)
+
+    def write(self, record: IntentRecord, prefix: str = "si", written_at_ms: int = NOW_MS) -> None:
+        """What UPSERT_SCRIPT stores for ``record``, built from the writer's own arguments."""
+        args = upsert_args(record, ttl_ms=60_000)
+        fields = {"version_ts": args[0], "version_seq": args[1], "written_at_ms": written_at_ms}
+        pairs = args[3:]
+        fields.update(dict(zip(pairs[::2], pairs[1::2], strict=True)))
+        self.hashes[intent_key(record.shopper_id, prefix)] = {
+            k: str(v).encode() for k, v in fields.items()
+        }
+
+
+def record(shopper_id: str = "s-1", event_ms: int = NOW_MS - 5_000, seq: int = 3) -> IntentRecord:
+    return IntentRecord(
+        shopper_id=shopper_id,
+        version_ts=event_ms,
+        version_seq=seq,
+        intent_json=json.dumps(INTENT),
+        top_label="ready_to_buy",
+        top_confidence=0.8,
+        summary=INTENT["summary"],
+        event_time_ms=event_ms,
+        template="shopper_intent_v1.j2",
+        template_hash="abc123",
+        model="SmolLM2-135M-Instruct",
+    )
+
+
+@pytest.fixture
+def fake() -> FakeRedis:
+    return FakeRedis()
+
+
+def reader_of(fake: FakeRedis, **kwargs) -> IntentReader:
+    return IntentReader(fake, clock=lambda: NOW_MS / 1000, **kwargs)  # type: ignore[arg-type]
+
+
+class TestLayout:
+    def test_reader_reads_every_field_the_writer_writes(self):
+        written = {"version_ts", "version_seq", "written_at_ms", *RECORD_FIELDS}
+        assert set(FIELDS) == written
+
+    def test_key_matches_the_writer(self):
+        from flink_jobs.intent_store import intent_key as writer_key
+
+        assert intent_key("s-1", "p") == writer_key("s-1", "p") == "p:intent:s-1"
+
+
+class TestParseIntent:
+    def test_absent_hash_is_none(self):
+        assert parse_intent("s", [None] * len(FIELDS), NOW_MS, 1000) is None
+
+    def test_partial_hash_is_malformed_and_names_the_fields(self):
+        values: list[bytes | None] = [b"1"] * len(FIELDS)
+        values[FIELDS.index("model")] = None
+        with pytest.raises(MalformedIntentError, match="model") as info:
+            parse_intent("s-9", values, NOW_MS, 1000)
+        assert info.value.shopper_id == "s-9"
+
+    def test_unparsable_value_is_malformed(self, fake: FakeRedis):
+        fake.write(record())
+        values = [fake.hashes[intent_key("s-1")][f] for f in FIELDS]
+        values[FIELDS.index("version_ts")] = b"yesterday"
+        with pytest.raises(MalformedIntentError):
+            parse_intent("s-1", values, NOW_MS, 1000)
+
+    def test_wrong_reply_length_is_a_programming_error(self):
+        with pytest.raises(ValueError):
+            parse_intent("s", [None], NOW_MS, 1000)
+
+
+class TestGet:
+    def test_typed_result_with_age(self, fake: FakeRedis):
+        fake.write(record(event_ms=NOW_MS - 5_000), written_at_ms=NOW_MS - 2_000)
+        got = reader_of(fake).get("s-1")
+        assert isinstance(got, ShopperIntent)
+        assert got.age_ms == 5_000 and got.age_s == 5.0
+        assert got.written_age_ms == 2_000
+        assert not got.stale
+        assert got.top_label == "ready_to_buy" and got.top_confidence == 0.8
+        assert [x.label for x in got.labels] == [
+            "ready_to_buy",
+            "comparing_options",
+            "deal_seeking",
+        ]
+        assert got.labels[2].category is None
+        assert got.categories == ("Running Shoes",)
+        assert got.confidence_of("comparing_options") == 0.4
+        assert got.confidence_of("gift_shopping") == 0.0
+        assert got.intent == INTENT
+        assert (got.version_ts, got.version_seq) == (NOW_MS - 5_000, 3)
+
+    def test_result_is_frozen(self, fake: FakeRedis):
+        fake.write(record())
+        got = reader_of(fake).get("s-1")
+        with pytest.raises(AttributeError):
+            got.stale = True  # type: ignore[misc, union-attr]
+
+    def test_missing_is_none(self, fake: FakeRedis):
+        assert reader_of(fake).get("nobody") is None
+
+    def test_event_time_in_the_future_has_age_zero(self, fake: FakeRedis):
+        fake.write(record(event_ms=NOW_MS + 3_000))
+        assert reader_of(fake).get("s-1").age_ms == 0  # type: ignore[union-attr]
+
+    def test_prefix_is_used(self, fake: FakeRedis):
+        fake.write(record(), prefix="other")
+        assert reader_of(fake).get("s-1") is None
+        assert reader_of(fake, prefix="other").get("s-1") is not None
+
+
+class TestStaleness:
+    def test_stale_is_flagged_by_default(self, fake: FakeRedis):
+        fake.write(record(event_ms=NOW_MS - 120_000))
+        got = reader_of(fake, max_age_s=60).get("s-1")
+        assert got is not None and got.stale
+
+    def test_stale_is_dropped_on_request(self, fake: FakeRedis):
+        fake.write(record(event_ms=NOW_MS - 120_000))
+        assert reader_of(fake, max_age_s=60, stale="drop").get("s-1") is None
+
+    def test_per_call_overrides(self, fake: FakeRedis):
+        fake.write(record(event_ms=NOW_MS - 120_000))
+        reader = reader_of(fake, max_age_s=60)
+        assert reader.get("s-1", stale="drop") is None
+        assert reader.get("s-1", max_age_s=300, stale="drop") is not None
+
+    def test_boundary_is_not_stale(self, fake: FakeRedis):
+        fake.write(record(event_ms=NOW_MS - 60_000))
+        assert not reader_of(fake, max_age_s=60).get("s-1").stale  # type: ignore[union-attr]
+
+    @pytest.mark.parametrize("bad", [{"max_age_s": 0}, {"stale": "ignore"}])
+    def test_bad_settings_are_refused(self, fake: FakeRedis, bad):
+        with pytest.raises(ValueError):
+            reader_of(fake, **bad)
+
+
+class TestGetMany:
+    def test_one_round_trip_every_shopper_in_request_order(self, fake: FakeRedis):
+        for sid in ("a", "c"):
+            fake.write(record(sid))
+        got = reader_of(fake).get_many(["c", "b", "a", "c"])
+        assert list(got) == ["c", "b", "a"]
+        assert got["b"] is None and got["a"] is not None and got["c"] is not None
+        assert fake.round_trips == 1
+
+    def test_empty_request_makes_no_call(self, fake: FakeRedis):
+        assert reader_of(fake).get_many([]) == {}
+        assert fake.round_trips == 0
+
+    def test_malformed_hash_is_missing_unless_strict(self, fake: FakeRedis):
+        fake.write(record("ok"))
+        fake.hashes[intent_key("bad")] = {"version_ts": b"1"}
+        got = reader_of(fake).get_many(["ok", "bad"])
+        assert got["bad"] is None and got["ok"] is not None
+        with pytest.raises(MalformedIntentError):
+            reader_of(fake, strict=True).get_many(["ok", "bad"])
+
+    def test_mixed_fresh_stale_missing(self, fake: FakeRedis):
+        fake.write(record("fresh", event_ms=NOW_MS - 1_000))
+        fake.write(record("old", event_ms=NOW_MS - 3_600_000))
+        got = reader_of(fake, max_age_s=900, stale="drop").get_many(["fresh", "old", "none"])
+        assert got["fresh"] is not None and got["old"] is None and got["none"] is None
+
+
+class TestErrors:
+    def test_unreachable_redis_raises_reader_unavailable(self, fake: FakeRedis):
+        fake.fail = True
+        with pytest.raises(ReaderUnavailableError) as info:
+            reader_of(fake).get("s-1")
+        assert isinstance(info.value.__cause__, redis.ConnectionError)
