@@ -45,7 +45,7 @@ class KafkaConfig:
     starting_offsets: str = "committed"
     # Passed to both the source and the sink as Kafka client properties (security settings,
     # e.g. security.protocol, sasl.mechanism, sasl.jaas.config). JSON object.
-    client_properties: Mapping[str, str] = field(default_factory=dict)
+    client_properties: Mapping[str, str] = field(default_factory=dict, repr=False)
 
     def validate(self) -> None:
         _require(self.bootstrap_servers, "kafka", "bootstrap_servers")
@@ -56,7 +56,8 @@ class KafkaConfig:
 
 @dataclass(frozen=True)
 class RedisConfig:
-    url: str = "redis://127.0.0.1:6379/0"
+    # May carry a password (redis://:secret@host): kept out of reprs and logs.
+    url: str = field(default="redis://127.0.0.1:6379/0", repr=False)
     key_prefix: str = "si"
     intent_ttl_s: int = 24 * 3600
     write_timeout_s: float = 2.0
@@ -76,7 +77,7 @@ class RedisConfig:
 class LlmConfig:
     base_url: str = "http://127.0.0.1:8000/v1"
     model: str = "SmolLM2-135M-Instruct"
-    api_key: str = ""
+    api_key: str = field(default="", repr=False)
     max_tokens: int = 160
     temperature: float = 0.0
     request_timeout_s: float = 60.0

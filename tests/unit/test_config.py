@@ -255,3 +255,17 @@ class TestStructuredFields:
         )
 
         assert config.kafka.client_properties == {"request.timeout.ms": "30000"}
+
+
+class TestSecrets:
+    def test_secrets_never_appear_in_the_config_repr(self) -> None:
+        config = load_config(
+            overrides={
+                "kafka": {"client_properties": '{"sasl.jaas.config": "password=\\"hunter2\\""}'},
+                "redis": {"url": "rediss://:hunter2@cache.internal:6380/0"},
+                "llm": {"api_key": "hunter2"},
+            },
+            environ={},
+        )
+
+        assert "hunter2" not in repr(config)
