@@ -31,7 +31,7 @@ from pyflink.datastream.connectors.kafka import (
 )
 from pyflink.java_gateway import get_gateway
 
-from flink_jobs.config import AppConfig, load_config
+from flink_jobs.config import MANAGED_FLINK_PROPERTIES, AppConfig, load_config
 from flink_jobs.local_services import cache_dir
 from flink_jobs.operators import DEAD_LETTERS, DecodeEvents, InferIntents, ShopperSessions
 
@@ -41,9 +41,12 @@ REQUIRED_JARS = ("flink-connector-kafka.jar", "kafka-clients.jar", "shopper-inte
 
 
 def connector_jars(config: AppConfig) -> list[str]:
-    """Jars for ``pipeline.jars``: the configured ones, else those the setup step built."""
+    """Jars for ``pipeline.jars``: the configured ones, else none on Managed Flink (the
+    application's jarfile is already on the classpath), else those the setup step built."""
     if config.job.jars:
         return list(config.job.jars)
+    if MANAGED_FLINK_PROPERTIES.exists():
+        return []
     jar_dir = cache_dir() / "jars"
     missing = [name for name in REQUIRED_JARS if not (jar_dir / name).exists()]
     if missing:
