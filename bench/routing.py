@@ -482,6 +482,31 @@ def markdown(doc: dict[str, Any], text_table: str) -> str:
             f"| `{t['name']}` ({t['note']}) | {t['value']} | {t['op']} {t['limit']} | {met} |"
         )
     lines += ["", f"All targets met: **{doc['all_targets_met']}**.", ""]
+    lines += [
+        "## Where the load went",
+        "",
+        "In-flight mean per worker (sampled), requests per worker (our router's header), "
+        "computed tokens per worker (vLLM counters), and our router's own decisions "
+        "(`spilled`: the home worker was over the load bound; `failed_over`: the home "
+        "worker was out of service, e.g. ejected as a latency outlier).",
+        "",
+        "| phase | router / policy | in-flight mean per worker | requests per worker "
+        "| computed tokens per worker | router decisions |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for phase, by_router in doc["phases"].items():
+        for spec in ROUTERS:
+            r = by_router.get(spec.key)
+            if r is None:
+                continue
+            served = r.get("requests_per_worker_client_side")
+            lines.append(
+                f"| {phase} | {spec.label} | {r.get('inflight_mean_per_worker')} "
+                f"| {list(served.values()) if served else '-'} "
+                f"| {list(r['computed_tokens_per_worker'].values())} "
+                f"| {r.get('router_decisions') or '-'} |"
+            )
+    lines += [""]
     if doc.get("notes"):
         lines += ["## Notes", "", *(f"- {n}" for n in doc["notes"]), ""]
     return "\n".join(lines)
@@ -717,8 +742,16 @@ def parse_args(argv: Sequence[str] | None) -> BenchConfig:
 def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["--render"]:  # re-render the table and report from a results file
+        path = Path(args[1]) if len(args) > 1 else RESULTS_DIR / "routing.json"
+        doc = json.loads(path.read_text())
+        text = table(doc["phases"])
+        print(text)
+        path.with_suffix(".md").write_text(markdown(doc, text))
+        return 0
     cfg = parse_args(argv)
-    command = "python -m bench.routing " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = "python -m bench.routing " + " ".join(args)
     doc = asyncio.run(bench(cfg, command.strip()))
     text = table(doc["phases"])
     print(text)

@@ -78,7 +78,7 @@ class LlmConfig:
     base_url: str = "http://127.0.0.1:8000/v1"
     model: str = "SmolLM2-135M-Instruct"
     api_key: str = field(default="", repr=False)
-    max_tokens: int = 160
+    max_tokens: int = 192
     temperature: float = 0.0
     request_timeout_s: float = 60.0
     max_attempts: int = 3

@@ -34,6 +34,12 @@ def _add_router_options(p: argparse.ArgumentParser) -> None:
         default=1.25,
         help="bound on a worker's in-flight requests, as a multiple of the mean (default 1.25)",
     )
+    p.add_argument(
+        "--min-load-bound",
+        type=int,
+        default=3,
+        help="in-flight requests a worker may always take before keys spill (default 3)",
+    )
     p.add_argument("--max-attempts", type=int, default=3, help="workers tried per request")
     p.add_argument("--request-timeout", type=float, default=120.0, help="seconds per attempt")
     p.add_argument(
@@ -93,6 +99,7 @@ def router_config(args: argparse.Namespace, **overrides: Any) -> RouterConfig:
         "port": args.port,
         "policy": args.policy,
         "load_factor": args.load_factor,
+        "min_load_bound": args.min_load_bound,
         "max_attempts": args.max_attempts,
         "request_timeout_s": args.request_timeout,
         "health_interval_s": args.health_interval,

@@ -39,6 +39,7 @@ class RouterConfig:
     port: int = DEFAULT_PORT
     policy: str = "bounded_hash"
     load_factor: float = 1.25
+    min_load_bound: int = 3
     key_headers: tuple[str, ...] = DEFAULT_KEY_HEADERS
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     connect_timeout_s: float = 2.0

@@ -42,9 +42,9 @@ class HealthConfig:
     """An error rate at or above this may eject..."""
     error_rate_margin: float = 0.3
     """...if it also exceeds the peers' mean error rate by this much."""
-    latency_factor: float = 3.0
+    latency_factor: float = 4.0
     """A median latency above this multiple of the peers' median may eject..."""
-    latency_floor_s: float = 0.5
+    latency_floor_s: float = 1.0
     """...if it is also this much slower in absolute terms (ignores jitter on fast calls)."""
     consecutive_failures: int = 3
     """This many failures in a row eject whatever the peers do."""

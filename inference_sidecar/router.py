@@ -155,7 +155,11 @@ class Router:
             role: RoutingPool(
                 role,
                 urls,
-                make_policy(config.policy, load_factor=config.load_factor),
+                make_policy(
+                    config.policy,
+                    load_factor=config.load_factor,
+                    min_bound=config.min_load_bound,
+                ),
                 config.health,
                 on_event=self._on_health_event,
             )

@@ -102,7 +102,7 @@ class TestBoundedHashLoadBound:
     @pytest.mark.parametrize("load_factor", [1.0, 1.25, 1.5])
     def test_no_worker_above_the_bound_under_skewed_keys(self, load_factor: float) -> None:
         """Zipf-skewed keys, random completions: after every pick, the chosen worker is
-        within ceil(c * mean in-flight), the new request included."""
+        within max(min_bound, ceil(c * mean in-flight)), the new request included."""
         rng = random.Random(7)
         policy = BoundedHashPolicy(load_factor=load_factor)
         loads = dict.fromkeys(WORKERS, 0)
@@ -110,13 +110,28 @@ class TestBoundedHashLoadBound:
         for key in zipf_keys(5000, 50, 1.2, seed=3):
             total = sum(loads.values())
             worker = policy.pick(key, WORKERS, loads)
-            assert loads[worker] + 1 <= load_bound(total, len(WORKERS), load_factor)
+            bound = load_bound(total, len(WORKERS), load_factor, policy.min_bound)
+            assert loads[worker] + 1 <= bound
             loads[worker] += 1
             in_flight.append(worker)
             # complete a random number of requests, keeping 5-40 in flight
             while len(in_flight) > rng.randint(5, 40):
                 done = in_flight.pop(rng.randrange(len(in_flight)))
                 loads[done] -= 1
+
+    def test_few_requests_in_flight_never_spill_a_key_off_its_worker(self) -> None:
+        policy = BoundedHashPolicy(load_factor=1.25, min_bound=3)
+        home = policy.home("shopper-012", WORKERS)
+        loads = {w: (2 if w == home else 0) for w in WORKERS}
+
+        assert policy.pick("shopper-012", WORKERS, loads) == home
+
+    def test_the_floor_does_not_let_a_hot_key_pile_up(self) -> None:
+        policy = BoundedHashPolicy(load_factor=1.25, min_bound=3)
+        home = policy.home("shopper-012", WORKERS)
+        loads = {w: (3 if w == home else 0) for w in WORKERS}
+
+        assert policy.pick("shopper-012", WORKERS, loads) != home
 
     def test_hot_key_is_mostly_sticky_when_load_allows(self) -> None:
         policy = BoundedHashPolicy()
