@@ -30,28 +30,14 @@ from flink_jobs.prompting import (
 )
 from flink_jobs.sample_data import PROMPT_INJECTIONS, SampleConfig, generate_sample
 from flink_jobs.session import Outcome, SessionState, apply_event, new_session_state
+from tests.unit.catalogue import EARBUDS, HEADPHONES, T0
 
 GOLDEN_DIR = Path(__file__).parent / "golden"
 UPDATE_GOLDEN = os.environ.get("SI_UPDATE_GOLDEN") == "1"
 
-T0 = 1_780_304_400_000  # 2026-06-01T09:00:00Z
 SESSION = SessionConfig()
 HIGH_SIGNAL = TriggerConfig().high_signal_types
 
-HEADPHONES = {
-    "product_id": "sku-737145",
-    "title": "Sonique Studio Pro Wireless Noise-Cancelling Over-Ear Headphones, Midnight Black",
-    "category": "Electronics > Audio > Headphones",
-    "brand": "Sonique",
-    "price": 108.99,
-}
-EARBUDS = {
-    "product_id": "sku-149048",
-    "title": "Auralis Studio Pro Sport Earbuds, IPX5 Sweatproof, Sand",
-    "category": "Electronics > Audio > Headphones",
-    "brand": "Auralis",
-    "price": 299.99,
-}
 ESPRESSO = {
     "product_id": "sku-307045",
     "title": "Brewster House Blend Espresso Pods, 50 Count, Dark Roast",

@@ -20,28 +20,14 @@ from flink_jobs.session import (
     mark_prompted,
     new_session_state,
 )
+from tests.unit.catalogue import EARBUDS, HEADPHONES, T0
 
-T0 = 1_780_304_400_000  # 2026-06-01T09:00:00Z
 SHOPPER = "shopper-00146"
 CONFIG = SessionConfig(max_events=40, gap_s=30 * 60, max_lateness_s=10 * 60)
 HIGH_SIGNAL = TriggerConfig().high_signal_types
 
 _ids = itertools.count()
 
-HEADPHONES = {
-    "product_id": "sku-737145",
-    "title": "Sonique Studio Pro Wireless Noise-Cancelling Over-Ear Headphones, Midnight Black",
-    "category": "Electronics > Audio > Headphones",
-    "brand": "Sonique",
-    "price": 108.99,
-}
-EARBUDS = {
-    "product_id": "sku-149048",
-    "title": "Auralis Studio Pro Sport Earbuds, IPX5 Sweatproof, Sand",
-    "category": "Electronics > Audio > Headphones",
-    "brand": "Auralis",
-    "price": 299.99,
-}
 SHOES = {
     "product_id": "sku-970664",
     "title": "Stridewell Cloudrun Women's Trail Running Shoes, Size 7.5",
