@@ -72,15 +72,6 @@ def kv_cache_tokens(log_text: str) -> int | None:
     return int(found[-1].replace(",", "")) if found else None
 
 
-def percentile(values: Sequence[float], pct: float) -> float:
-    """Nearest-rank percentile; NaN for no values."""
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    rank = max(1, math.ceil(pct / 100 * len(ordered)))
-    return ordered[rank - 1]
-
-
 @dataclass(frozen=True, slots=True)
 class TokenSummary:
     requests: int

@@ -52,7 +52,6 @@ from bench._metrics import (
     kv_cache_tokens,
     parse_by_label,
     parse_samples,
-    percentile,
     token_summary,
 )
 from bench._workload import (
@@ -64,6 +63,7 @@ from bench._workload import (
     shared_prefix_tokens,
 )
 from flink_jobs.local_services import LocalProcess, free_port
+from flink_jobs.run_report import percentile
 from inference_sidecar.workers import (
     ClusterConfig,
     WorkerPool,

@@ -40,25 +40,15 @@ from typing import Any, Literal
 
 import redis
 
+from flink_jobs.intent_store import RECORD_FIELDS
+
 log = logging.getLogger(__name__)
 
 DEFAULT_PREFIX = "si"
 DEFAULT_MAX_AGE_S = 15 * 60.0
 
 #: The hash fields read, in HMGET order (see docs/redis_layout.md).
-FIELDS = (
-    "version_ts",
-    "version_seq",
-    "intent",
-    "top_label",
-    "top_confidence",
-    "summary",
-    "event_time_ms",
-    "template",
-    "template_hash",
-    "model",
-    "written_at_ms",
-)
+FIELDS = ("version_ts", "version_seq", *RECORD_FIELDS, "written_at_ms")
 
 StalePolicy = Literal["flag", "drop"]
 

@@ -16,7 +16,6 @@ from bench._metrics import (
     kv_cache_tokens,
     parse_by_label,
     parse_samples,
-    percentile,
     token_summary,
 )
 from bench._workload import (
@@ -30,6 +29,7 @@ from bench._workload import (
     zipf_weights,
 )
 from bench.routing import judge, table
+from flink_jobs.run_report import percentile
 
 
 class TestZipf:
