@@ -133,6 +133,14 @@ def decode_event(
         return refuse(
             "invalid_event_time", f"event_time {doc['event_time']!r} is not RFC 3339", shopper_id
         )
+    if event_time_ms < 0:
+        # The schema bounds epoch ms at 0; RFC 3339 text must not sneak below it (a session's
+        # newest_event_ms starts at 0, so a negative time would corrupt lateness and gaps).
+        return refuse(
+            "invalid_event_time",
+            f"event_time {doc['event_time']!r} is before 1970-01-01T00:00:00Z",
+            shopper_id,
+        )
     if event_time_ms > now_ms + MAX_CLOCK_SKEW_MS:
         return refuse(
             "event_time_in_future",

@@ -6,7 +6,8 @@ makes replays deterministic and lets them be tested without a JVM.
 
 Rules, in order:
 
-* an event id seen recently is a duplicate and changes nothing;
+* an event id seen recently (in the dedupe window, or of an event still in the session)
+  is a duplicate and changes nothing;
 * an event further behind the shopper's newest event than ``session.max_lateness_s`` is
   dropped as late (it is counted and dead-lettered by the caller); a late event within that
   bound is still folded into the context, since a late click is still signal;
@@ -78,7 +79,10 @@ def apply_event(
     config: SessionConfig,
     high_signal_types: tuple[str, ...],
 ) -> tuple[SessionState, Outcome]:
-    if event.event_id in state.recent_ids:
+    # The window alone is not enough: late events can push an id out of it while its event
+    # is still in the session, and a redelivery would then be listed twice.
+    in_session = any(e.event_id == event.event_id for e in state.events)
+    if in_session or event.event_id in state.recent_ids:
         return state, Outcome.DUPLICATE
     max_lateness_ms = int(config.max_lateness_s * 1000)
     if state.events and event.event_time_ms < state.newest_event_ms - max_lateness_ms:
