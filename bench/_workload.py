@@ -211,18 +211,7 @@ def build_requests(
         k = sent.get(shopper, 0)
         sent[shopper] = k + 1
         events = tuple(streams[shopper][: sizes[shopper][k]])
-        state = SessionState(
-            shopper_id=shopper,
-            events=events,
-            history=histories[shopper],
-            session_started_ms=events[0].event_time_ms,
-        )
-        rendered = renderer.render(state)
-        requests.append(
-            Request(
-                seq, shopper, rendered.messages, rendered.events_included, rendered.events_dropped
-            )
-        )
+        requests.append(_render_request(renderer, seq, shopper, events, histories[shopper]))
     return requests
 
 
@@ -254,17 +243,9 @@ def build_skewed_lanes(
 
     def request(shopper: str, n: int) -> Request:
         nonlocal seq
-        events = tuple(streams[shopper][:n])
-        state = SessionState(
-            shopper_id=shopper,
-            events=events,
-            history=histories[shopper],
-            session_started_ms=events[0].event_time_ms,
-        )
-        rendered = renderer.render(state)
         seq += 1
-        return Request(
-            seq - 1, shopper, rendered.messages, rendered.events_included, rendered.events_dropped
+        return _render_request(
+            renderer, seq - 1, shopper, tuple(streams[shopper][:n]), histories[shopper]
         )
 
     lanes: list[list[Request]] = [[] for _ in range(hot * lanes_per_hot + background_lanes)]
@@ -279,3 +260,17 @@ def build_skewed_lanes(
             request(shopper, rng.randint(30, 50))
         )
     return lanes
+
+
+def _render_request(renderer, seq: int, shopper: str, events: tuple, history) -> Request:
+    """One benchmark request: the shopper's session so far, rendered by the job's renderer."""
+    state = SessionState(
+        shopper_id=shopper,
+        events=events,
+        history=history,
+        session_started_ms=events[0].event_time_ms,
+    )
+    rendered = renderer.render(state)
+    return Request(
+        seq, shopper, rendered.messages, rendered.events_included, rendered.events_dropped
+    )
