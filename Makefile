@@ -4,7 +4,7 @@ SHELL := /bin/bash
 VENV := $(or $(SI_CACHE_DIR),$(CURDIR)/.cache)/venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo test unit integration lint format bench-routing
+.PHONY: setup demo test unit integration lint format bench bench-routing
 setup:
 	@bash scripts/setup.sh
 
@@ -25,6 +25,13 @@ lint: setup
 
 format: setup
 	$(VENV)/bin/ruff format . && $(VENV)/bin/ruff check --fix .
+
+# Every benchmark (bench/run_all.py): a table, bench/results/<name>.json and REPORT.md with
+# plots. Each benchmark takes the heavy-run lock itself. Select some with
+# ARGS="--only redis_upsert,pipeline_capacity"; routing (~20 min) needs SI_WITH_BENCH=1 setup.
+bench: setup
+	$(VENV)/bin/pip install -q "py-spy>=0.3" "matplotlib>=3.8"
+	$(PY) -m bench.run_all $(ARGS)
 
 # Routing benchmark (~20 min): our router vs round-robin vs vllm-router on three vLLM
 # workers; writes bench/results/routing.{json,md}. Takes the machine's heavy-run lock.

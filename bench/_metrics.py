@@ -7,6 +7,7 @@ repeatable where times on a shared 2-core machine are not.
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
@@ -97,25 +98,54 @@ def token_summary(delta: Mapping[str, Mapping[str, float]], requests: int) -> To
     )
 
 
-def inflight_balance(samples: Sequence[Sequence[float]]) -> dict[str, float]:
+def sample_weights(times: Sequence[float], end: float | None = None) -> list[float]:
+    """Seconds each sample stands for: the time until the next sample (a sample holds
+    until the next one is taken), the last one until ``end`` (or the median interval).
+
+    Weighting by the actual intervals keeps the average time-weighted even when a poll
+    is slow (the workers' ``/metrics`` answers late on a loaded machine)."""
+    if not times:
+        return []
+    gaps = [b - a for a, b in itertools.pairwise(times)]
+    median_gap = sorted(gaps)[len(gaps) // 2] if gaps else 1.0
+    tail = end - times[-1] if end is not None else median_gap
+    return [max(0.0, g) for g in [*gaps, tail]]
+
+
+def inflight_balance(
+    samples: Sequence[Sequence[float]], weights: Sequence[float] | None = None
+) -> dict[str, float]:
     """Load balance from periodic in-flight samples (one row per sample, one column per worker).
 
     ``max_over_mean``: the busiest worker's time-averaged in-flight over the mean of all
-    workers' (1.0 is perfect balance; 3.0 with three workers is everything on one).
-    ``peak_max_over_mean``: the same ratio averaged over the samples where anything was in
-    flight, i.e. the typical instantaneous imbalance. ``peak``: the most in flight on one
-    worker at any sample.
+    workers' (1.0 is perfect balance; 3.0 with three workers is everything on one). Each
+    sample counts for ``weights`` seconds (``sample_weights``); equal weights without.
+    ``peak_max_over_mean``: the same ratio per sample, time-averaged over the samples
+    where anything was in flight, i.e. the typical instantaneous imbalance. ``peak``:
+    the most in flight on one worker at any sample.
     """
     if not samples:
         return {"max_over_mean": math.nan, "peak_max_over_mean": math.nan, "peak": math.nan}
+    if weights is None:
+        weights = [1.0] * len(samples)
+    if len(weights) != len(samples):
+        raise ValueError("one weight per sample")
+    span = sum(weights)
+    if span <= 0:
+        return {"max_over_mean": math.nan, "peak_max_over_mean": math.nan, "peak": math.nan}
     workers = len(samples[0])
-    per_worker = [sum(row[w] for row in samples) / len(samples) for w in range(workers)]
+    per_worker = [
+        sum(row[w] * dt for row, dt in zip(samples, weights, strict=True)) / span
+        for w in range(workers)
+    ]
     mean = sum(per_worker) / workers
-    busy = [row for row in samples if sum(row) > 0]
-    inst = [max(row) / (sum(row) / workers) for row in busy]
+    busy = [(row, dt) for row, dt in zip(samples, weights, strict=True) if sum(row) > 0]
+    busy_span = sum(dt for _, dt in busy)
+    inst = sum(max(row) / (sum(row) / workers) * dt for row, dt in busy)
     return {
         "max_over_mean": max(per_worker) / mean if mean else math.nan,
-        "peak_max_over_mean": sum(inst) / len(inst) if inst else math.nan,
+        "peak_max_over_mean": inst / busy_span if busy_span else math.nan,
         "peak": max(max(row) for row in samples),
         "mean_per_worker": [round(v, 3) for v in per_worker],
+        "span_s": round(span, 2),
     }

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -39,10 +40,18 @@ class KafkaConfig:
     bootstrap_servers: str = "127.0.0.1:9092"
     events_topic: str = "shopper-events"
     dead_letter_topic: str = "shopper-events-dlq"
+    # Optional copies, off when empty: every event that arrived behind the watermark, with
+    # what became of it; every prompt rendered (for audits, evaluation sets and replay checks).
+    late_events_topic: str = ""
+    prompts_topic: str = ""
     group_id: str = "shopper-intents"
     # "committed" resumes from the group's offsets (earliest when it has none); "earliest"
     # and "latest" ignore them.
     starting_offsets: str = "committed"
+    # A bounded replay (backfills, replay checks): read up to the offsets that are latest at
+    # start, then fire every pending trigger (end of input passes every event time) and
+    # finish. Unbounded (false) is the live service.
+    bounded: bool = False
     # Passed to both the source and the sink as Kafka client properties (security settings,
     # e.g. security.protocol, sasl.mechanism, sasl.jaas.config). JSON object.
     client_properties: Mapping[str, str] = field(default_factory=dict, repr=False)
@@ -64,13 +73,25 @@ class RedisConfig:
     # How long writes are retried (with backoff) before the job fails and restarts from
     # its last checkpoint: back-pressure and a loud failure, never a silent loss.
     write_retry_budget_s: float = 30.0
+    # Stream key that each landed intent write is also appended to, in the same script
+    # (docs/redis_layout.md, "Update notifications"); empty: off. Needs a non-cluster Redis.
+    notify_stream: str = ""
+    # Approximate length the stream is trimmed to (XADD MAXLEN ~).
+    notify_stream_maxlen: int = 100_000
 
     def validate(self) -> None:
         if not self.url.startswith(("redis://", "rediss://", "unix://")):
             raise ConfigError(
-                f"redis.url must start with redis://, rediss:// or unix:// (got {self.url!r})"
+                "redis.url must start with redis://, rediss:// or unix:// "
+                f"(got {redact_url(self.url)!r})"
             )
         _positive(self.intent_ttl_s, "redis", "intent_ttl_s")
+        _positive(self.notify_stream_maxlen, "redis", "notify_stream_maxlen")
+        if self.notify_stream.startswith(f"{self.key_prefix}:intent:"):
+            raise ConfigError(
+                f"redis.notify_stream {self.notify_stream!r} would be a shopper's intent key; "
+                f"use e.g. {self.key_prefix}:intent-updates"
+            )
 
 
 @dataclass(frozen=True)
@@ -81,15 +102,20 @@ class LlmConfig:
     max_tokens: int = 192
     temperature: float = 0.0
     request_timeout_s: float = 60.0
-    max_attempts: int = 3
+    # With full-jitter backoff (0.5 s doubling to 8 s) six attempts ride out about 8 s of
+    # outage on average, enough for a router or worker restart.
+    max_attempts: int = 6
     backoff_initial_s: float = 0.5
     backoff_max_s: float = 8.0
-    # Prompts one async operator holds (PyFlink AsyncDataStream capacity): the bound on
-    # queued work; a full queue back-pressures the job.
+    # Prompts queued or in flight per operator instance (outbox.Outbox): the bound on
+    # waiting work; beyond it the job back-pressures into Kafka. A queued prompt that a
+    # newer one of the same shopper supersedes is dropped, not sent, and takes no place.
     capacity: int = 128
-    # Requests in flight to the LLM endpoint per operator; queued prompts of a shopper that
-    # a newer one supersedes are dropped before they are sent (see inference.Coalescer).
+    # Requests in flight to the LLM endpoint per operator instance.
     max_concurrency: int = 8
+    # How often the operator collects the outcomes of a shopper's prompts (dead letters,
+    # counts). Intents reach Redis as soon as they are answered, whatever this is.
+    poll_interval_s: float = 0.5
     # An answer that is not a valid intent is asked for again this many times before it
     # is dead-lettered.
     invalid_answer_retries: int = 1
@@ -98,7 +124,9 @@ class LlmConfig:
 
     def validate(self) -> None:
         if not self.base_url.startswith(("http://", "https://")):
-            raise ConfigError(f"llm.base_url must be an http(s) URL (got {self.base_url!r})")
+            raise ConfigError(
+                f"llm.base_url must be an http(s) URL (got {redact_url(self.base_url)!r})"
+            )
         _require(self.model, "llm", "model")
         for name in (
             "max_tokens",
@@ -106,6 +134,7 @@ class LlmConfig:
             "max_attempts",
             "capacity",
             "max_concurrency",
+            "poll_interval_s",
         ):
             _positive(getattr(self, name), "llm", name)
 
@@ -127,9 +156,12 @@ class SessionConfig:
 @dataclass(frozen=True)
 class TriggerConfig:
     high_signal_types: tuple[str, ...] = ("add_to_cart", "purchase", "remove_from_cart")
-    quiet_s: float = 5.0
-    max_wait_s: float = 20.0
-    min_interval_s: float = 10.0
+    # With the sample's shoppers (median 9 s between a shopper's events) these keep every
+    # qualifying event covered by a prompt within max_wait_s, at about 0.29 prompts per
+    # event (bench/freshness.py measures both).
+    quiet_s: float = 3.0
+    max_wait_s: float = 5.0
+    min_interval_s: float = 2.0
 
     def validate(self) -> None:
         for name in ("quiet_s", "max_wait_s"):
@@ -158,10 +190,29 @@ class JobConfig:
     parallelism: int = 1
     checkpoint_interval_s: float = 10.0
     max_event_bytes: int = 16 * 1024
-    out_of_orderness_s: float = 5.0
+    # Watermark = newest record timestamp - out_of_orderness_s. Events are held until the
+    # watermark passes them (timeline.py), so this is also the delay it adds to every prompt.
+    out_of_orderness_s: float = 0.5
+    # After this long without a record, a partition's watermark follows the wall clock (so
+    # the last prompts fire when traffic stops); 0 turns that off. A prompt due while its
+    # partition is quiet waits about this long: at 2 s, freshness p99 was 2.4 s above the
+    # LLM's in bench/freshness.py.
+    watermark_idle_advance_s: float = 0.5
+    # A partition that never had a record stops holding the watermark back after this long.
     source_idleness_s: float = 30.0
-    # PyFlink keeps this many keys' state in the Python worker; too small and every state
-    # access becomes a round trip to the JVM.
+    # Local runs only (Managed Flink manages both): where checkpoints are kept (empty: a
+    # scratch folder, lost with the job), and a checkpoint or savepoint to start from
+    # ("latest": the newest completed checkpoint under checkpoint_dir).
+    checkpoint_dir: str = ""
+    restore_from: str = ""
+    # "thread" runs the Python operators inside the TaskManager's JVM (PyFlink's embedded
+    # mode: about an eighth of the cost per keyed state access measured here); "process"
+    # runs them in a separate Python worker over gRPC (Beam).
+    python_execution_mode: str = "thread"
+    # Session states each operator instance keeps as objects (operators._RecentSessions).
+    session_cache_size: int = 20_000
+    # Process mode only: PyFlink keeps this many keys' state in the Python worker; too
+    # small and every state access becomes a round trip to the JVM.
     python_state_cache_size: int = 50_000
     python_bundle_size: int = 1000
     python_bundle_time_ms: int = 50
@@ -170,8 +221,19 @@ class JobConfig:
     jars: tuple[str, ...] = ()
 
     def validate(self) -> None:
-        for name in ("parallelism", "checkpoint_interval_s", "max_event_bytes"):
+        for name in (
+            "parallelism",
+            "checkpoint_interval_s",
+            "max_event_bytes",
+            "session_cache_size",
+        ):
             _positive(getattr(self, name), "job", name)
+        for name in ("out_of_orderness_s", "watermark_idle_advance_s", "source_idleness_s"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"job.{name} must be >= 0")
+        _one_of(self.python_execution_mode, ("thread", "process"), "job", "python_execution_mode")
+        if self.restore_from == "latest" and not self.checkpoint_dir:
+            raise ConfigError('job.restore_from "latest" needs job.checkpoint_dir')
 
 
 @dataclass(frozen=True)
@@ -293,9 +355,38 @@ def _coerce(cls: type, group: str, name: str, value: Any) -> Any:
     try:
         return _convert(target, value)
     except (TypeError, ValueError) as exc:
+        if _is_secret(cls, name):  # the value (and the parser's view of it) may hold a password
+            raise ConfigError(
+                f"{group}.{name}: cannot use the value given as {_type_name(target)} "
+                f"({type(exc).__name__}; value not shown, it may hold a secret)"
+            ) from None
         raise ConfigError(
             f"{group}.{name}: cannot use {value!r} as {_type_name(target)} ({exc})"
         ) from exc
+
+
+def _is_secret(cls: type, name: str) -> bool:
+    """Fields declared with ``repr=False`` may hold secrets: never echoed in errors."""
+    return any(f.name == name and not f.repr for f in dataclasses.fields(cls))
+
+
+def redact_url(url: str) -> str:
+    """``url`` for messages and logs: the secret part of its userinfo (the password of
+    ``user:password@``, or all of a lone ``secret@``) and any ``password=`` query parameter
+    replaced by ``***``. Unencoded passwords holding ``/`` or ``@`` are masked whole."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return url
+    head, query, tail = rest.partition("?")
+    tail = _PASSWORD_PARAM.sub(r"\1***", tail)  # redis-py also takes ?password=
+    userinfo, at, hostpart = head.rpartition("@")
+    if at:
+        user, colon, _password = userinfo.partition(":")
+        head = f"{user}:***@{hostpart}" if colon else f"***@{hostpart}"
+    return f"{scheme}://{head}{query}{tail}"
+
+
+_PASSWORD_PARAM = re.compile(r"((?:^|&)password=)[^&]*", re.IGNORECASE)
 
 
 def _convert(target: Any, value: Any) -> Any:

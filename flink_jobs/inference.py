@@ -1,20 +1,24 @@
 """One prompt's trip: ask the model, check the answer, upsert the intent.
 
-Plain asyncio, no Flink: the async operator in ``operators.py`` only calls :func:`run_task`
-on its event loop. A failed call or an invalid answer becomes a dead letter saying why;
-an unreachable Redis is retried with backoff for ``redis.write_retry_budget_s`` and then
-raised, so the job fails and restarts from its last checkpoint rather than drop an intent.
+Plain asyncio, no Flink: ``outbox.Outbox`` runs :class:`PromptRunner` (:func:`run_task`
+with the job's clients) on its event loop. A failed call or an invalid answer becomes a
+dead letter saying why; an unreachable Redis is retried with backoff for
+``redis.write_retry_budget_s`` and then raised, so the job fails and restarts from its
+last checkpoint rather than drop an intent.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 from dataclasses import dataclass
 
+import orjson
 import redis
 
-from flink_jobs.events import DeadLetter
+from flink_jobs.config import AppConfig
+from flink_jobs.events import DeadLetter, pickled_by_fields
 from flink_jobs.intent_store import AsyncIntentStore, IntentRecord, StoreUnavailableError
 from flink_jobs.intents import IntentError, parse_intent
 from flink_jobs.llm_client import LlmClient, LlmError
@@ -23,13 +27,32 @@ from flink_jobs.prompting import RenderedPrompt
 log = logging.getLogger(__name__)
 
 
+@pickled_by_fields
 @dataclass(frozen=True, slots=True)
 class PromptTask:
     shopper_id: str
     seq: int
     version_ts: int  # newest event time covered by the prompt
-    event_time_ms: int  # event time of the event that triggered it
+    # Event time the trigger fired at: the event's own, or the end of the quiet period or
+    # max wait that fired it. Freshness is measured from here.
+    event_time_ms: int
     prompt: RenderedPrompt
+
+    def audit_json(self) -> str:
+        """The record of ``kafka.prompts_topic``: the rendered prompt and its digest."""
+        text = orjson.dumps(self.prompt.messages)
+        return orjson.dumps(
+            {
+                "shopper_id": self.shopper_id,
+                "seq": self.seq,
+                "version_ts": self.version_ts,
+                "event_time_ms": self.event_time_ms,
+                "template_hash": self.prompt.template_hash,
+                "estimated_tokens": self.prompt.estimated_tokens,
+                "sha256": hashlib.sha256(text).hexdigest(),
+                "messages": self.prompt.messages,
+            }
+        ).decode()
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,51 +62,6 @@ class TaskResult:
     attempts: int = 0
     llm_latency_s: float = 0.0
     prompt_tokens: int = 0
-
-
-class Coalescer:
-    """Latest context wins: while prompts wait for a free LLM slot, a newer prompt of the
-    same shopper makes the older one pointless, so the older one is dropped (counted as
-    superseded) instead of computed. Bounds LLM work by throughput, not by event rate.
-
-    Lives on one event loop; ``max_concurrency`` calls run at once, the rest wait here
-    (their number is bounded by the async operator's capacity).
-    """
-
-    def __init__(self, max_concurrency: int) -> None:
-        self._slots = asyncio.Semaphore(max_concurrency)
-        self._newest: dict[str, int] = {}
-
-    def offer(self, shopper_id: str, seq: int) -> None:
-        if seq > self._newest.get(shopper_id, -1):
-            self._newest[shopper_id] = seq
-
-    def superseded(self, shopper_id: str, seq: int) -> bool:
-        return self._newest.get(shopper_id, -1) > seq
-
-    def done(self, shopper_id: str, seq: int) -> None:
-        if self._newest.get(shopper_id) == seq:
-            del self._newest[shopper_id]
-
-    @property
-    def slots(self) -> asyncio.Semaphore:
-        return self._slots
-
-    @property
-    def waiting_shoppers(self) -> int:
-        return len(self._newest)
-
-
-async def run_coalesced(task: PromptTask, coalescer: Coalescer, run) -> TaskResult:
-    """Run ``run(task)`` in an LLM slot unless a newer prompt of the shopper arrived first."""
-    coalescer.offer(task.shopper_id, task.seq)
-    try:
-        async with coalescer.slots:
-            if coalescer.superseded(task.shopper_id, task.seq):
-                return TaskResult("superseded")
-            return await run(task)
-    finally:
-        coalescer.done(task.shopper_id, task.seq)
 
 
 class RedisUnavailable(RuntimeError):
@@ -183,3 +161,47 @@ async def upsert_with_retry(store: AsyncIntentStore, record: IntentRecord, budge
             log.warning("Redis write failed (%s); retrying in %.1f s", exc, delay)
             await asyncio.sleep(delay)
             delay = min(delay * 2, 5.0)
+
+
+class PromptRunner:
+    """:func:`run_task` with the job's LLM client and intent store, made from the
+    configuration on first use, on the event loop that runs the calls (their connection
+    pools belong to it)."""
+
+    def __init__(self, config: AppConfig) -> None:
+        self._config = config
+        self._llm: LlmClient | None = None
+        self._store: AsyncIntentStore | None = None
+
+    def clients(self) -> tuple[LlmClient, AsyncIntentStore]:
+        if self._llm is None or self._store is None:
+            import redis.asyncio
+
+            from flink_jobs.intent_store import Notify
+
+            rc = self._config.redis
+            client = redis.asyncio.Redis.from_url(rc.url, socket_timeout=rc.write_timeout_s)
+            notify = Notify(rc.notify_stream, rc.notify_stream_maxlen) if rc.notify_stream else None
+            self._store = AsyncIntentStore(
+                client, rc.key_prefix, rc.intent_ttl_s * 1000, notify=notify
+            )
+            self._llm = LlmClient(self._config.llm)
+        return self._llm, self._store
+
+    async def __call__(self, task: PromptTask) -> TaskResult:
+        llm, store = self.clients()
+        return await run_task(
+            task,
+            llm,
+            store,
+            self._config.llm.model,
+            self._config.redis.write_retry_budget_s,
+            self._config.llm.invalid_answer_retries,
+        )
+
+    async def aclose(self) -> None:
+        if self._llm is not None:
+            await self._llm.aclose()
+        if self._store is not None:
+            await self._store.client.aclose()
+        self._llm = self._store = None

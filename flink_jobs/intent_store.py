@@ -15,7 +15,7 @@ intent             the intent as JSON (the bounded intent schema)
 top_label          label of the most confident intent
 top_confidence     its confidence, 0..1
 summary            the short summary of the shopper's session
-event_time_ms      epoch ms of the event that triggered the prompt
+event_time_ms      epoch ms (event time) the prompt was triggered at
 template           name of the prompt template
 template_hash      hash of that template
 model              the model that produced the intent
@@ -34,9 +34,22 @@ sequence wins; an equal version is a no-op. A write replaces every field above a
 the expiry. An older result never overwrites a newer one, whatever the order in which
 concurrent writers arrive.
 
-The check and the write run in one Lua script (``EVALSHA``), so they are atomic. Each
-call touches exactly one key, so the script is safe on Redis Cluster. A batch is sent as
+The check and the write run in one Lua script (``EVALSHA``), so they are atomic. Without
+notifications (below) each call touches exactly one key, so the script is safe on Redis
+Cluster. A batch is sent as
 one pipeline (one round trip, not a transaction: each upsert is atomic on its own).
+
+Update notifications (optional)
+-------------------------------
+With ``notify_stream`` set (``redis.notify_stream``), a write that lands also appends one
+entry to that stream in the same script (``XADD key MAXLEN ~ maxlen *``)::
+
+    shopper_id  version_ts  version_seq  top_label  written_at_ms
+
+A refused (stale or equal) write appends nothing. The script then touches two keys, so
+it needs a non-cluster Redis (one primary with replicas); ``intent_reader.IntentUpdates``
+reads the stream. Approximate trimming keeps about ``maxlen`` entries: a consumer that falls
+further behind misses notifications, never intents (the hash stays the truth).
 
 Everything that decides what is sent (key names, script arguments, parsing a stored hash)
 is a pure function here; ``IntentStore`` and ``AsyncIntentStore`` only do the I/O.
@@ -63,6 +76,10 @@ log = logging.getLogger(__name__)
 
 DEFAULT_PREFIX = "si"
 DEFAULT_TTL_MS = 24 * 60 * 60 * 1000
+DEFAULT_NOTIFY_MAXLEN = 100_000
+
+#: Fields of each update notification (stream entry), in this order.
+NOTIFY_FIELDS = ("shopper_id", "version_ts", "version_seq", "top_label", "written_at_ms")
 
 #: Fields written by every successful upsert, in this order (after the two version fields).
 RECORD_FIELDS = (
@@ -78,9 +95,15 @@ RECORD_FIELDS = (
 
 # KEYS[1] = the shopper's hash; ARGV[1] = version_ts; ARGV[2] = version_seq; ARGV[3] = TTL ms;
 # ARGV[4..] = field, value, field, value, ... (RECORD_FIELDS). Returns 1 if written, else 0.
+# With KEYS[2] (the notification stream) the last three ARGV are the stream's approximate
+# MAXLEN, the shopper id and the top label, and a landed write also appends NOTIFY_FIELDS.
 UPSERT_SCRIPT = """
 local ts = tonumber(ARGV[1])
 local seq = tonumber(ARGV[2])
+local last = #ARGV
+if KEYS[2] then
+  last = last - 3
+end
 local stored = redis.call('HMGET', KEYS[1], 'version_ts', 'version_seq')
 local stored_ts = tonumber(stored[1])
 if stored_ts then
@@ -93,8 +116,13 @@ local now = redis.call('TIME')
 local now_ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
 local written_at_ms = string.format('%.0f', now_ms)
 redis.call('HSET', KEYS[1], 'version_ts', ARGV[1], 'version_seq', ARGV[2],
-           'written_at_ms', written_at_ms, unpack(ARGV, 4))
+           'written_at_ms', written_at_ms, unpack(ARGV, 4, last))
 redis.call('PEXPIRE', KEYS[1], ARGV[3])
+if KEYS[2] then
+  redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[last + 1], '*',
+             'shopper_id', ARGV[last + 2], 'version_ts', ARGV[1], 'version_seq', ARGV[2],
+             'top_label', ARGV[last + 3], 'written_at_ms', written_at_ms)
+end
 return 1
 """
 
@@ -212,9 +240,38 @@ def upsert_args(record: IntentRecord, ttl_ms: int) -> list[str]:
     return args
 
 
-def evalsha_args(record: IntentRecord, prefix: str, ttl_ms: int, sha: str) -> list[str | int]:
-    """The full ``EVALSHA`` argument list for upserting ``record`` (one key)."""
-    return [sha, 1, intent_key(record.shopper_id, prefix), *upsert_args(record, ttl_ms)]
+@dataclass(frozen=True, slots=True)
+class Notify:
+    """Where landed writes are announced: a stream key and its approximate maximum length."""
+
+    stream: str
+    maxlen: int = DEFAULT_NOTIFY_MAXLEN
+
+    def __post_init__(self) -> None:
+        if not self.stream:
+            raise ValueError("the notification stream key must not be empty")
+        if self.maxlen <= 0:
+            raise ValueError(f"maxlen must be positive, got {self.maxlen}")
+
+
+def evalsha_args(
+    record: IntentRecord, prefix: str, ttl_ms: int, sha: str, notify: Notify | None = None
+) -> list[str | int]:
+    """The full ``EVALSHA`` argument list for upserting ``record`` (and notifying)."""
+    key = intent_key(record.shopper_id, prefix)
+    args = upsert_args(record, ttl_ms)
+    if notify is None:
+        return [sha, 1, key, *args]
+    return [
+        sha,
+        2,
+        key,
+        notify.stream,
+        *args,
+        str(notify.maxlen),
+        record.shopper_id,
+        record.top_label,
+    ]
 
 
 def _script_missing(replies: Sequence[object]) -> list[int]:
@@ -268,19 +325,24 @@ _UNAVAILABLE = (redis.ConnectionError, redis.TimeoutError)
 
 
 class IntentStore:
-    """Versioned intent upserts and reads over a ``redis.Redis`` client (thread-safe)."""
+    """Versioned intent upserts and reads over a ``redis.Redis`` client (thread-safe).
+
+    ``notify``: also append each landed write to a stream (module docstring).
+    """
 
     def __init__(
         self,
         client: redis.Redis,
         prefix: str = DEFAULT_PREFIX,
         ttl_ms: int = DEFAULT_TTL_MS,
+        notify: Notify | None = None,
     ) -> None:
         if ttl_ms <= 0:
             raise ValueError(f"ttl_ms must be positive, got {ttl_ms}")
         self.client = client
         self.prefix = prefix
         self.ttl_ms = ttl_ms
+        self.notify = notify
         self._script = client.register_script(UPSERT_SCRIPT)
 
     def key(self, shopper_id: str) -> str:
@@ -310,7 +372,9 @@ class IntentStore:
     def _send(self, records: Sequence[IntentRecord]) -> list[object]:
         with self.client.pipeline(transaction=False) as pipe:
             for record in records:
-                pipe.evalsha(*evalsha_args(record, self.prefix, self.ttl_ms, self._script.sha))
+                pipe.evalsha(
+                    *evalsha_args(record, self.prefix, self.ttl_ms, self._script.sha, self.notify)
+                )
             return list(pipe.execute(raise_on_error=False))
 
     def read(self, shopper_id: str) -> StoredIntent | None:
@@ -333,12 +397,14 @@ class AsyncIntentStore:
         client: redis.asyncio.Redis,
         prefix: str = DEFAULT_PREFIX,
         ttl_ms: int = DEFAULT_TTL_MS,
+        notify: Notify | None = None,
     ) -> None:
         if ttl_ms <= 0:
             raise ValueError(f"ttl_ms must be positive, got {ttl_ms}")
         self.client = client
         self.prefix = prefix
         self.ttl_ms = ttl_ms
+        self.notify = notify
         self._script = client.register_script(UPSERT_SCRIPT)
 
     def key(self, shopper_id: str) -> str:
@@ -366,7 +432,9 @@ class AsyncIntentStore:
     async def _send(self, records: Sequence[IntentRecord]) -> list[object]:
         async with self.client.pipeline(transaction=False) as pipe:
             for record in records:
-                pipe.evalsha(*evalsha_args(record, self.prefix, self.ttl_ms, self._script.sha))
+                pipe.evalsha(
+                    *evalsha_args(record, self.prefix, self.ttl_ms, self._script.sha, self.notify)
+                )
             return list(await pipe.execute(raise_on_error=False))
 
     async def read(self, shopper_id: str) -> StoredIntent | None:

@@ -1,12 +1,15 @@
 """The shopper-intents Flink job, wired top to bottom.
 
 1. Read shopper events from Kafka, each record raw with its topic/partition/offset
-   (``shopperintents.KafkaRecordWithMetadata``), with event-time watermarks from the
-   record timestamp (bounded out-of-orderness, idle partitions excluded).
+   (``shopperintents.KafkaRecordWithMetadata``), with per-partition event-time watermarks
+   from the record timestamp (``shopperintents.EventTimeWatermarks``: bounded
+   out-of-orderness, following the wall clock once a partition goes quiet).
 2. Decode and validate them; refusals go to the dead-letter topic.
-3. Key by shopper: session state, trigger policy, prompt rendering.
-4. Ask the LLM asynchronously (unordered, bounded capacity), validate the answer and
-   upsert the intent to Redis; failures go to the dead-letter topic.
+3. Key by shopper: events held until the watermark passes them, session state, trigger
+   policy on event-time timers, prompt rendering (``timeline.py``).
+4. In the same keyed operator, ask the LLM asynchronously (``outbox.py``: bounded,
+   latest context wins), validate the answer and upsert the intent to Redis; failures go
+   to the dead-letter topic.
 
 Run it with ``python -m flink_jobs.job`` against the endpoints in the configuration
 (see ``config.py``); ``shopper-intents demo`` runs it on an embedded stack.
@@ -17,11 +20,13 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import sysconfig
+import tempfile
 from pathlib import Path
 
-from pyflink.common import Configuration, Duration, Time, Types, WatermarkStrategy
+from pyflink.common import Configuration, Types, WatermarkStrategy
 from pyflink.common.serialization import SimpleStringSchema
-from pyflink.datastream import AsyncDataStream, CheckpointingMode, StreamExecutionEnvironment
+from pyflink.datastream import CheckpointingMode, StreamExecutionEnvironment
 from pyflink.datastream.connectors.base import DeliveryGuarantee
 from pyflink.datastream.connectors.kafka import (
     KafkaOffsetsInitializer,
@@ -31,9 +36,17 @@ from pyflink.datastream.connectors.kafka import (
 )
 from pyflink.java_gateway import get_gateway
 
+from flink_jobs.checkpoints import restore_path
 from flink_jobs.config import MANAGED_FLINK_PROPERTIES, AppConfig, load_config
+from flink_jobs.events import MAX_CLOCK_SKEW_MS
 from flink_jobs.local_services import cache_dir
-from flink_jobs.operators import DEAD_LETTERS, DecodeEvents, InferIntents, ShopperSessions
+from flink_jobs.operators import (
+    DEAD_LETTERS,
+    LATE_EVENTS,
+    PROMPTS,
+    DecodeEvents,
+    ShopperSessions,
+)
 
 log = logging.getLogger(__name__)
 
@@ -56,11 +69,22 @@ def connector_jars(config: AppConfig) -> list[str]:
     return [str(p) for p in sorted(jar_dir.glob("*.jar"))]
 
 
+def python_path() -> str:
+    """Where the job's Python code and its dependencies are, for the Python operators.
+
+    In thread mode they run in an interpreter embedded in the JVM, which knows neither
+    this virtualenv nor the project folder unless told."""
+    project = Path(__file__).resolve().parent.parent
+    return os.pathsep.join(dict.fromkeys([str(project), sysconfig.get_paths()["purelib"]]))
+
+
 def build_environment(config: AppConfig, jars: list[str]) -> StreamExecutionEnvironment:
     flink_conf = Configuration()
-    flink_conf.set_string("python.execution-mode", "process")
+    flink_conf.set_string("python.execution-mode", config.job.python_execution_mode)
     flink_conf.set_string("python.executable", sys.executable)
     flink_conf.set_string("python.client.executable", sys.executable)
+    if not MANAGED_FLINK_PROPERTIES.exists():
+        flink_conf.set_string("python.pythonpath", python_path())
     flink_conf.set_string("python.state.cache-size", str(config.job.python_state_cache_size))
     flink_conf.set_string("python.fn-execution.bundle.size", str(config.job.python_bundle_size))
     flink_conf.set_string("python.fn-execution.bundle.time", str(config.job.python_bundle_time_ms))
@@ -69,6 +93,23 @@ def build_environment(config: AppConfig, jars: list[str]) -> StreamExecutionEnvi
     flink_conf.set_string("restart-strategy.fixed-delay.delay", "5 s")
     if jars:
         flink_conf.set_string("pipeline.jars", ";".join(Path(j).resolve().as_uri() for j in jars))
+    if config.job.checkpoint_dir:
+        flink_conf.set_string(
+            "execution.checkpointing.dir", Path(config.job.checkpoint_dir).resolve().as_uri()
+        )
+        flink_conf.set_string(
+            "execution.checkpointing.externalized-checkpoint-retention", "RETAIN_ON_CANCELLATION"
+        )
+        flink_conf.set_string("execution.checkpointing.num-retained", "3")
+    elif not MANAGED_FLINK_PROPERTIES.exists():
+        # Flink's default keeps checkpoints in the JobManager's memory, at most 5 MiB: a few
+        # thousand shoppers' sessions fail every checkpoint, and then the job.
+        scratch = Path(tempfile.mkdtemp(prefix="si-checkpoints-"))
+        flink_conf.set_string("execution.checkpointing.dir", scratch.as_uri())
+    restore = restore_path(config.job.checkpoint_dir, config.job.restore_from)
+    if restore:
+        log.info("restoring from %s", restore)
+        flink_conf.set_string("execution.state-recovery.path", Path(restore).resolve().as_uri())
     env = StreamExecutionEnvironment.get_execution_environment(flink_conf)
     env.set_parallelism(config.job.parallelism)
     env.enable_checkpointing(
@@ -102,59 +143,72 @@ def kafka_source(config: AppConfig) -> KafkaSource:
         .set_properties(dict(config.kafka.client_properties))
     )
     builder._j_builder.setDeserializer(get_gateway().jvm.shopperintents.KafkaRecordWithMetadata())
+    if config.kafka.bounded:
+        builder.set_bounded(KafkaOffsetsInitializer.latest())
     return builder.build()
 
 
-def dead_letter_sink(config: AppConfig) -> KafkaSink:
+def topic_sink(config: AppConfig, topic: str) -> KafkaSink:
+    """At least once: dead letters, late events and prompt audits are keyed by their
+    content, so a consumer can drop the copies a restart replays."""
     builder = (
         KafkaSink.builder()
         .set_bootstrap_servers(config.kafka.bootstrap_servers)
         .set_record_serializer(
             KafkaRecordSerializationSchema.builder()
-            .set_topic(config.kafka.dead_letter_topic)
+            .set_topic(topic)
             .set_value_serialization_schema(SimpleStringSchema())
             .build()
         )
         .set_delivery_guarantee(DeliveryGuarantee.AT_LEAST_ONCE)
     )
-    for key, value in config.kafka.client_properties.items():
+    # An idempotent producer loses its producer id when the broker restarts and the sink
+    # then fails the job with UnknownProducerId; at least once does not need it.
+    properties = {"enable.idempotence": "false", **config.kafka.client_properties}
+    for key, value in properties.items():
         builder.set_property(key, value)
     return builder.build()
 
 
+def event_time_watermarks(config: AppConfig) -> WatermarkStrategy:
+    """Per-partition watermarks from the record timestamps (``EventTimeWatermarks.java``)."""
+    return WatermarkStrategy(
+        get_gateway().jvm.shopperintents.EventTimeWatermarks(
+            int(config.job.out_of_orderness_s * 1000),
+            int(config.job.watermark_idle_advance_s * 1000),
+            int(config.job.source_idleness_s * 1000),
+            MAX_CLOCK_SKEW_MS,
+        )
+    )
+
+
 def build_pipeline(env: StreamExecutionEnvironment, config: AppConfig) -> None:
-    watermarks = WatermarkStrategy.for_bounded_out_of_orderness(
-        Duration.of_millis(int(config.job.out_of_orderness_s * 1000))
-    ).with_idleness(Duration.of_millis(int(config.job.source_idleness_s * 1000)))
-    records = env.from_source(kafka_source(config), watermarks, "kafka-shopper-events")
+    records = env.from_source(
+        kafka_source(config), event_time_watermarks(config), "kafka-shopper-events"
+    )
 
     decoded = records.process(DecodeEvents(config), output_type=Types.PICKLED_BYTE_ARRAY()).name(
         "decode-events"
     )
-    prompts = (
+    sessions = (
         decoded.key_by(lambda e: e.shopper_id, key_type=Types.STRING())
-        .process(ShopperSessions(config), output_type=Types.PICKLED_BYTE_ARRAY())
+        .process(ShopperSessions(config), output_type=Types.STRING())
         .name("shopper-sessions")
     )
-    # Our own per-attempt timeouts and retries finish well inside this; it is a backstop.
-    backstop_s = (
-        config.llm.request_timeout_s * config.llm.max_attempts
-        + config.llm.backoff_max_s * (config.llm.max_attempts)
-        + config.redis.write_retry_budget_s
-        + 10
-    )
-    inference_dead_letters = AsyncDataStream.unordered_wait(
-        prompts,
-        InferIntents(config),
-        Time.milliseconds(int(backstop_s * 1000)),
-        capacity=config.llm.capacity,
-        output_type=Types.STRING(),
-    ).name("infer-intents")
-
     dead_letters = decoded.get_side_output(DEAD_LETTERS).union(
-        prompts.get_side_output(DEAD_LETTERS), inference_dead_letters
+        sessions.get_side_output(DEAD_LETTERS)
     )
-    dead_letters.sink_to(dead_letter_sink(config)).name("dead-letter-topic")
+    dead_letters.sink_to(topic_sink(config, config.kafka.dead_letter_topic)).name(
+        "dead-letter-topic"
+    )
+    if config.kafka.late_events_topic:
+        sessions.get_side_output(LATE_EVENTS).sink_to(
+            topic_sink(config, config.kafka.late_events_topic)
+        ).name("late-events-topic")
+    if config.kafka.prompts_topic:
+        sessions.get_side_output(PROMPTS).sink_to(
+            topic_sink(config, config.kafka.prompts_topic)
+        ).name("prompts-topic")
 
 
 def create_job(config: AppConfig) -> StreamExecutionEnvironment:

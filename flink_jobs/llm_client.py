@@ -132,7 +132,11 @@ def read_answer(payload: bytes) -> Completion:
 
 
 class LlmClient:
-    """One per async operator; created on the operator's event loop (httpx binds to it)."""
+    """One per operator instance; created on the outbox's event loop (httpx binds to it).
+
+    The pool holds as many connections as calls may run at once: httpcore scans every
+    pooled connection on each request, so a pool sized for the queue (hundreds) cost
+    more CPU per call than the call itself (measured with ``bench.standin_llm``)."""
 
     def __init__(
         self, config: LlmConfig, transport: httpx.AsyncBaseTransport | None = None
@@ -143,7 +147,8 @@ class LlmClient:
             transport=transport,
             timeout=httpx.Timeout(config.request_timeout_s, connect=5.0),
             limits=httpx.Limits(
-                max_connections=config.capacity * 2, max_keepalive_connections=config.capacity
+                max_connections=config.max_concurrency,
+                max_keepalive_connections=config.max_concurrency,
             ),
         )
 
@@ -187,7 +192,7 @@ class LlmClient:
         except httpx.TransportError as exc:
             raise _RetryableError("connection_error", f"{type(exc).__name__}: {exc}", None) from exc
         if response.status_code != 200:
-            detail = f"HTTP {response.status_code}: {response.text[:300]}"
+            detail = self._scrub(f"HTTP {response.status_code}: {response.text[:300]}")
             if is_retryable_status(response.status_code):
                 raise _RetryableError(
                     "http_error",
@@ -200,8 +205,16 @@ class LlmClient:
             return read_answer(response.content)
         except (orjson.JSONDecodeError, KeyError, IndexError, TypeError, ValueError) as exc:
             raise _RetryableError(
-                "bad_response", f"unreadable completion body: {response.text[:200]!r}", 200
+                "bad_response",
+                self._scrub(f"unreadable completion body: {response.text[:200]!r}"),
+                200,
             ) from exc
+
+    def _scrub(self, text: str) -> str:
+        """Error details quote the server's body, and a gateway may echo the credentials
+        it refused: the API key never reaches a dead letter or a log."""
+        key = self._config.api_key
+        return text.replace(key, "***") if key else text
 
     async def aclose(self) -> None:
         await self._client.aclose()

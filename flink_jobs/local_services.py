@@ -3,7 +3,8 @@
 The embedded stack (and the tests on a machine without a Docker engine) runs the same
 components a deployment talks to, as child processes on loopback ports:
 
-- Redis: Debian's ``redis-server``, no persistence (``--save '' --appendonly no``).
+- Redis: Debian's ``redis-server``, no persistence (``--save '' --appendonly no``) unless
+  ``persistent=True`` (an fsynced append-only file, for restart tests).
 - A Kafka-protocol broker: Tansu, a static binary that ``scripts/setup.sh`` puts in
   ``<cache>/bin/tansu`` (cache = ``$SI_CACHE_DIR``, default ``<repo>/.cache``). It keeps
   everything in memory, so a restart loses the topics and their records.
@@ -247,6 +248,21 @@ class LocalProcess:
         log.debug("stopped %s (pid %d): status %s", self.name, popen.pid, popen.returncode)
         return popen.returncode
 
+    def kill(self, sig: signal.Signals = signal.SIGKILL, timeout_s: float = 10.0) -> int | None:
+        """Send ``sig`` to the whole group and reap it: a crash, not a shutdown (faults in
+        tests). ``start()`` may be called again afterwards."""
+        popen = self._popen
+        if popen is None:
+            return None
+        try:
+            self._signal_group(sig)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                popen.wait(timeout=timeout_s)
+        finally:
+            if popen.poll() is not None:
+                self.stop(timeout_s)  # leftovers of the group, the log file
+        return popen.returncode
+
     def _signal_group(self, sig: signal.Signals) -> None:
         assert self._popen is not None
         with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -368,9 +384,24 @@ class _LocalService:
 
 
 class RedisService(_LocalService):
-    """``redis-server`` without persistence on a loopback port."""
+    """``redis-server`` on a loopback port; without persistence unless ``persistent``.
+
+    A persistent server appends every write to ``<workdir>/appendonly*`` and fsyncs it
+    before answering (``appendfsync always``), so ``restart()`` (same port, same workdir)
+    comes back with every acknowledged write: what a test of a Redis restart needs.
+    """
 
     name = "redis"
+
+    def __init__(
+        self,
+        port: int | None,
+        workdir: Path | str | None,
+        ready_timeout_s: float = DEFAULT_READY_TIMEOUT_S,
+        persistent: bool = False,
+    ) -> None:
+        super().__init__(port, workdir, ready_timeout_s)
+        self.persistent = persistent
 
     @property
     def url(self) -> str:
@@ -382,7 +413,8 @@ class RedisService(_LocalService):
             "--port", str(self.port),
             "--bind", self.host,
             "--save", "",
-            "--appendonly", "no",
+            "--appendonly", "yes" if self.persistent else "no",
+            "--appendfsync", "always",
             "--dir", str(self.workdir),
         ]  # fmt: skip
 
@@ -441,9 +473,11 @@ def start_redis(
     workdir: Path | str | None = None,
     *,
     ready_timeout_s: float = DEFAULT_READY_TIMEOUT_S,
+    persistent: bool = False,
 ) -> RedisService:
-    """Start ``redis-server`` on ``port`` (a free one if None) and wait until it answers PING."""
-    return RedisService(port, workdir, ready_timeout_s).start()
+    """Start ``redis-server`` on ``port`` (a free one if None) and wait until it answers PING;
+    ``persistent`` keeps its data across ``restart()`` (see ``RedisService``)."""
+    return RedisService(port, workdir, ready_timeout_s, persistent).start()
 
 
 def start_tansu(

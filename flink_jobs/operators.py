@@ -2,9 +2,9 @@
 
 * :class:`DecodeEvents` - ``events.decode_event`` on each Kafka record; refusals go to the
   dead-letter side output.
-* :class:`ShopperSessions` - keyed by shopper: ``session.apply_event`` on keyed state,
-  ``trigger.decide`` on each event and timer, ``prompting`` to render what fires.
-* :class:`InferIntents` - the async operator: ``inference.run_task`` per prompt.
+* :class:`ShopperSessions` - keyed by shopper: ``timeline.on_event`` / ``on_timer`` on
+  keyed state and event-time timers (session, trigger and prompt rendering inside), and
+  the asynchronous LLM calls through ``outbox.Outbox`` (``inference.run_task`` per prompt).
 
 Outcomes are counted twice: as Flink metrics (for Managed Flink / CloudWatch) and in the
 Redis stats hash (``stats.py``) that the local console and the tests read.
@@ -14,32 +14,34 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from collections import OrderedDict
 
+import orjson
 from pyflink.common import Row, Time
 from pyflink.common.typeinfo import Types
-from pyflink.datastream import OutputTag, RuntimeContext
-from pyflink.datastream.functions import AsyncFunction, KeyedProcessFunction, ProcessFunction
+from pyflink.datastream import OutputTag, RuntimeContext, TimeDomain
+from pyflink.datastream.functions import KeyedProcessFunction, ProcessFunction
 from pyflink.datastream.state import StateTtlConfig, ValueStateDescriptor
 
 from flink_jobs.config import AppConfig
 from flink_jobs.events import DeadLetter, ShopperEvent, SourcePosition, decode_event
-from flink_jobs.inference import Coalescer, PromptTask, TaskResult, run_coalesced, run_task
-from flink_jobs.prompting import PromptError, PromptRenderer
-from flink_jobs.session import (
-    Outcome,
-    SessionState,
-    apply_event,
-    clear_pending,
-    mark_prompted,
-    new_session_state,
-)
+from flink_jobs.inference import PromptRunner, PromptTask, TaskResult
+from flink_jobs.metric_tally import GaugeCounters, Tally
+from flink_jobs.outbox import Outbox, Settled
+from flink_jobs.prompting import PromptRenderer
+from flink_jobs.session import SessionState
 from flink_jobs.stats import StatsReporter
-from flink_jobs.trigger import Verdict, decide
+from flink_jobs.timeline import Step, is_held, on_event, on_timer
 
 log = logging.getLogger(__name__)
 
 DEAD_LETTERS = OutputTag("dead-letters", Types.STRING())
+# Events that arrived behind the watermark, with what became of them (see timeline.py).
+LATE_EVENTS = OutputTag("late-events", Types.STRING())
+# Every prompt rendered (PromptTask.audit_json), when kafka.prompts_topic is set.
+PROMPTS = OutputTag("prompts", Types.STRING())
+# The watermark at the end of a bounded input (Flink's MAX_WATERMARK).
+END_OF_INPUT_MS = 2**63 - 1
 
 
 def _now_ms() -> int:
@@ -51,20 +53,21 @@ def _dead_letter_json(dead_letter: DeadLetter) -> str:
 
 
 class _Counted:
-    """Counters that go both to Flink's metric group and to the Redis stats hash."""
+    """Counters that go both to Flink's metric group and to the Redis stats hash.
+
+    The Flink side is gauges over counts kept here (``metric_tally.GaugeCounters``):
+    PyFlink drops counter updates made in ``on_timer``.
+    """
 
     def _open_counters(self, ctx: RuntimeContext, config: AppConfig) -> None:
         self._metrics = ctx.get_metrics_group().add_group("shopper_intents")
-        self._flink_counters: dict[str, Any] = {}
+        self._flink_counters = GaugeCounters(self._metrics)
         self._stats = StatsReporter(
             config.redis.url, config.redis.key_prefix, config.job.stats_flush_s
         )
 
     def _count(self, name: str, amount: int = 1) -> None:
-        counter = self._flink_counters.get(name)
-        if counter is None:
-            counter = self._flink_counters[name] = self._metrics.counter(name)
-        counter.inc(amount)
+        self._flink_counters.inc(name, amount)
         self._stats.add(name, amount)
 
     def _close_counters(self) -> None:
@@ -79,12 +82,15 @@ class DecodeEvents(ProcessFunction, _Counted):
 
     def open(self, runtime_context: RuntimeContext) -> None:
         self._open_counters(runtime_context, self._config)
+        # Records per second over the last minute, for reporters that show no rates.
+        self._events_in_rate = self._metrics.meter("events_in_per_s", 60)
 
     def close(self) -> None:
         self._close_counters()
 
     def process_element(self, value: Row, ctx: ProcessFunction.Context):
         self._count("events_in")
+        self._events_in_rate.mark_event()
         source = SourcePosition(value[0], value[1], value[2], value[3])
         result = decode_event(bytes(value[4]), source, _now_ms(), self._config.job.max_event_bytes)
         if isinstance(result, DeadLetter):
@@ -95,13 +101,46 @@ class DecodeEvents(ProcessFunction, _Counted):
             yield result
 
 
-class ShopperSessions(KeyedProcessFunction, _Counted):
-    """Keyed by shopper id; holds a :class:`SessionState` and one pending trigger timer.
+class _RecentSessions:
+    """The newest session states by shopper, as objects: a read from keyed state unpickles
+    the whole session (tens of microseconds for forty events), and the operator is the only
+    writer of that state, so what it last wrote is what the state holds. Rebuilt empty
+    whenever the operator opens (a restore included)."""
 
-    Trigger times are event times. A timer is a processing-time timer set for the same
-    distance ahead as the trigger is in event time, and when it fires the shopper's event
-    clock is taken to have advanced by the wall time since their newest event arrived:
-    event-time timers would wait for the watermark, which stops when traffic does.
+    def __init__(self, size: int) -> None:
+        self._size = size
+        self._states: OrderedDict[str, SessionState] = OrderedDict()
+
+    def get(self, shopper_id: str, load) -> SessionState | None:
+        state = self._states.get(shopper_id)
+        if state is None:
+            state = load()
+            if state is not None:
+                self.put(shopper_id, state)
+        else:
+            self._states.move_to_end(shopper_id)
+        return state
+
+    def put(self, shopper_id: str, state: SessionState) -> None:
+        self._states[shopper_id] = state
+        self._states.move_to_end(shopper_id)
+        if len(self._states) > self._size:
+            self._states.popitem(last=False)
+
+
+class ShopperSessions(KeyedProcessFunction, _Counted):
+    """Keyed by shopper: ``timeline.on_event`` / ``on_timer`` on keyed state, and the
+    shopper's prompts through the :class:`~flink_jobs.outbox.Outbox`.
+
+    Timers are event-time timers, so prompts depend on the topic and not on when it was
+    read; the source's watermarks keep advancing when traffic stops
+    (``shopperintents.EventTimeWatermarks``), so a shopper's last prompt still fires.
+
+    A prompt sent stays in the ``pending`` state until its outcome is collected, on a
+    processing-time timer every ``llm.poll_interval_s`` in the shopper's key context; one
+    whose outcome the outbox does not know (the job restarted) is sent again. At the end
+    of a bounded input the watermark reaches ``END_OF_INPUT_MS`` and the operator waits
+    for every pending outcome before the job finishes.
     """
 
     def __init__(self, config: AppConfig) -> None:
@@ -114,101 +153,154 @@ class ShopperSessions(KeyedProcessFunction, _Counted):
             .set_state_visibility(StateTtlConfig.StateVisibility.NeverReturnExpired)
             .build()
         )
-        session = ValueStateDescriptor("session", Types.PICKLED_BYTE_ARRAY())
-        session.enable_time_to_live(ttl)
-        clock = ValueStateDescriptor(
-            "clock", Types.TUPLE([Types.LONG(), Types.LONG(), Types.LONG()])
-        )
-        clock.enable_time_to_live(ttl)
-        self._session = runtime_context.get_state(session)
-        # (newest event time, wall time it arrived, wall time of the pending timer or 0)
-        self._clock = runtime_context.get_state(clock)
+        states = {}
+        for name in ("session", "held-events", "pending-prompt"):
+            descriptor = ValueStateDescriptor(name, Types.PICKLED_BYTE_ARRAY())
+            descriptor.enable_time_to_live(ttl)
+            states[name] = runtime_context.get_state(descriptor)
+        self._session, self._held, self._pending = states.values()
+        self._recent = _RecentSessions(self._config.job.session_cache_size)
         self._renderer = PromptRenderer(self._config.prompt)
         self._open_counters(runtime_context, self._config)
+        self._tally = Tally(INFER_COUNTS, INFER_TIMINGS)
+        self._tally.register(self._metrics)
+        # httpx and httpcore log every request (INFO, DEBUG); in thread mode PEMJA hands
+        # every record to Java, whatever the level Java then filters at.
+        for chatty in ("httpx", "httpcore"):
+            logging.getLogger(chatty).setLevel(logging.WARNING)
+        runner = PromptRunner(self._config)
+        self._outbox = Outbox(
+            runner, self._config.llm.capacity, self._config.llm.max_concurrency, runner.aclose
+        ).start()
+        self._poll_ms = int(self._config.llm.poll_interval_s * 1000)
 
     def close(self) -> None:
+        if getattr(self, "_outbox", None) is not None:
+            self._outbox.close()
+            self._outbox = None
         self._close_counters()
 
     def process_element(self, event: ShopperEvent, ctx: KeyedProcessFunction.Context):
-        state: SessionState = self._session.value() or new_session_state(event.shopper_id)
-        state, outcome = apply_event(
-            state, event, self._config.session, self._config.trigger.high_signal_types
+        watermark = ctx.timer_service().current_watermark()
+        step = on_event(
+            None if is_held(event, watermark) else self._session_of(event.shopper_id),
+            self._held.value() or (),
+            event,
+            watermark,
+            self._config,
+            self._renderer.render,
         )
-        self._count(f"events_{outcome.value}")
-        if outcome is Outcome.LATE_DROPPED:
-            yield (
-                DEAD_LETTERS,
-                _dead_letter_json(
-                    DeadLetter(
-                        "late",
-                        "too_late",
-                        f"event is more than {self._config.session.max_lateness_s:.0f} s "
-                        "(session.max_lateness_s) behind the shopper's newest event",
-                        shopper_id=event.shopper_id,
-                        context={"event_id": event.event_id, "event_time_ms": event.event_time_ms},
-                    )
-                ),
-            )
-            return
-        if not outcome.changed_session:
-            return
-        wall = ctx.timer_service().current_processing_time()
-        pending_timer = self._pending_timer()
-        self._clock.update((state.newest_event_ms, wall, pending_timer))
-        yield from self._evaluate(state, state.newest_event_ms, wall, ctx, event.event_time_ms)
+        yield from self._commit(step, ctx)
 
     def on_timer(self, timestamp: int, ctx: KeyedProcessFunction.OnTimerContext):
-        clock = self._clock.value()
-        if clock is None or clock[2] != timestamp:
-            return  # superseded by a later timer
-        newest_ms, arrived_wall, _ = clock
-        self._clock.update((newest_ms, arrived_wall, 0))
-        state: SessionState | None = self._session.value()
-        if state is None:
+        if ctx.time_domain() == TimeDomain.PROCESSING_TIME:
+            yield from self._settle(ctx, wait=False)
             return
-        now_ms = newest_ms + max(0, timestamp - arrived_wall)
-        yield from self._evaluate(state, now_ms, timestamp, ctx, state.newest_event_ms)
+        if timestamp == END_OF_INPUT_MS:
+            yield from self._settle(ctx, wait=True)
+            return
+        step = on_timer(
+            self._session_of(ctx.get_current_key()),
+            self._held.value() or (),
+            timestamp,
+            self._config,
+            self._renderer.render,
+        )
+        yield from self._commit(step, ctx)
 
-    def _pending_timer(self) -> int:
-        clock = self._clock.value()
-        return clock[2] if clock else 0
+    def _session_of(self, shopper_id: str) -> SessionState | None:
+        return self._recent.get(shopper_id, self._session.value)
 
-    def _evaluate(self, state: SessionState, now_ms: int, wall: int, ctx, trigger_event_ms: int):
-        decision = decide(state, now_ms, self._config.trigger)
-        if decision.verdict is Verdict.FIRE:
-            try:
-                prompt = self._renderer.render(state)
-            except PromptError as exc:
-                self._count("dead_letter_prompt")
-                yield (
-                    DEAD_LETTERS,
-                    _dead_letter_json(
-                        DeadLetter("prompt", "prompt_error", str(exc), shopper_id=state.shopper_id)
-                    ),
-                )
-                state = clear_pending(state)
-            else:
-                state = mark_prompted(state, now_ms, decision.fingerprint)
-                self._count("prompts_sent")
-                self._count(f"prompts_reason_{decision.reason.replace(' ', '_').replace('-', '_')}")
-                yield PromptTask(
-                    state.shopper_id,
-                    state.prompt_seq,
-                    state.newest_event_ms,
-                    trigger_event_ms,
-                    prompt,
-                )
-        elif decision.verdict is Verdict.UNCHANGED:
-            self._count("prompts_skipped_unchanged")
-            state = clear_pending(state)
-        elif decision.verdict is Verdict.WAIT:
-            assert decision.wake_at_ms is not None
-            target = wall + max(1, decision.wake_at_ms - now_ms)
-            clock = self._clock.value()
-            if clock is not None and not (0 < clock[2] <= target):
-                ctx.timer_service().register_processing_time_timer(target)
-                self._clock.update((clock[0], clock[1], target))
-        self._session.update(state)
+    def _commit(self, step: Step, ctx):
+        if step.state is not None:
+            self._session.update(step.state)
+            self._recent.put(step.state.shopper_id, step.state)
+        if step.held:
+            self._held.update(step.held)
+        else:
+            self._held.clear()
+        for when in step.timers:
+            ctx.timer_service().register_event_time_timer(when)
+        for name, amount in step.counts.items():
+            self._count(name, amount)
+        for dead_letter in step.dead_letters:
+            yield DEAD_LETTERS, _dead_letter_json(dead_letter)
+        for event, outcome in step.late_events:
+            yield LATE_EVENTS, orjson.dumps({"outcome": outcome.value, "event": event}).decode()
+        for task in step.prompts:
+            if self._config.kafka.prompts_topic:
+                yield PROMPTS, task.audit_json()
+            yield from self._send(task, ctx)
+
+    def _send(self, task: PromptTask, ctx):
+        replaced = self._pending.value()
+        if replaced is not None and not self._outbox.tracks(task.shopper_id, replaced.seq):
+            # Sent before a restart and not yet sent again: this newer prompt replaces it.
+            yield from self._record(Settled(replaced, TaskResult("superseded"), _now_ms()))
+        self._pending.update(task)
+        self._outbox.submit(task)
+        self._stats.sample("outbox_in_system", self._outbox.in_system)
+        if ctx.timer_service().current_watermark() >= END_OF_INPUT_MS:
+            yield from self._settle(ctx, wait=True)
+            return
+        self._poll_later(ctx)
+        ctx.timer_service().register_event_time_timer(END_OF_INPUT_MS)
+
+    def _settle(self, ctx, wait: bool):
+        """Record the outcomes of the shopper's prompts that settled; keep polling while
+        its newest prompt is out, and send it again if the outbox has never seen it."""
+        shopper_id = ctx.get_current_key()
+        pending: PromptTask | None = self._pending.value()
+        if pending is not None and not self._outbox.tracks(shopper_id, pending.seq):
+            self._count("prompts_resent")
+            self._outbox.submit(pending)
+        if wait and pending is not None:
+            settled = self._outbox.wait(shopper_id, pending.seq, self._drain_timeout_s())
+        else:
+            settled = self._outbox.collect(shopper_id)
+        for outcome in settled:
+            yield from self._record(outcome)
+        if pending is None:
+            return
+        if any(s.task.seq == pending.seq for s in settled):
+            self._pending.clear()
+            ctx.timer_service().delete_event_time_timer(END_OF_INPUT_MS)
+        else:
+            self._poll_later(ctx)
+
+    def _poll_later(self, ctx) -> None:
+        ctx.timer_service().register_processing_time_timer(
+            ctx.timer_service().current_processing_time() + self._poll_ms
+        )
+
+    def _drain_timeout_s(self) -> float:
+        llm = self._config.llm
+        per_call = llm.request_timeout_s * llm.max_attempts + llm.backoff_max_s * llm.max_attempts
+        attempts = 1 + llm.invalid_answer_retries
+        return per_call * attempts + self._config.redis.write_retry_budget_s
+
+    def _record(self, settled: Settled):
+        result, task = settled.result, settled.task
+        name = _OUTCOME_COUNTERS[result.outcome]
+        self._tally.add(name)
+        self._stats.add(name)
+        if result.dead_letter is not None:
+            self._stats.add(f"dead_letter_{result.dead_letter.stage}_{result.dead_letter.reason}")
+            yield DEAD_LETTERS, _dead_letter_json(result.dead_letter)
+        if result.attempts > 1:
+            self._tally.add("llm_retries", result.attempts - 1)
+            self._stats.add("llm_retries", result.attempts - 1)
+        if result.prompt_tokens:
+            self._tally.add("llm_prompt_tokens", result.prompt_tokens)
+            self._stats.add("llm_prompt_tokens", result.prompt_tokens)
+        if result.llm_latency_s:
+            self._stats.add("llm_calls")
+            self._stats.sample("llm_latency_ms", int(result.llm_latency_s * 1000))
+            self._tally.observe("llm_latency_ms", result.llm_latency_s * 1000)
+        if result.outcome == "written":
+            freshness_ms = settled.settled_at_ms - task.event_time_ms
+            self._stats.sample("event_to_intent_ms", freshness_ms)
+            self._tally.observe("event_to_intent_ms", freshness_ms)
 
 
 _OUTCOME_COUNTERS = {
@@ -217,90 +309,6 @@ _OUTCOME_COUNTERS = {
     "superseded": "prompts_superseded",
     "dead_letter": "dead_letter_inference",
 }
-
-
-class InferIntents(AsyncFunction):
-    """The async LLM call. Clients are created on the operator's event loop, lazily:
-    PyFlink calls ``open`` before that loop runs."""
-
-    def __init__(self, config: AppConfig) -> None:
-        self._config = config
-
-    def open(self, runtime_context: RuntimeContext) -> None:
-        self._llm = None
-        self._store = None
-        self._coalescer = None
-        self._stats = StatsReporter(
-            self._config.redis.url, self._config.redis.key_prefix, self._config.job.stats_flush_s
-        )
-        metrics = runtime_context.get_metrics_group().add_group("shopper_intents")
-        self._flink_counters = {name: metrics.counter(name) for name in _OUTCOME_COUNTERS.values()}
-
-    def close(self) -> None:
-        if getattr(self, "_stats", None) is not None:
-            self._stats.close()
-
-    def _clients(self):
-        if self._llm is None:
-            import redis.asyncio
-
-            from flink_jobs.intent_store import AsyncIntentStore
-            from flink_jobs.llm_client import LlmClient
-
-            client = redis.asyncio.Redis.from_url(
-                self._config.redis.url, socket_timeout=self._config.redis.write_timeout_s
-            )
-            self._store = AsyncIntentStore(
-                client, self._config.redis.key_prefix, self._config.redis.intent_ttl_s * 1000
-            )
-            self._llm = LlmClient(self._config.llm)
-            self._coalescer = Coalescer(self._config.llm.max_concurrency)
-        return self._llm, self._store, self._coalescer
-
-    async def async_invoke(self, task: PromptTask) -> list[str]:
-        llm, store, coalescer = self._clients()
-
-        def run(t: PromptTask):
-            return run_task(
-                t,
-                llm,
-                store,
-                self._config.llm.model,
-                self._config.redis.write_retry_budget_s,
-                self._config.llm.invalid_answer_retries,
-            )
-
-        result: TaskResult = await run_coalesced(task, coalescer, run)
-        self._record(result)
-        if result.outcome == "written":
-            self._stats.sample("event_to_intent_ms", _now_ms() - task.event_time_ms)
-        if result.dead_letter is not None:
-            return [_dead_letter_json(result.dead_letter)]
-        return []
-
-    def timeout(self, task: PromptTask) -> list[str]:
-        result = TaskResult(
-            "dead_letter",
-            DeadLetter(
-                "llm",
-                "operator_timeout",
-                "the async operator's timeout expired",
-                shopper_id=task.shopper_id,
-            ),
-        )
-        self._record(result)
-        return [_dead_letter_json(result.dead_letter)]
-
-    def _record(self, result: TaskResult) -> None:
-        name = _OUTCOME_COUNTERS[result.outcome]
-        self._flink_counters[name].inc()
-        self._stats.add(name)
-        if result.dead_letter is not None:
-            self._stats.add(f"dead_letter_{result.dead_letter.stage}_{result.dead_letter.reason}")
-        if result.attempts > 1:
-            self._stats.add("llm_retries", result.attempts - 1)
-        if result.prompt_tokens:
-            self._stats.add("llm_prompt_tokens", result.prompt_tokens)
-        if result.llm_latency_s:
-            self._stats.add("llm_calls")
-            self._stats.sample("llm_latency_ms", int(result.llm_latency_s * 1000))
+#: The inference outcomes' Flink metrics (gauges, see metric_tally): counts, then timings in ms.
+INFER_COUNTS = (*_OUTCOME_COUNTERS.values(), "llm_retries", "llm_prompt_tokens")
+INFER_TIMINGS = ("llm_latency_ms", "event_to_intent_ms")

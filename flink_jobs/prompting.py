@@ -23,7 +23,7 @@ import jinja2
 import orjson
 
 from flink_jobs.config import PromptConfig
-from flink_jobs.events import load_schema
+from flink_jobs.events import load_schema, pickled_by_fields
 from flink_jobs.session import SessionState
 
 PROMPTS_DIR = Path(__file__).resolve().parent.parent / "prompts"
@@ -35,6 +35,7 @@ class PromptError(ValueError):
     """The template is missing or broken, or the session can't fit the token budget."""
 
 
+@pickled_by_fields
 @dataclass(frozen=True, slots=True)
 class RenderedPrompt:
     messages: tuple[dict[str, str], ...]

@@ -31,6 +31,15 @@ CLI::
         --topic shopper-events [--speed 10 | --rate 200] [--rebase-time [first|last|send]]
     python -m flink_jobs.replay record --bootstrap 127.0.0.1:9092 --topic shopper-events \\
         --out recording.jsonl [--idle-timeout 5]
+
+``--metrics-port N`` serves the replay's Prometheus metrics (:class:`ReplayMetrics`: records
+planned, produced, sent, failed by error, bytes sent) on ``http://<--metrics-host>:N/metrics``
+while it runs, and ``--metrics-linger S`` seconds after, for a last scrape.
+
+``-X KEY=VALUE`` (repeatable, both commands) passes a librdkafka client property, for a
+broker with TLS or SASL: ``-X security.protocol=SASL_SSL -X sasl.mechanism=SCRAM-SHA-512
+-X sasl.username=U -X sasl.password=P`` (librdkafka's names, not the Java client's
+``sasl.jaas.config``).
 """
 
 from __future__ import annotations
@@ -63,6 +72,7 @@ __all__ = [
     "PlannedSend",
     "RecordSummary",
     "ReplayError",
+    "ReplayMetrics",
     "ReplayProgress",
     "ReplaySummary",
     "SourceRecord",
@@ -499,6 +509,50 @@ class ReplaySummary:
         return text
 
 
+class ReplayMetrics:
+    """Prometheus metrics of a replay, in a registry of their own (names start with
+    ``shopper_intents_replay_``). Counters only grow, so several replays served by one
+    process add up; ``records_planned`` is the last replay's plan."""
+
+    def __init__(self, registry: Any = None) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Gauge
+
+        self.registry = registry or CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.planned = Gauge(
+            "shopper_intents_replay_records_planned", "Records in the replay plan.", registry=r
+        )
+        self.produced = Counter(
+            "shopper_intents_replay_records_produced",
+            "Records handed to the Kafka producer.",
+            registry=r,
+        )
+        self.sent = Counter(
+            "shopper_intents_replay_records_sent",
+            "Records acknowledged by the broker.",
+            registry=r,
+        )
+        self.failed = Counter(
+            "shopper_intents_replay_records_failed",
+            "Records not delivered, by Kafka error name (or LOCAL_QUEUE_FULL, "
+            "NOT_DELIVERED_BEFORE_FLUSH_TIMEOUT).",
+            ["error"],
+            registry=r,
+        )
+        self.bytes_sent = Counter(
+            "shopper_intents_replay_bytes_sent",
+            "Value bytes of the acknowledged records.",
+            registry=r,
+        )
+
+    def serve(self, port: int, host: str = "127.0.0.1") -> Any:
+        """Serve ``/metrics`` from a daemon thread; returns the server (``shutdown()`` it)."""
+        from prometheus_client import start_http_server
+
+        server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        return server
+
+
 def producer_config(bootstrap: str, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
     return {
         "bootstrap.servers": bootstrap,
@@ -525,9 +579,10 @@ def replay_records(
     progress_interval_s: float = 0.5,
     flush_timeout_s: float = 30.0,
     extra_config: Mapping[str, Any] | None = None,
+    metrics: ReplayMetrics | None = None,
 ) -> ReplaySummary:
     """Send ``records`` to ``topic`` as planned by :func:`plan_replay`; never raises on
-    delivery errors (they are counted in the summary).
+    delivery errors (they are counted in the summary, and in ``metrics`` when given).
 
     ``rebase_time``: True or "first" puts the first event at now, "last" the latest one,
     "send" makes each event's time its send time (with ``speed`` or ``rate``); see
@@ -542,19 +597,31 @@ def replay_records(
         list(records), speed=speed, rate=rate, rebase_to_ms=now_ms, rebase_anchor=anchor
     )
     producer = Producer(producer_config(bootstrap, extra_config))
+    if metrics is not None:
+        metrics.planned.set(len(plan))
 
     sent = failed = sent_bytes = produced = 0
     errors: Counter[str] = Counter()
     first_error: str | None = None
 
+    def count_failure(name: str, amount: int = 1) -> None:
+        nonlocal failed
+        failed += amount
+        errors[name] += amount
+        if metrics is not None:
+            metrics.failed.labels(name).inc(amount)
+
     def on_delivery(err: Any, msg: Any) -> None:
-        nonlocal sent, failed, sent_bytes, first_error
+        nonlocal sent, sent_bytes, first_error
         if err is None:
             sent += 1
-            sent_bytes += len(msg.value() or b"")
+            size = len(msg.value() or b"")
+            sent_bytes += size
+            if metrics is not None:
+                metrics.sent.inc()
+                metrics.bytes_sent.inc(size)
         else:
-            failed += 1
-            errors[err.name()] += 1
+            count_failure(err.name())
             first_error = first_error or str(err)
 
     start = time.monotonic()
@@ -586,24 +653,23 @@ def replay_records(
                     break
                 except BufferError:  # the local queue is full: let deliveries drain it
                     if time.monotonic() > produce_deadline:
-                        failed += 1
-                        errors["LOCAL_QUEUE_FULL"] += 1
+                        count_failure("LOCAL_QUEUE_FULL")
                         first_error = first_error or "local producer queue stayed full"
                         break
                     producer.poll(0.1)
                 except KafkaException as exc:
-                    failed += 1
-                    errors[exc.args[0].name() if exc.args else "KafkaException"] += 1
+                    count_failure(exc.args[0].name() if exc.args else "KafkaException")
                     first_error = first_error or str(exc)
                     break
             produced += 1
+            if metrics is not None:
+                metrics.produced.inc()
             producer.poll(0)
             report()
     finally:
         undelivered = producer.flush(flush_timeout_s)
     if undelivered:
-        failed += undelivered
-        errors["NOT_DELIVERED_BEFORE_FLUSH_TIMEOUT"] += undelivered
+        count_failure("NOT_DELIVERED_BEFORE_FLUSH_TIMEOUT", undelivered)
         first_error = (
             first_error or f"{undelivered} records not delivered within {flush_timeout_s} s"
         )
@@ -749,6 +815,20 @@ def _progress_printer(stream: Any) -> Callable[[ReplayProgress], None]:
     return show
 
 
+def _client_property(text: str) -> tuple[str, str]:
+    """``KEY=VALUE`` for ``-X``; the error never repeats the text (it may be a password)."""
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError("expected KEY=VALUE (a librdkafka property)")
+    return key.strip(), value
+
+
+_CLIENT_PROPERTY_HELP = (
+    "librdkafka client property, repeatable; e.g. -X security.protocol=SASL_SSL "
+    "-X sasl.mechanism=SCRAM-SHA-512 -X sasl.username=U -X sasl.password=P"
+)
+
+
 def _build_parser() -> argparse.ArgumentParser:
     default_bootstrap = os.environ.get("SI_KAFKA_BOOTSTRAP_SERVERS", "127.0.0.1:9092")
     default_topic = os.environ.get("SI_KAFKA_EVENTS_TOPIC", "shopper-events")
@@ -764,6 +844,10 @@ def _build_parser() -> argparse.ArgumentParser:
         "--bootstrap", default=default_bootstrap, help=f"default: {default_bootstrap}"
     )
     replay.add_argument("--topic", default=default_topic, help=f"default: {default_topic}")
+    replay.add_argument(
+        "-X", "--client-property", type=_client_property, action="append", default=[],
+        metavar="KEY=VALUE", help=_CLIENT_PROPERTY_HELP,
+    )  # fmt: skip
     replay.add_argument("--format", default="auto", choices=("auto", "jsonl", "csv", "recording"))
     timing = replay.add_mutually_exclusive_group()
     timing.add_argument("--speed", type=float, help="keep event-time gaps, divided by this factor")
@@ -778,12 +862,31 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     replay.add_argument("--limit", type=int, help="send only the first N records")
     replay.add_argument("--quiet", action="store_true", help="no progress line")
+    replay.add_argument(
+        "--metrics-port", type=int, help="serve Prometheus metrics on this port while replaying"
+    )
+    replay.add_argument(
+        "--metrics-host",
+        default="127.0.0.1",
+        help="address for --metrics-port (0.0.0.0 in a container); default: 127.0.0.1",
+    )
+    replay.add_argument(
+        "--metrics-linger",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="keep serving metrics this many seconds after the replay, for a last scrape",
+    )
 
     record = commands.add_parser("record", help="write a topic's records to a file")
     record.add_argument(
         "--bootstrap", default=default_bootstrap, help=f"default: {default_bootstrap}"
     )
     record.add_argument("--topic", default=default_topic, help=f"default: {default_topic}")
+    record.add_argument(
+        "-X", "--client-property", type=_client_property, action="append", default=[],
+        metavar="KEY=VALUE", help=_CLIENT_PROPERTY_HELP,
+    )  # fmt: skip
     record.add_argument("--out", type=Path, required=True)
     record.add_argument(
         "--idle-timeout", type=float, default=5.0, help="stop after this many idle seconds"
@@ -814,16 +917,39 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         if args.limit is not None:
             records = records[: args.limit]
-        summary = replay_records(
-            args.bootstrap,
-            args.topic,
-            records,
-            speed=args.speed,
-            rate=args.rate,
-            rebase_time=args.rebase_time or False,
-            progress=None if args.quiet else _progress_printer(sys.stderr),
-        )
-        print(summary.describe(args.topic), file=sys.stderr)
+        metrics = server = None
+        if args.metrics_port is not None:
+            metrics = ReplayMetrics()
+            try:
+                server = metrics.serve(args.metrics_port, args.metrics_host)
+            except OSError as exc:
+                print(
+                    f"error: cannot serve metrics on port {args.metrics_port}: {exc}",
+                    file=sys.stderr,
+                )
+                return 2
+            print(
+                f"metrics on http://{args.metrics_host}:{args.metrics_port}/metrics",
+                file=sys.stderr,
+            )
+        try:
+            summary = replay_records(
+                args.bootstrap,
+                args.topic,
+                records,
+                speed=args.speed,
+                rate=args.rate,
+                rebase_time=args.rebase_time or False,
+                progress=None if args.quiet else _progress_printer(sys.stderr),
+                metrics=metrics,
+                extra_config=dict(args.client_property),
+            )
+            print(summary.describe(args.topic), file=sys.stderr)
+            if server is not None and args.metrics_linger > 0:
+                time.sleep(args.metrics_linger)
+        finally:
+            if server is not None:
+                server.shutdown()
         return 0 if summary.ok else 1
 
     shown = [-1, 0.0]
@@ -841,6 +967,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             max_records=args.max_records,
             timeout_s=args.timeout,
             progress=show,
+            extra_config=dict(args.client_property),
         )
     except ReplayError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -163,24 +163,43 @@ def read_dead_letters(
     bootstrap: str, topic: str, expected: int, timeout_s: float = 30.0
 ) -> list[dict]:
     """Read the dead-letter topic from the start until ``expected`` records or the timeout."""
-    from confluent_kafka import Consumer, TopicPartition
+    return read_json_topic(bootstrap, topic, expected, timeout_s)
+
+
+def read_json_topic(
+    bootstrap: str, topic: str, expected: int | None = None, timeout_s: float = 30.0
+) -> list[dict]:
+    """Read a topic of JSON records from the start until ``expected`` records (None: until
+    the end of every partition) or the timeout."""
+    from confluent_kafka import Consumer, KafkaError, TopicPartition
 
     consumer = Consumer(
         {
             "bootstrap.servers": bootstrap,
-            "group.id": f"dead-letter-reader-{time.monotonic_ns()}",
+            "group.id": f"topic-reader-{time.monotonic_ns()}",
             "enable.auto.commit": False,
+            "enable.partition.eof": True,
         }
     )
     try:
         partitions = consumer.list_topics(topic, timeout=10).topics[topic].partitions
         consumer.assign([TopicPartition(topic, p, 0) for p in partitions])
         records: list[dict] = []
+        at_end: set[int] = set()
         deadline = time.monotonic() + timeout_s
-        while len(records) < expected and time.monotonic() < deadline:
+        while time.monotonic() < deadline:
+            if expected is not None and len(records) >= expected:
+                break
+            if expected is None and at_end >= set(partitions):
+                break
             msg = consumer.poll(0.5)
-            if msg is None or msg.error():
+            if msg is None:
                 continue
+            if msg.error():
+                if msg.error().code() == KafkaError._PARTITION_EOF:
+                    at_end.add(msg.partition())
+                continue
+            at_end.discard(msg.partition())
             records.append(orjson.loads(msg.value()))
         return records
     finally:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 from enum import Enum
 
 from flink_jobs.config import SessionConfig
-from flink_jobs.events import ShopperEvent
+from flink_jobs.events import ShopperEvent, pickled_by_fields
 
 # How many recent event ids are remembered for de-duplication, as a multiple of the
 # session length: duplicates arrive close together (producer retries, replays).
@@ -43,6 +43,7 @@ class Outcome(Enum):
         return self in (Outcome.ACCEPTED, Outcome.LATE_FOLDED)
 
 
+@pickled_by_fields
 @dataclass(frozen=True, slots=True)
 class History:
     """The gist of a shopper's earlier sessions: small, stable, and safe to put in a prompt."""
@@ -53,6 +54,7 @@ class History:
     top_brands: tuple[str, ...] = ()
 
 
+@pickled_by_fields
 @dataclass(frozen=True, slots=True)
 class SessionState:
     shopper_id: str
@@ -67,6 +69,8 @@ class SessionState:
     last_prompt_ms: int | None = None
     last_prompt_fingerprint: int = 0
     prompt_seq: int = 0
+    # The event time the trigger asked to be woken at (timeline.py), None when it need not be.
+    wake_at_ms: int | None = None
 
 
 def new_session_state(shopper_id: str) -> SessionState:

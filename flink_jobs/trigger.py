@@ -6,7 +6,10 @@ A prompt costs a few seconds of GPU; an event costs nothing. So the policy sends
 * after a quiet period while the shopper browses, so one prompt covers a burst of views;
 * never later than ``max_wait`` after the first event not yet covered, so a shopper who
   never pauses still gets fresh intents;
-* never when nothing material changed since the last prompt (re-viewing the same product);
+* never when nothing material changed since the last prompt: what the intent is about is
+  the kinds of things the shopper did (browse, search, cart, purchase, ...) and the
+  categories they did them in, so a third pair of headphones viewed after two others, or
+  a refined query in the same category, asks for nothing new;
 * at most once per ``min_interval`` per shopper.
 
 :func:`decide` is pure: the operator calls it when an event arrives and when a timer fires,
@@ -38,10 +41,17 @@ class Decision:
     fingerprint: int = 0
 
 
+# Views and clicks are one kind of action, browsing; every other event type is its own.
+_KIND = {"view": "browse", "click": "browse"}
+
+
 def material_fingerprint(state: SessionState) -> int:
-    """What the prompt would be about: event kinds and their subjects, not their times."""
+    """What the prompt would be about: the kinds of action and the categories they touch,
+    and the shopper's history; not times, repetitions, products or query wording."""
     digest = hashlib.blake2b(digest_size=8)
-    for kind in sorted({f"{e.event_type}\x1f{e.product_id}\x1f{e.query}" for e in state.events}):
+    for kind in sorted(
+        {f"{_KIND.get(e.event_type, e.event_type)}\x1f{e.category}" for e in state.events}
+    ):
         digest.update(kind.encode() + b"\x1e")
     digest.update(repr(state.history).encode())
     return int.from_bytes(digest.digest(), "big")

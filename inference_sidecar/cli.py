@@ -40,6 +40,13 @@ def _add_router_options(p: argparse.ArgumentParser) -> None:
         default=3,
         help="in-flight requests a worker may always take before keys spill (default 3)",
     )
+    p.add_argument(
+        "--recompute-weight",
+        type=float,
+        default=2.0,
+        help="weight of a prompt's uncached tokens against a worker's queued ones when "
+        "bounded_hash chooses where to send it (default 2; 0 routes on queues alone)",
+    )
     p.add_argument("--max-attempts", type=int, default=3, help="workers tried per request")
     p.add_argument("--request-timeout", type=float, default=120.0, help="seconds per attempt")
     p.add_argument(
@@ -100,6 +107,7 @@ def router_config(args: argparse.Namespace, **overrides: Any) -> RouterConfig:
         "policy": args.policy,
         "load_factor": args.load_factor,
         "min_load_bound": args.min_load_bound,
+        "recompute_weight": args.recompute_weight,
         "max_attempts": args.max_attempts,
         "request_timeout_s": args.request_timeout,
         "health_interval_s": args.health_interval,

@@ -40,6 +40,8 @@ class RouterConfig:
     policy: str = "bounded_hash"
     load_factor: float = 1.25
     min_load_bound: int = 3
+    recompute_weight: float = 2.0
+    """bounded_hash: weight of a prompt's uncached tokens against a worker's queued ones."""
     key_headers: tuple[str, ...] = DEFAULT_KEY_HEADERS
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     connect_timeout_s: float = 2.0
@@ -68,6 +70,8 @@ class RouterConfig:
             raise ConfigError("policy", f"unknown policy {self.policy!r}; one of {POLICY_NAMES}")
         if not self.load_factor >= 1.0:
             raise ConfigError("load_factor", f"must be >= 1.0, got {self.load_factor}")
+        if not self.recompute_weight >= 0:
+            raise ConfigError("recompute_weight", f"must be >= 0, got {self.recompute_weight}")
         if not 0 < self.port < 65536:
             raise ConfigError("port", f"must be in 1..65535, got {self.port}")
         if self.max_body_bytes < 1024:

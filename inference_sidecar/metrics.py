@@ -51,8 +51,9 @@ class RouterMetrics:
         )
         self.decisions = Counter(
             "inference_sidecar_routing_decisions",
-            "Routing decisions: sticky, spilled (home over the load bound), failed_over "
-            "(home out of service or failed), balanced (policy without affinity).",
+            "Routing decisions: sticky (the key's recent worker), placed (a key seen for the "
+            "first time), spilled (its worker was over the load bound or dearer than another), "
+            "failed_over (its worker out of service or failed), balanced (no affinity).",
             ["policy", "pool", "decision"],
             registry=r,
         )

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from inference_sidecar import health as h
 from inference_sidecar.policies import Policy
 
-Decision = Literal["sticky", "spilled", "failed_over", "balanced"]
+Decision = Literal["sticky", "placed", "spilled", "failed_over", "balanced"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,8 +26,10 @@ class Choice:
 
 
 def classify(home: str | None, chosen: str, candidates: Sequence[str]) -> Decision:
-    """Sticky: the key's home. Spilled: home was usable but over the bound.
-    Failed over: home was out of service or already tried. Balanced: no affinity."""
+    """Sticky: the key's home. Spilled: home was usable but over the bound or dearer
+    than another worker. Failed over: home was out of service or already tried.
+    Balanced: no affinity. (``RoutingPool.choose`` adds "placed": a key seen for the
+    first time, put where the policy found it cheapest.)"""
     if home is None:
         return "balanced"
     if chosen == home:
@@ -60,23 +62,35 @@ class RoutingPool:
         excluded = set(exclude)
         return [w for w in h.available(self.health) if w not in excluded]
 
-    def choose(self, key: str, exclude: Iterable[str] = ()) -> Choice | None:
-        """Pick a worker for ``key`` among those in service and not in ``exclude``."""
+    def choose(self, key: str, exclude: Iterable[str] = (), size: int = 0) -> Choice | None:
+        """Pick a worker for ``key`` (prompt of ``size`` estimated tokens, 0 if unknown)
+        among those in service and not in ``exclude``."""
         candidates = self.candidates(exclude)
         if not candidates:
             return None
-        worker = self.policy.pick(key, candidates, self.in_flight)
-        return Choice(worker, classify(self.policy.home(key, self.workers), worker, candidates))
+        worker = self.policy.pick(key, candidates, self.in_flight, size)
+        home = self.policy.home(key, self.workers)
+        decision = classify(home, worker, candidates)
+        if decision in ("sticky", "spilled") and self.policy.is_new(key):
+            decision = "placed"
+        return Choice(worker, decision)
 
-    def start(self, worker: str) -> None:
+    def start(self, worker: str, key: str = "", size: int = 0) -> Any:
+        """Count a request sent to ``worker``; returns the policy's ticket for it."""
         self.in_flight[worker] += 1
-        self.policy.on_start(worker)
+        return self.policy.on_start(worker, key, size)
 
-    def finish(self, worker: str, ok: bool | None, latency_s: float, now: float) -> None:
+    def prefilled(self, worker: str, ticket: Any = None) -> None:
+        """The worker's first output byte arrived: its prefill of this request is done."""
+        self.policy.on_prefilled(worker, ticket)
+
+    def finish(
+        self, worker: str, ok: bool | None, latency_s: float, now: float, ticket: Any = None
+    ) -> None:
         """End one request; ``ok=None`` means "not the worker's fault" (client error,
         client gone) and feeds nothing to outlier detection."""
         self.in_flight[worker] = max(0, self.in_flight[worker] - 1)
-        self.policy.on_finish(worker)
+        self.policy.on_finish(worker, ticket, ok)
         if ok is not None:
             self._apply(h.record(self.health, worker, ok, latency_s, now, self.health_config))
 

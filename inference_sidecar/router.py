@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -46,7 +47,11 @@ from inference_sidecar.health import HealthEvent
 from inference_sidecar.metrics import RouterMetrics
 from inference_sidecar.policies import make_policy
 from inference_sidecar.pool import RoutingPool
-from inference_sidecar.routing_key import RoutingKey, extract_routing_key
+from inference_sidecar.routing_key import (
+    RoutingKey,
+    estimate_prompt_tokens,
+    extract_routing_key,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -159,6 +164,7 @@ class Router:
                     config.policy,
                     load_factor=config.load_factor,
                     min_bound=config.min_load_bound,
+                    recompute_weight=config.recompute_weight,
                 ),
                 config.health,
                 on_event=self._on_health_event,
@@ -268,23 +274,26 @@ class Router:
                 headers[name] = value
         return headers
 
-    def _begin(self, pool: RoutingPool, worker: str) -> float:
-        pool.start(worker)
+    def _begin(self, pool: RoutingPool, worker: str, key: RoutingKey) -> tuple[float, Any]:
+        """Account for a request sent to ``worker``: (start time, the policy's ticket)."""
+        ticket = pool.start(worker, key.value, key.size)
         self.metrics.worker_requests.labels(pool.name, worker).inc()
         self.metrics.in_flight.labels(pool.name, worker).set(pool.in_flight[worker])
-        return self.clock()
+        return self.clock(), ticket
 
-    def _end(self, pool: RoutingPool, worker: str, ok: bool | None, started: float) -> None:
+    def _end(
+        self, pool: RoutingPool, worker: str, ok: bool | None, started: float, ticket: Any
+    ) -> None:
         if self.config.health_interval_s <= 0:
             pool.expire(self.clock())
-        pool.finish(worker, ok, self.clock() - started, self.clock())
+        pool.finish(worker, ok, self.clock() - started, self.clock(), ticket)
         self.metrics.in_flight.labels(pool.name, worker).set(pool.in_flight[worker])
 
     def _fail(self, pool: RoutingPool, worker: str, kind: str) -> None:
         self.metrics.worker_errors.labels(pool.name, worker, kind).inc()
 
     def _choose(self, pool: RoutingPool, key: RoutingKey, tried: list[str]) -> str | None:
-        choice = pool.choose(key.value, exclude=tried)
+        choice = pool.choose(key.value, exclude=tried, size=key.size)
         if choice is None:
             return None
         decision = "failed_over" if tried else choice.decision
@@ -307,7 +316,7 @@ class Router:
             worker = self._choose(pool, key, tried)
             if worker is None:
                 break
-            started = self._begin(pool, worker)
+            started, ticket = self._begin(pool, worker, key)
             ok: bool | None = False
             try:
                 # A total deadline: httpx's read timeout is per read, so a worker that
@@ -344,7 +353,7 @@ class Router:
                 ok = None  # the client went away; not the worker's fault
                 raise
             finally:
-                self._end(pool, worker, ok, started)
+                self._end(pool, worker, ok, started, ticket)
             logger.info("worker %s failed (%s); trying another", worker, attempts[-1][1])
         raise self._exhausted(pool, attempts)
 
@@ -368,7 +377,7 @@ class Router:
             worker = self._choose(pool, key, tried)
             if worker is None:
                 break
-            started = self._begin(pool, worker)
+            started, ticket = self._begin(pool, worker, key)
             handed_over = False
             ok: bool | None = False
             upstream: httpx.Response | None = None
@@ -397,11 +406,14 @@ class Router:
                     first = await anext(chunks, b"")
                 if not first:
                     raise _AttemptFailed("invalid_response", "the stream ended before any data")
+                pool.prefilled(worker, ticket)
                 self.metrics.ttft.labels(endpoint).observe(self.clock() - received)
                 handed_over = True
                 response_headers = {WORKER_HEADER: worker, **(extra_headers or {})}
                 return StreamingResponse(
-                    self._relay(pool, worker, started, upstream, first, chunks, endpoint, received),
+                    self._relay(
+                        pool, worker, started, ticket, upstream, first, chunks, endpoint, received
+                    ),
                     status_code=upstream.status_code,
                     media_type=upstream.headers.get("content-type", "text/event-stream"),
                     headers=response_headers,
@@ -417,7 +429,7 @@ class Router:
                 if not handed_over:
                     if upstream is not None:
                         await upstream.aclose()
-                    self._end(pool, worker, ok, started)
+                    self._end(pool, worker, ok, started, ticket)
             logger.info("worker %s failed (%s); trying another", worker, attempts[-1][1])
         raise self._exhausted(pool, attempts)
 
@@ -426,6 +438,7 @@ class Router:
         pool: RoutingPool,
         worker: str,
         started: float,
+        ticket: Any,
         upstream: httpx.Response,
         first: bytes,
         chunks: AsyncIterator[bytes],
@@ -448,7 +461,7 @@ class Router:
             raise
         finally:
             await upstream.aclose()
-            self._end(pool, worker, ok, started)
+            self._end(pool, worker, ok, started, ticket)
             self.metrics.latency.labels(endpoint).observe(self.clock() - received)
 
     def _exhausted(self, pool: RoutingPool, attempts: list[tuple[str, str]]) -> UpstreamError:
@@ -490,7 +503,10 @@ class Router:
         try:
             raw = await self._read_body(request)
             body = parse_body(raw)
-            key = extract_routing_key(request.headers, body, self.config.key_headers)
+            key = dataclasses.replace(
+                extract_routing_key(request.headers, body, self.config.key_headers),
+                size=estimate_prompt_tokens(body),
+            )
             headers = self._headers(request.headers)
             path = f"/v1/{endpoint}"
             streaming = body.get("stream") is True

@@ -35,6 +35,9 @@ class RoutingKey:
 
     value: str
     source: KeySource
+    size: int = 0
+    """Estimated prompt tokens of the request carrying the key (0: unknown); the router
+    sets it from the body (``estimate_prompt_tokens``) for the routing policy."""
 
 
 def _digest(data: bytes) -> str:
@@ -108,3 +111,43 @@ def extract_routing_key(
         if key is not None:
             return RoutingKey(key, "prompt")
     return RoutingKey("", "none")
+
+
+#: Characters per token assumed by ``estimate_prompt_tokens`` (English-ish text, JSON
+#: event payloads; SmolLM2's tokenizer gives 3.5-4.5 on the shopper prompts).
+CHARS_PER_TOKEN = 4
+
+
+def _text_chars(value: Any) -> int:
+    """Characters of text in a prompt or a message's content (string or parts list)."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, list):
+        total = 0
+        for part in value:
+            if isinstance(part, str):
+                total += len(part)
+            elif isinstance(part, Mapping):
+                text = part.get("text")
+                total += len(text) if isinstance(text, str) else 0
+        return total
+    return 0
+
+
+def estimate_prompt_tokens(body: Mapping[str, Any]) -> int:
+    """A rough prompt size in tokens from the request body, without a tokenizer.
+
+    The routing policy compares such estimates with each other (a prompt's uncached part
+    against a worker's queued prefill work), so a consistent scale matters more than
+    accuracy. Chat messages count their text plus a few tokens of template each;
+    ``prompt`` may be a string or a list of strings (token-id prompts count one per id).
+    0 when there is nothing to measure.
+    """
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        chars = sum(_text_chars(m.get("content")) for m in messages if isinstance(m, Mapping))
+        return chars // CHARS_PER_TOKEN + 4 * len(messages)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        return len(prompt)
+    return _text_chars(prompt) // CHARS_PER_TOKEN

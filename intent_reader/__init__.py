@@ -7,6 +7,10 @@
     intents = reader.get_many(["shopper-42", "s-7"])     # one round trip
     ranked = rerank([Candidate("p1", 0.8, "Running Shoes"), ...], intent)
 
+    updates = IntentUpdates.from_url("redis://cache:6379/0", "si:intent-updates")
+    for update in updates.follow():                      # when redis.notify_stream is set
+        ...
+
 The Redis layout is documented in ``docs/redis_layout.md``.
 """
 
@@ -21,13 +25,17 @@ from intent_reader.client import (
     parse_intent,
 )
 from intent_reader.rerank import Candidate, Ranked, RerankWeights, rerank
+from intent_reader.updates import IntentUpdate, IntentUpdates, MalformedUpdateError
 
 __all__ = [
     "Candidate",
     "IntentLabel",
     "IntentReader",
     "IntentReaderError",
+    "IntentUpdate",
+    "IntentUpdates",
     "MalformedIntentError",
+    "MalformedUpdateError",
     "Ranked",
     "ReaderUnavailableError",
     "RerankWeights",

@@ -1,13 +1,19 @@
 """The routing-policy interface.
 
 One required method, ``pick``; hooks with empty defaults for policies that keep their
-own state (``on_start``/``on_finish``), and ``home`` for policies with affinity so the
-router can tell a sticky decision from a spill or a failover without knowing the policy.
+own state (``on_start``/``on_prefilled``/``on_finish``), ``home`` for policies with
+affinity so the router can tell a sticky decision from a spill or a failover without
+knowing the policy, and ``is_new`` so a key seen for the first time is reported as
+"placed" rather than as sticky or spilled.
+
+``size`` is the request's estimated prompt tokens (``routing_key.estimate_prompt_tokens``);
+0 means unknown, and a policy must then still work (on request counts alone).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 
 class Policy:
@@ -18,7 +24,9 @@ class Policy:
 
     name: str = "policy"
 
-    def pick(self, key: str, workers: Sequence[str], loads: Mapping[str, int]) -> str:
+    def pick(
+        self, key: str, workers: Sequence[str], loads: Mapping[str, int], size: int = 0
+    ) -> str:
         """Choose one of ``workers`` (non-empty) for ``key``.
 
         ``loads`` maps a worker to its requests in flight through this router, not
@@ -34,8 +42,18 @@ class Policy:
         """
         return None
 
-    def on_start(self, worker: str) -> None:
-        """Called when a request is sent to ``worker``."""
+    def is_new(self, key: str) -> bool:
+        """True when the policy knows nothing of ``key`` yet (its first placement)."""
+        return False
 
-    def on_finish(self, worker: str) -> None:
-        """Called when a request to ``worker`` has completed, successfully or not."""
+    def on_start(self, worker: str, key: str = "", size: int = 0) -> Any:
+        """Called when a request is sent to ``worker``; the value returned (a ticket) is
+        handed back to ``on_prefilled`` and ``on_finish`` for that request."""
+        return None
+
+    def on_prefilled(self, worker: str, ticket: Any = None) -> None:
+        """Called when the worker produced its first output byte (its prefill is done)."""
+
+    def on_finish(self, worker: str, ticket: Any = None, ok: bool | None = None) -> None:
+        """Called when a request to ``worker`` has completed; ``ok`` is False when the
+        worker failed it, None when the outcome says nothing about the worker."""

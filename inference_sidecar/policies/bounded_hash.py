@@ -1,34 +1,94 @@
-"""Rendezvous (highest-random-weight) hashing with a bound on each worker's load.
+"""Rendezvous hashing with a bound on each worker's load, and token-aware spilling.
 
-Why rendezvous rather than a ring: every key gets a full preference order over the
-workers, with no virtual nodes to tune. When a worker leaves, only its own keys move,
-and each of them moves to its own next choice, so a lost worker's keys spread evenly
-over the survivors instead of piling onto the ring neighbour.
+Three layers, from hard to soft:
 
-Why a bound (Mirrokni, Thorup and Zadimoghaddam, 2016): hot keys must not overload
-their worker. A key goes to its first preferred worker whose in-flight load is below
-``ceil(c * (total in flight + 1) / n)``, the +1 being the request now placed, else to
-its next preferred one. Since the mean is below the bound for any ``c >= 1``, some
-worker always qualifies, and no worker ever exceeds the bound because of a pick.
+1. **The load bound** (Mirrokni, Thorup and Zadimoghaddam, 2016) is a hard limit: a
+   worker may take a request only while its in-flight load is below
+   ``ceil(c * (total in flight + 1) / n)`` (the +1 being the request now placed), so no
+   worker ever exceeds it because of a pick. Since the mean is below the bound for any
+   ``c >= 1``, some worker always qualifies. A floor under the bound (``min_bound``,
+   default 3) keeps a handful of requests from spilling: at 3 in flight over 3 workers
+   c=1.25 alone says 2, and a shopper whose worker already serves two others would
+   recompute a 2-4k-token prefix elsewhere (measured in bench/routing.py: 19 of 150
+   requests spilled that way).
 
-Why a floor under the bound (``min_bound``, default 3): at a handful of requests in
-flight the formula says 2, so a shopper whose worker already serves two others spills
-and recomputes a 2-4k-token prefix elsewhere. An engine batches a few requests at
-almost no cost; the bound exists to stop hot keys piling up, not to spread three
-requests perfectly. Measured in bench/routing.py: at 3 in flight over 3 workers, c=1.25
-alone spilled 19 of 150 requests.
+2. **Affinity**: the policy remembers, per key, the last workers that served it and how
+   long that prompt was (a bounded LRU, ``history_size`` keys). A key's prompt grows by
+   a few events per request, so on a worker that served it before only the new tail is
+   uncached; anywhere else the whole prompt is. Keys the policy has never seen are
+   ordered by rendezvous (highest-random-weight) hashing: a full, stable preference
+   order over the workers with no virtual nodes, so a lost worker's keys spread over the
+   survivors instead of piling onto one neighbour, and separate routers (or a restarted
+   one) agree on an idle cluster.
+
+3. **Cost** (Dynamo's KV-aware routing, reduced to what a router can know without the
+   workers' help): among workers under the bound, take the one minimising::
+
+       recompute_weight * uncached(key, worker) + queued(worker)
+
+   where ``uncached`` is the prompt tokens the worker must compute for this request
+   (estimated from the history above) and ``queued`` is the prefill work already sent
+   there and not yet done (the uncached tokens of its requests still without a first
+   byte) plus ``request_cost`` per request in flight. Ties go to the key's most recent
+   worker, then to rendezvous order. So a hot key leaves its worker only when that
+   worker's queue costs more than recomputing the prefix elsewhere; when it does, a
+   worker that served the key recently (its prefix may still be cached) is cheapest; and
+   a key with no history anywhere (a new shopper, whose prompt costs the same on every
+   worker) goes to the worker with the least queued work, which keeps the hot keys'
+   workers free for them. ``recompute_weight`` (default 2) counts a recompute twice:
+   once in this request's wait, once in the capacity it takes from everyone else on the
+   worker it lands on, which matters under load, when spilling helps least.
+
+4. **Speed**, for keys the policy has never seen: their cost is scaled by how slow the
+   worker has been lately: the moving average of its request latencies over the median
+   of its peers' (clamped to 0.5-4; 1 within 0.8-1.25 or 0.1 s of the median, and until
+   two workers have answered). Workers are not equal: a degraded GPU, a busier host, or
+   (in ``bench/routing.py``) two workers sharing a core answer slower for the same work,
+   and latency also rises with a worker's own load, so new keys go where they will be
+   served soonest. A key with history keeps the token cost alone: scaling it too made
+   keys leave the prefix they had cached for a faster worker (measured: 10 spills and
+   1.16x vllm-router's computed tokens in the skewed phase, against 1 and 1.07x before
+   speed was weighed at all). Throughput (work per busy second) instead of latency was
+   tried once and did worse in every skewed figure (p99 25.7 s against vllm-router's
+   9.7 s, in-flight max/mean 1.76); the skewed phase's p99 varies a lot from run to run
+   (vllm-router's own between 9.7 and 19.8 s in four runs), so one run each decides
+   little, and latency stays.
+
+Without a size (``size=0``: the caller could not estimate the prompt) the policy falls
+back to plain bounded-load hashing: the first worker under the bound in the key's order.
+
+Caveats, measured or not: the history does not know when a worker evicted a key's
+blocks (an LRU cache evicts under pressure; the estimate then errs towards staying),
+and several router replicas keep separate histories (they agree on idle workers only).
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Mapping, Sequence
+import statistics
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 from inference_sidecar.policies.base import Policy
 
 DEFAULT_LOAD_FACTOR = 1.25
 DEFAULT_MIN_BOUND = 3
+DEFAULT_RECOMPUTE_WEIGHT = 2.0
+DEFAULT_REQUEST_COST = 64
+"""Tokens of queue cost per request in flight: a tie-breaker towards fewer requests
+(decoding slots), small next to a prompt of 1-4k tokens."""
+DEFAULT_HISTORY_SIZE = 50_000
+DEFAULT_WORKERS_PER_KEY = 2
+"""Workers remembered per key: its home and the one it last spilled to."""
+LATENCY_SMOOTHING = 0.3
+"""Weight of the newest latency in a worker's moving average."""
+SLOWNESS_RANGE = (0.5, 4.0)
+SLOWNESS_DEAD_BAND = (0.8, 1.25, 0.1)
+"""Latencies this close to the median (as a ratio, or within 0.1 s) count as equal: noise
+must not herd new keys."""
 
 
 def rendezvous_score(key: str, worker: str) -> int:
@@ -49,35 +109,164 @@ def load_bound(total_in_flight: int, n_workers: int, load_factor: float, min_bou
     return max(min_bound, 1, math.ceil(load_factor * (total_in_flight + 1) / n_workers))
 
 
+@dataclass(slots=True)
+class Ticket:
+    """One request in flight, as the policy accounts for it."""
+
+    worker: str
+    key: str
+    pending: int
+    """Uncached tokens still counted in the worker's queue (0 once the prefill is done)."""
+    started: float = field(default=0.0)
+
+
 class BoundedHashPolicy(Policy):
-    """Sticky per key, spilling to the key's next preferred worker under overload."""
+    """Sticky per key, spilling under overload to where the prefix is cheapest to get."""
 
     name = "bounded_hash"
 
     def __init__(
-        self, load_factor: float = DEFAULT_LOAD_FACTOR, min_bound: int = DEFAULT_MIN_BOUND
+        self,
+        load_factor: float = DEFAULT_LOAD_FACTOR,
+        min_bound: int = DEFAULT_MIN_BOUND,
+        recompute_weight: float = DEFAULT_RECOMPUTE_WEIGHT,
+        request_cost: int = DEFAULT_REQUEST_COST,
+        history_size: int = DEFAULT_HISTORY_SIZE,
+        workers_per_key: int = DEFAULT_WORKERS_PER_KEY,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not load_factor >= 1.0:
             raise ValueError(f"load_factor must be >= 1.0, got {load_factor!r}")
         if min_bound < 1:
             raise ValueError(f"min_bound must be >= 1, got {min_bound!r}")
+        if not recompute_weight >= 0:
+            raise ValueError(f"recompute_weight must be >= 0, got {recompute_weight!r}")
+        if request_cost < 0 or history_size < 0 or workers_per_key < 1:
+            raise ValueError("request_cost and history_size must be >= 0, workers_per_key >= 1")
         self.load_factor = load_factor
         self.min_bound = min_bound
+        self.recompute_weight = recompute_weight
+        self.request_cost = request_cost
+        self.history_size = history_size
+        self.workers_per_key = workers_per_key
+        # key -> ((worker, prompt tokens it last served for the key), ...), most recent first
+        self._history: OrderedDict[str, tuple[tuple[str, int], ...]] = OrderedDict()
+        self._queued: dict[str, int] = {}
+        self._latency: dict[str, float] = {}
+        self._clock = clock
 
-    def pick(self, key: str, workers: Sequence[str], loads: Mapping[str, int]) -> str:
+    # ----- what the policy knows ----------------------------------------------------------
+
+    def visits(self, key: str) -> tuple[tuple[str, int], ...]:
+        """The workers that served ``key`` recently and its prompt size there."""
+        return self._history.get(key, ())
+
+    def queued_tokens(self, worker: str) -> int:
+        """Uncached prompt tokens sent to ``worker`` whose prefill is not done yet."""
+        return self._queued.get(worker, 0)
+
+    def uncached(self, key: str, worker: str, size: int) -> int:
+        """Estimated prompt tokens ``worker`` must compute for ``key``'s prompt of ``size``."""
+        for visited, tokens in self.visits(key):
+            if visited == worker:
+                return max(0, size - tokens)
+        return size
+
+    def slowness(self, worker: str, workers: Sequence[str]) -> float:
+        """``worker``'s recent latency over the median of ``workers``' (module doc, 4)."""
+        known = [self._latency[w] for w in workers if w in self._latency]
+        if worker not in self._latency or len(known) < 2:
+            return 1.0
+        median = statistics.median(known)
+        ratio = self._latency[worker] / median
+        low_ratio, high_ratio, seconds = SLOWNESS_DEAD_BAND
+        if low_ratio <= ratio <= high_ratio or abs(self._latency[worker] - median) < seconds:
+            return 1.0
+        low, high = SLOWNESS_RANGE
+        return min(high, max(low, ratio))
+
+    def cost(
+        self, key: str, worker: str, size: int, load: int, workers: Sequence[str] = ()
+    ) -> float:
+        """What sending the request to ``worker`` costs, in prompt tokens at the median
+        worker's speed (see module doc)."""
+        queue = self.queued_tokens(worker) + self.request_cost * load
+        tokens = self.recompute_weight * self.uncached(key, worker, size) + queue
+        return tokens * self.slowness(worker, workers) if self.is_new(key) else tokens
+
+    def order(self, key: str, workers: Sequence[str]) -> list[str]:
+        """``workers`` by affinity: the key's recent workers first, then rendezvous order."""
+        recent = [w for w, _ in self.visits(key) if w in workers]
+        return recent + [w for w in preference_order(key, workers) if w not in recent]
+
+    # ----- the policy ----------------------------------------------------------------------
+
+    def pick(
+        self, key: str, workers: Sequence[str], loads: Mapping[str, int], size: int = 0
+    ) -> str:
         if not workers:
             raise ValueError("pick() needs at least one worker")
         total = sum(loads.get(w, 0) for w in workers)
         bound = load_bound(total, len(workers), self.load_factor, self.min_bound)
-        order = preference_order(key, workers)
-        for worker in order:
-            if loads.get(worker, 0) < bound:
-                return worker
-        # Unreachable for load_factor >= 1 (the least loaded is below the mean), kept so
-        # that inconsistent loads still yield the least-loaded worker, never an error.
-        return min(order, key=lambda w: loads.get(w, 0))
+        order = self.order(key, workers)
+        allowed = [w for w in order if loads.get(w, 0) < bound]
+        if not allowed:
+            # Unreachable for load_factor >= 1 (the least loaded is below the mean), kept
+            # so that inconsistent loads still yield the least-loaded worker, never an error.
+            return min(order, key=lambda w: loads.get(w, 0))
+        if size <= 0:
+            return allowed[0]
+        # min() keeps the first of equal costs, i.e. the most affine worker.
+        return min(allowed, key=lambda w: self.cost(key, w, size, loads.get(w, 0), workers))
 
     def home(self, key: str, workers: Sequence[str]) -> str | None:
         if not workers:
             return None
-        return preference_order(key, workers)[0]
+        return self.order(key, workers)[0]
+
+    def is_new(self, key: str) -> bool:
+        return key not in self._history
+
+    def on_start(self, worker: str, key: str = "", size: int = 0) -> Ticket:
+        pending = self.uncached(key, worker, size) if size > 0 else 0
+        self._queued[worker] = self._queued.get(worker, 0) + pending
+        if key:
+            self._remember(key, worker, size)
+        return Ticket(worker, key, pending, self._clock())
+
+    def on_prefilled(self, worker: str, ticket: object = None) -> None:
+        if isinstance(ticket, Ticket) and ticket.pending:
+            self._queued[ticket.worker] = max(
+                0, self._queued.get(ticket.worker, 0) - ticket.pending
+            )
+            ticket.pending = 0
+
+    def on_finish(self, worker: str, ticket: object = None, ok: bool | None = None) -> None:
+        self.on_prefilled(worker, ticket)
+        if ok is True and isinstance(ticket, Ticket):
+            latency = self._clock() - ticket.started
+            previous = self._latency.get(ticket.worker, latency)
+            self._latency[ticket.worker] = previous + LATENCY_SMOOTHING * (latency - previous)
+        if ok is False and isinstance(ticket, Ticket) and ticket.key:
+            self._forget(ticket.key, ticket.worker)  # the worker failed: nothing cached there
+
+    # ----- history -------------------------------------------------------------------------
+
+    def _remember(self, key: str, worker: str, size: int) -> None:
+        """Record that ``worker`` now holds ``key``'s prompt of ``size`` tokens.
+
+        Recorded when the request starts, not when it ends, so a key's concurrent
+        requests see their worker at once instead of fanning out as "new".
+        """
+        others = tuple(v for v in self.visits(key) if v[0] != worker)
+        self._history[key] = ((worker, size), *others)[: self.workers_per_key]
+        self._history.move_to_end(key)
+        while len(self._history) > self.history_size:
+            self._history.popitem(last=False)
+
+    def _forget(self, key: str, worker: str) -> None:
+        kept = tuple(v for v in self.visits(key) if v[0] != worker)
+        if kept:
+            self._history[key] = kept
+        else:
+            self._history.pop(key, None)

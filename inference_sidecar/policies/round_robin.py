@@ -20,7 +20,9 @@ class RoundRobinPolicy(Policy):
     def __init__(self) -> None:
         self._counter = itertools.count()
 
-    def pick(self, key: str, workers: Sequence[str], loads: Mapping[str, int]) -> str:
+    def pick(
+        self, key: str, workers: Sequence[str], loads: Mapping[str, int], size: int = 0
+    ) -> str:
         if not workers:
             raise ValueError("pick() needs at least one worker")
         return workers[next(self._counter) % len(workers)]

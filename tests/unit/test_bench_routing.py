@@ -16,6 +16,7 @@ from bench._metrics import (
     kv_cache_tokens,
     parse_by_label,
     parse_samples,
+    sample_weights,
     token_summary,
 )
 from bench._workload import (
@@ -233,3 +234,22 @@ class TestTargets:
         row = {"prefix_cache_hit_ratio": 0.5, "errors": 0}
         text = table({"steady": _phase(ours=row, rr=row, ch=row)})
         assert "sidecar bounded_hash" in text and "vllm-router consistent_hash" in text
+
+
+class TestTimeWeightedBalance:
+    def test_each_sample_holds_until_the_next_and_the_last_until_the_end(self):
+        assert sample_weights([0.0, 0.2, 0.5], end=1.0) == pytest.approx([0.2, 0.3, 0.5])
+        assert sample_weights([0.0, 0.2, 0.4]) == pytest.approx([0.2, 0.2, 0.2])
+        assert sample_weights([]) == []
+
+    def test_a_long_gap_weighs_its_sample_more(self):
+        rows = [[3, 0, 0], [1, 1, 1]]
+        equal = inflight_balance(rows)
+        weighted = inflight_balance(rows, [9.0, 1.0])  # the skewed sample held 9 s
+        assert weighted["max_over_mean"] > equal["max_over_mean"]
+        assert weighted["max_over_mean"] == pytest.approx((2.8) / (3.0 / 3))
+        assert weighted["span_s"] == 10.0
+
+    def test_weights_must_match_samples(self):
+        with pytest.raises(ValueError):
+            inflight_balance([[1, 1]], [1.0, 2.0])

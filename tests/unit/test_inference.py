@@ -16,11 +16,9 @@ import redis.asyncio
 
 from flink_jobs.config import LlmConfig
 from flink_jobs.inference import (
-    Coalescer,
     PromptTask,
     RedisUnavailable,
     TaskResult,
-    run_coalesced,
     run_task,
     upsert_with_retry,
 )
@@ -270,112 +268,6 @@ class TestDeadLetters:
 
         assert body["stage"] == "intent"
         assert body["context"]["template_hash"] == "56171ff6b9a3"
-
-
-class SlowFirstCall:
-    """An LLM whose first call blocks until released; records which prompts it computed."""
-
-    def __init__(self) -> None:
-        self.entered = asyncio.Event()
-        self.release = asyncio.Event()
-        self.computed: list[tuple[str, str]] = []
-
-    async def __call__(self, request: httpx.Request) -> httpx.Response:
-        body = orjson.loads(request.content)
-        self.computed.append((request.headers["X-Session-ID"], body["messages"][1]["content"]))
-        if len(self.computed) == 1:
-            self.entered.set()
-            await self.release.wait()
-        return completion(orjson.dumps(INTENT).decode())
-
-
-class TestCoalescing:
-    def run_queued(
-        self, redis_url: str, prefix: str, first: PromptTask, queued: list[PromptTask]
-    ) -> tuple[list[TaskResult], SlowFirstCall]:
-        """``first`` takes the only LLM slot and blocks; ``queued`` wait behind it."""
-
-        async def main() -> tuple[list[TaskResult], SlowFirstCall]:
-            llm = SlowFirstCall()
-            pipeline = Pipeline(redis_url, prefix, llm)
-            coalescer = Coalescer(max_concurrency=1)
-            try:
-                running = asyncio.create_task(run_coalesced(first, coalescer, pipeline.run))
-                await llm.entered.wait()
-                waiting = [
-                    asyncio.create_task(run_coalesced(t, coalescer, pipeline.run)) for t in queued
-                ]
-                await asyncio.sleep(0)  # let them queue on the slot
-                assert coalescer.waiting_shoppers == len({t.shopper_id for t in [first, *queued]})
-                llm.release.set()
-                results = await asyncio.gather(running, *waiting)
-                assert coalescer.waiting_shoppers == 0
-                return results, llm
-            finally:
-                await pipeline.close()
-
-        return asyncio.run(main())
-
-    def test_queued_prompt_superseded_by_a_newer_one_is_not_computed(
-        self, redis_url: str, prefix: str, redis_client: redis.Redis
-    ) -> None:
-        prompts = [task(seq=1, at_s=10), task(seq=2, at_s=20), task(seq=3, at_s=30)]
-
-        results, llm = self.run_queued(redis_url, prefix, prompts[0], prompts[1:])
-
-        assert [r.outcome for r in results] == ["written", "superseded", "written"]
-        assert [content for _, content in llm.computed] == [
-            prompts[0].prompt.messages[1]["content"],
-            prompts[2].prompt.messages[1]["content"],
-        ]
-        stored = redis_client.hget(f"{prefix}:intent:shopper-00146", "version_seq")
-        assert stored == b"3"
-
-    def test_prompts_of_other_shoppers_are_not_superseded(
-        self, redis_url: str, prefix: str
-    ) -> None:
-        slow = task("shopper-00043", seq=1)
-        queued = [task("shopper-00146", seq=1), task("shopper-00299", seq=1)]
-
-        results, llm = self.run_queued(redis_url, prefix, slow, queued)
-
-        assert [r.outcome for r in results] == ["written"] * 3
-        assert [shopper for shopper, _ in llm.computed] == [
-            "shopper-00043",
-            "shopper-00146",
-            "shopper-00299",
-        ]
-
-    def test_every_queued_but_the_newest_is_superseded(self, redis_url: str, prefix: str):
-        slow = task("shopper-00043", seq=1)
-        queued = [task("shopper-00146", seq=s, at_s=10 * s) for s in (1, 2, 3)]
-
-        results, llm = self.run_queued(redis_url, prefix, slow, queued)
-
-        assert [r.outcome for r in results] == ["written", "superseded", "superseded", "written"]
-        assert len(llm.computed) == 2
-
-
-class TestCoalescerBookkeeping:
-    def test_newest_offer_supersedes_older_ones(self) -> None:
-        coalescer = Coalescer(max_concurrency=1)
-        coalescer.offer("shopper-00146", 2)
-        coalescer.offer("shopper-00146", 5)
-        coalescer.offer("shopper-00146", 4)  # an older prompt arriving late changes nothing
-
-        assert coalescer.superseded("shopper-00146", 4)
-        assert not coalescer.superseded("shopper-00146", 5)
-        assert not coalescer.superseded("shopper-00299", 1)
-
-    def test_done_of_the_newest_forgets_the_shopper(self) -> None:
-        coalescer = Coalescer(max_concurrency=1)
-        coalescer.offer("shopper-00146", 2)
-        coalescer.offer("shopper-00146", 3)
-
-        coalescer.done("shopper-00146", 2)
-        assert coalescer.waiting_shoppers == 1
-        coalescer.done("shopper-00146", 3)
-        assert coalescer.waiting_shoppers == 0
 
 
 class FlakyStore:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import csv
 import io
 import itertools
+import socket
+import urllib.request
 from pathlib import Path
 
 import orjson
@@ -410,3 +412,64 @@ class TestShell:
     def test_cli_reports_unreadable_input(self, tmp_path: Path, capsys):
         assert main(["replay", str(tmp_path / "missing.jsonl")]) == 2
         assert "missing.jsonl" in capsys.readouterr().err
+
+
+class TestMetrics:
+    def test_failures_and_the_plan_are_exported(self):
+        from prometheus_client.parser import text_string_to_metric_families
+
+        from flink_jobs.local_services import free_port
+        from flink_jobs.replay import ReplayMetrics
+
+        metrics = ReplayMetrics()
+        port = free_port()
+        server = metrics.serve(port)
+        try:
+            replay_records(
+                "127.0.0.1:1",  # nothing listens: both records time out
+                "nowhere",
+                [event("a"), MALFORMED],
+                extra_config={
+                    "message.timeout.ms": 500,
+                    "enable.idempotence": False,
+                    "log_level": 0,
+                },
+                flush_timeout_s=10.0,
+                metrics=metrics,
+            )
+            body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read()
+        finally:
+            server.shutdown()
+        samples = {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(body.decode())
+            for s in family.samples
+        }
+        assert samples[("shopper_intents_replay_records_planned", ())] == 2
+        assert samples[("shopper_intents_replay_records_produced_total", ())] == 2
+        assert samples[("shopper_intents_replay_records_sent_total", ())] == 0
+        failed = {
+            labels: v
+            for (name, labels), v in samples.items()
+            if name == "shopper_intents_replay_records_failed_total"
+        }
+        assert sum(failed.values()) == 2
+        assert all(dict(labels)["error"] for labels in failed)
+
+    def test_cli_takes_a_metrics_port(self, tmp_path: Path):
+        from flink_jobs.replay import _build_parser
+
+        args = _build_parser().parse_args(
+            ["replay", "e.jsonl", "--metrics-port", "9108", "--metrics-host", "0.0.0.0"]
+        )
+        assert (args.metrics_port, args.metrics_host, args.metrics_linger) == (9108, "0.0.0.0", 0.0)
+
+    def test_cli_reports_a_port_it_cannot_serve(self, tmp_path: Path, capsys):
+        path = tmp_path / "e.jsonl"
+        path.write_bytes(event("a") + b"\n")
+        with socket.socket() as taken:
+            taken.bind(("127.0.0.1", 0))
+            taken.listen()
+            port = taken.getsockname()[1]
+            assert main(["replay", str(path), "--metrics-port", str(port), "--quiet"]) == 2
+        assert "cannot serve metrics" in capsys.readouterr().err

@@ -30,6 +30,13 @@ KETTLE = {
     "brand": "Brewster",
     "price": 59.0,
 }
+GOOSENECK_RIVAL = {
+    "product_id": "sku-204988",
+    "title": "Fellow-style Pour-Over Kettle, 0.9L, Stainless",
+    "category": "Home & Kitchen > Kettles",
+    "brand": "Pourline",
+    "price": 74.0,
+}
 GRINDER = {
     "product_id": "sku-881902",
     "title": "Brewster Conical Burr Coffee Grinder, 18 Settings",
@@ -181,11 +188,17 @@ class TestUnchanged:
         assert decision.verdict is Verdict.UNCHANGED
         assert decision.wake_at_ms is None
 
-    def test_a_new_product_is_a_material_change(self) -> None:
+    def test_a_product_in_a_new_category_is_a_material_change(self) -> None:
         state = prompted_at(session(event("view", 0)), 5)
         state = session(event("view", 40, GRINDER), state=state)
 
         assert decide(state, ms(40), TRIGGER).verdict is Verdict.WAIT
+
+    def test_another_product_of_a_category_already_browsed_is_unchanged(self) -> None:
+        state = prompted_at(session(event("view", 0)), 5)
+        state = session(event("click", 40, GOOSENECK_RIVAL), state=state)
+
+        assert decide(state, ms(60), TRIGGER).verdict is Verdict.UNCHANGED
 
     def test_a_new_kind_of_event_on_the_same_product_is_a_material_change(self) -> None:
         state = prompted_at(session(event("view", 0)), 5)
@@ -213,12 +226,21 @@ class TestFingerprint:
 
         assert material_fingerprint(once) == material_fingerprint(again)
 
-    def test_depends_on_event_kinds_and_subjects(self) -> None:
+    def test_depends_on_kinds_of_action_and_categories(self) -> None:
         viewed = session(event("view", 0))
 
-        assert material_fingerprint(viewed) != material_fingerprint(session(event("click", 0)))
+        assert material_fingerprint(viewed) != material_fingerprint(
+            session(event("add_to_cart", 0))
+        )
         assert material_fingerprint(viewed) != material_fingerprint(
             session(event("view", 0, GRINDER))
+        )
+
+    def test_views_and_clicks_are_both_browsing(self) -> None:
+        viewed = session(event("view", 0))
+
+        assert material_fingerprint(viewed) == material_fingerprint(
+            session(event("click", 0, GOOSENECK_RIVAL))
         )
 
     def test_depends_on_history(self) -> None:

@@ -184,3 +184,247 @@ class TestRoundRobin:
     def test_empty_pool_is_an_error(self) -> None:
         with pytest.raises(ValueError):
             RoundRobinPolicy().pick("k", [], {})
+
+
+def served(policy: BoundedHashPolicy, key: str, worker: str, size: int) -> None:
+    """``worker`` served ``key``'s prompt of ``size`` tokens to the end."""
+    policy.on_finish(worker, policy.on_start(worker, key, size), ok=True)
+
+
+class TestTokenAwareSpilling:
+    """With a prompt size the policy weighs recompute against queued prefill work."""
+
+    A, B, C = WORKERS[:3]
+
+    def test_key_stays_with_the_worker_holding_its_prefix_despite_a_short_queue(self) -> None:
+        policy = BoundedHashPolicy()
+        key = "shopper-1"
+        served(policy, key, self.A, 2000)
+        policy.on_start(self.A, "other", 1500)  # 1,500 tokens queued on A, B and C idle
+        assert policy.pick(key, WORKERS[:3], {self.A: 1}, size=2050) == self.A
+
+    def test_key_spills_when_its_workers_queue_costs_more_than_recomputing(self) -> None:
+        policy = BoundedHashPolicy()  # recompute counts twice: 2 * 500 < queue on A
+        key = "shopper-1"
+        served(policy, key, self.A, 500)
+        policy.on_start(self.A, "big", 3000)
+        picked = policy.pick(key, WORKERS[:3], {self.A: 1}, size=520)
+        assert picked != self.A
+
+    def test_spill_prefers_the_worker_that_served_the_key_recently(self) -> None:
+        policy = BoundedHashPolicy()
+        key = "hot"
+        served(policy, key, self.B, 2000)  # spilled there once
+        served(policy, key, self.A, 2040)  # back home
+        policy.on_start(self.A, "big-1", 4000)
+        policy.on_start(self.B, "small", 300)  # B is busier than idle C...
+        # ...but B holds the key's prefix: C would recompute all 2,060 tokens.
+        assert policy.pick(key, WORKERS[:3], {self.A: 1, self.B: 1}, size=2060) == self.B
+
+    def test_new_key_goes_to_the_least_queued_worker(self) -> None:
+        policy = BoundedHashPolicy()
+        home = policy.home("new-shopper", WORKERS[:3])
+        assert home is not None
+        policy.on_start(home, "someone", 2500)
+        loads = {home: 1}
+        picked = policy.pick("new-shopper", WORKERS[:3], loads, size=1800)
+        assert picked != home and policy.queued_tokens(picked) == 0
+
+    def test_new_key_on_idle_workers_goes_to_its_rendezvous_home(self) -> None:
+        policy = BoundedHashPolicy()
+        for key in KEYS[:50]:
+            assert policy.pick(key, WORKERS, {}, size=1000) == preference_order(key, WORKERS)[0]
+
+    def test_queued_tokens_leave_at_first_byte_and_never_go_negative(self) -> None:
+        policy = BoundedHashPolicy()
+        ticket = policy.on_start(self.A, "k", 1200)
+        assert policy.queued_tokens(self.A) == 1200
+        policy.on_prefilled(self.A, ticket)
+        assert policy.queued_tokens(self.A) == 0
+        policy.on_finish(self.A, ticket, ok=True)
+        assert policy.queued_tokens(self.A) == 0
+
+    def test_only_the_uncached_tail_is_queued_on_the_keys_worker(self) -> None:
+        policy = BoundedHashPolicy()
+        served(policy, "k", self.A, 1200)
+        policy.on_start(self.A, "k", 1260)
+        assert policy.queued_tokens(self.A) == 60
+
+    def test_a_worker_that_failed_the_key_is_forgotten(self) -> None:
+        policy = BoundedHashPolicy()
+        served(policy, "k", self.A, 1000)
+        policy.on_finish(self.B, policy.on_start(self.B, "k", 1010), ok=False)
+        assert [w for w, _ in policy.visits("k")] == [self.A]
+        assert policy.uncached("k", self.B, 1020) == 1020
+
+    def test_history_is_bounded_and_forgets_the_least_recent_key(self) -> None:
+        policy = BoundedHashPolicy(history_size=2)
+        for key in ("a", "b", "c"):
+            served(policy, key, self.A, 100)
+        assert policy.is_new("a") and not policy.is_new("b") and not policy.is_new("c")
+
+    def test_at_most_workers_per_key_are_remembered(self) -> None:
+        policy = BoundedHashPolicy(workers_per_key=2)
+        for worker in (self.A, self.B, self.C):
+            served(policy, "k", worker, 100)
+        assert [w for w, _ in policy.visits("k")] == [self.C, self.B]
+
+    def test_the_bound_still_holds_for_a_hot_key_with_its_prefix_cached(self) -> None:
+        policy = BoundedHashPolicy(load_factor=1.25, min_bound=3)
+        served(policy, "hot", self.A, 2000)
+        loads = {self.A: 3, self.B: 0, self.C: 0}  # bound: max(3, ceil(1.25 * 4 / 3)) = 3
+        assert policy.pick("hot", WORKERS[:3], loads, size=2010) != self.A
+
+    @pytest.mark.parametrize("weight", [0.0, 2.0, 10.0])
+    def test_no_worker_above_the_bound_with_sizes(self, weight: float) -> None:
+        rng = random.Random(11)
+        policy = BoundedHashPolicy(recompute_weight=weight)
+        loads = dict.fromkeys(WORKERS, 0)
+        in_flight: list[tuple[str, object]] = []
+        sizes: dict[str, int] = {}
+        for key in zipf_keys(3000, 40, 1.2, seed=5):
+            sizes[key] = sizes.get(key, rng.randint(800, 3000)) + rng.randint(20, 80)
+            total = sum(loads.values())
+            worker = policy.pick(key, WORKERS, loads, size=sizes[key])
+            assert loads[worker] + 1 <= load_bound(total, len(WORKERS), 1.25, policy.min_bound)
+            loads[worker] += 1
+            in_flight.append((worker, policy.on_start(worker, key, sizes[key])))
+            while len(in_flight) > rng.randint(4, 30):
+                done, ticket = in_flight.pop(rng.randrange(len(in_flight)))
+                loads[done] -= 1
+                policy.on_finish(done, ticket, ok=True)
+        for done, ticket in in_flight:
+            policy.on_finish(done, ticket, ok=True)
+        assert all(policy.queued_tokens(w) == 0 for w in WORKERS)
+
+    def test_lost_workers_keys_spread_over_the_survivors(self) -> None:
+        policy = BoundedHashPolicy()
+        lost = self.A
+        orphans = [k for k in KEYS[:600] if policy.home(k, WORKERS[:3]) == lost]
+        for key in orphans:
+            served(policy, key, lost, 1500)
+        landing = Counter(policy.pick(k, [self.B, self.C], {}, size=1550) for k in orphans)
+        assert set(landing) == {self.B, self.C}
+        assert max(landing.values()) < 0.65 * len(orphans)
+
+    def test_skewed_burst_keeps_hot_keys_home_and_sends_new_keys_elsewhere(self) -> None:
+        """Three hot shoppers with three requests each in flight, then new shoppers
+        arrive: the hot ones stay put (their prefixes are cached) and the new ones go
+        to the workers with the least queued work."""
+        policy = BoundedHashPolicy()
+        workers = WORKERS[:3]
+        loads = dict.fromkeys(workers, 0)
+        homes: dict[str, set[str]] = {}
+        for step in range(3):
+            for hot in ("hot-1", "hot-2", "hot-3"):
+                size = 2000 + 50 * step
+                worker = policy.pick(hot, workers, loads, size=size)
+                policy.on_start(worker, hot, size)
+                loads[worker] += 1
+                homes.setdefault(hot, set()).add(worker)
+        assert all(len(ws) == 1 for ws in homes.values())
+        assert len({next(iter(ws)) for ws in homes.values()}) == 3  # one hot key each
+        for i in range(3):
+            worker = policy.pick(f"cold-{i}", workers, loads, size=2000 + 100 * i)
+            policy.on_start(worker, f"cold-{i}", 2000 + 100 * i)
+            loads[worker] += 1
+        assert sorted(loads.values()) == [4, 4, 4]
+
+
+class TestPolicyOptions:
+    def test_invalid_options_are_refused(self) -> None:
+        for kwargs in ({"recompute_weight": -1}, {"workers_per_key": 0}, {"history_size": -1}):
+            with pytest.raises(ValueError):
+                BoundedHashPolicy(**kwargs)
+
+    def test_factory_passes_recompute_weight(self) -> None:
+        policy = make_policy("bounded_hash", recompute_weight=0.5)
+        assert isinstance(policy, BoundedHashPolicy) and policy.recompute_weight == 0.5
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def served_in(policy: BoundedHashPolicy, clock: FakeClock, worker: str, key: str, s: float):
+    ticket = policy.on_start(worker, key, 1000)
+    clock.now += s
+    policy.on_finish(worker, ticket, ok=True)
+
+
+class TestSpeedAwareness:
+    A, B, C = WORKERS[:3]
+
+    def test_a_new_key_avoids_a_worker_that_has_been_answering_slower(self) -> None:
+        clock = FakeClock()
+        policy = BoundedHashPolicy(clock=clock)
+        for i in range(5):
+            served_in(policy, clock, self.A, f"a{i}", 1.0)
+            served_in(policy, clock, self.B, f"b{i}", 1.0)
+            served_in(policy, clock, self.C, f"c{i}", 3.0)
+        homed_on_c = [k for k in KEYS if policy.home(k, WORKERS[:3]) == self.C][:20]
+
+        picks = {policy.pick(k, WORKERS[:3], {}, size=1500) for k in homed_on_c}
+
+        assert self.C not in picks
+
+    def test_a_known_key_is_weighed_in_tokens_alone(self) -> None:
+        clock = FakeClock()
+        policy = BoundedHashPolicy(clock=clock)
+        for i in range(5):
+            served_in(policy, clock, self.A, f"a{i}", 1.0)
+            served_in(policy, clock, self.B, f"b{i}", 3.0)
+        served(policy, "hot", self.B, 2000)
+
+        assert policy.cost("hot", self.B, 2040, 0, WORKERS[:2]) == policy.cost(
+            "hot", self.B, 2040, 0
+        )
+
+    def test_a_key_stays_on_a_slower_worker_that_holds_its_prefix(self) -> None:
+        clock = FakeClock()
+        policy = BoundedHashPolicy(clock=clock)
+        for i in range(5):
+            served_in(policy, clock, self.A, f"a{i}", 1.0)
+            served_in(policy, clock, self.B, f"b{i}", 2.0)
+        served(policy, "hot", self.B, 2000)
+
+        assert policy.pick("hot", WORKERS[:2], {}, size=2040) == self.B
+
+    def test_equal_workers_weigh_the_same(self) -> None:
+        clock = FakeClock()
+        policy = BoundedHashPolicy(clock=clock)
+        for w in WORKERS[:3]:
+            served_in(policy, clock, w, "k", 1.0)
+
+        assert {policy.slowness(w, WORKERS[:3]) for w in WORKERS[:3]} == {1.0}
+
+    def test_failed_requests_say_nothing_about_speed(self) -> None:
+        clock = FakeClock()
+        policy = BoundedHashPolicy(clock=clock)
+        served_in(policy, clock, self.A, "k", 1.0)
+        ticket = policy.on_start(self.B, "k", 1000)
+        clock.now += 30
+        policy.on_finish(self.B, ticket, ok=False)
+
+        assert policy.slowness(self.B, WORKERS[:2]) == 1.0
+
+    def test_slowness_is_clamped(self) -> None:
+        clock = FakeClock()
+        policy = BoundedHashPolicy(clock=clock)
+        for worker, seconds in zip(WORKERS[:3], (0.1, 1.0, 100.0), strict=True):
+            served_in(policy, clock, worker, "k", seconds)
+
+        assert policy.slowness(self.C, WORKERS[:3]) == 4.0
+        assert policy.slowness(self.A, WORKERS[:3]) == 0.5
+
+    def test_small_differences_count_as_equal(self) -> None:
+        clock = FakeClock()
+        policy = BoundedHashPolicy(clock=clock)
+        for worker, seconds in zip(WORKERS[:3], (1.0, 1.1, 1.2), strict=True):
+            served_in(policy, clock, worker, "k", seconds)
+
+        assert {policy.slowness(w, WORKERS[:3]) for w in WORKERS[:3]} == {1.0}

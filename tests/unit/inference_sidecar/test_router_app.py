@@ -124,16 +124,17 @@ class TestStickiness:
                 r = await client.post(CHAT, json=BODY, headers=session(sid))
                 workers.add(r.headers[WORKER_HEADER])
             assert len(workers) == 1, sid
-        assert (
-            metric(
+
+        def decisions(kind: str) -> float:
+            return metric(
                 router,
                 "inference_sidecar_routing_decisions_total",
                 policy="bounded_hash",
                 pool="worker",
-                decision="sticky",
+                decision=kind,
             )
-            == 20
-        )
+
+        assert (decisions("placed"), decisions("sticky")) == (4, 16)  # first request: placed
 
     async def test_shoppers_spread_over_workers(self, fake, client_for) -> None:
         client, _ = client_for(workers=(A, B, C))
@@ -170,6 +171,35 @@ class TestStickiness:
             decision="spilled",
         )
         assert spilled >= 2
+
+    async def test_new_shopper_avoids_the_worker_busy_with_a_long_prompt(
+        self, fake, client_for
+    ) -> None:
+        """A long prompt in flight on one worker: a new shopper's prompt, which costs
+        the same everywhere, goes to the other worker (queued prefill tokens, not only
+        request counts)."""
+        client, router = client_for(workers=(A, B))
+        policy = router.pools["worker"].policy
+        newcomer = "newcomer-0"
+        assert policy.home(newcomer, (A, B)) == policy.home("s1", (A, B))  # same rendezvous home
+        fake.delay_s = 0.2
+        long_body = {**BODY, "messages": [{"role": "user", "content": "e" * 12_000}]}
+        first = asyncio.create_task(client.post(CHAT, json=long_body, headers=session("s1")))
+        await asyncio.sleep(0.05)
+        busy = fake.received[0].worker
+        second = await client.post(CHAT, json=BODY, headers=session(newcomer))
+        assert second.headers[WORKER_HEADER] != busy
+        await first
+
+    async def test_streamed_requests_release_their_queued_tokens(self, fake, client_for) -> None:
+        client, router = client_for(workers=(A, B))
+        body = {**BODY, "stream": True}
+        for sid in ("s1", "s2", "s3"):
+            r = await client.post(CHAT, json=body, headers=session(sid))
+            assert r.status_code == 200
+        policy = router.pools["worker"].policy
+        assert [policy.queued_tokens(w) for w in (A, B)] == [0, 0]  # type: ignore[attr-defined]
+        assert policy.visits("s1")[0][1] > 0  # type: ignore[attr-defined]
 
     async def test_round_robin_has_no_affinity(self, fake, client_for) -> None:
         client, router = client_for(policy="round_robin")
@@ -323,8 +353,10 @@ class TestFailover:
         health = HealthConfig(min_requests=3, latency_factor=3.0, latency_floor_s=0.1)
         client, router = client_for(workers=(A, B, C), health=health)
         fake.behaviour = {A: "slow"}
+        # Returning shoppers: a key whose prefix is on A stays there although A is slow
+        # (new keys learn to avoid it), until A is ejected.
         for i in range(40):
-            await client.post(CHAT, json=BODY, headers=session(f"s{i}"))
+            await client.post(CHAT, json=BODY, headers=session(f"s{i % 8}"))
         assert not router.pools["worker"].is_in_service(A)
         assert (
             metric(

@@ -5,6 +5,7 @@ from __future__ import annotations
 from inference_sidecar.routing_key import (
     MAX_KEY_CHARS,
     RoutingKey,
+    estimate_prompt_tokens,
     extract_routing_key,
     header_key,
     prompt_key,
@@ -115,3 +116,30 @@ class TestPrecedence:
     def test_custom_header_names(self) -> None:
         key = extract_routing_key({"X-User-ID": "u1"}, {}, header_names=("x-user-id",))
         assert key == RoutingKey("u1", "header")
+
+
+class TestPromptSize:
+    def test_chat_counts_message_text_and_a_little_per_message(self) -> None:
+        parts = [{"type": "text", "text": "y" * 800}]
+        body = {
+            "messages": [
+                {"role": "system", "content": "x" * 400},
+                {"role": "user", "content": parts},
+            ]
+        }
+        assert estimate_prompt_tokens(body) == (400 + 800) // 4 + 2 * 4
+
+    def test_completions_prompt_string_or_token_ids(self) -> None:
+        assert estimate_prompt_tokens({"prompt": "z" * 1000}) == 250
+        assert estimate_prompt_tokens({"prompt": [1, 2, 3]}) == 3
+        assert estimate_prompt_tokens({"prompt": ["ab" * 10, "cd" * 10]}) == 10
+
+    def test_nothing_to_measure_is_zero(self) -> None:
+        assert estimate_prompt_tokens({"model": "m"}) == 0
+        assert estimate_prompt_tokens({"messages": "not a list", "prompt": 7}) == 0
+
+    def test_a_longer_prompt_of_one_shopper_is_estimated_larger(self) -> None:
+        events = "".join(f'{{"type": "view", "sku": "{i}"}}\n' for i in range(40))
+        short = {"messages": [{"role": "user", "content": events}]}
+        longer = {"messages": [{"role": "user", "content": events + '{"type": "cart"}\n'}]}
+        assert estimate_prompt_tokens(longer) > estimate_prompt_tokens(short)

@@ -11,7 +11,7 @@ from inference_sidecar.config import RouterConfig
 from inference_sidecar.exceptions import ConfigError
 from inference_sidecar.health import HealthEvent
 from inference_sidecar.policies import make_policy
-from inference_sidecar.pool import RoutingPool, classify
+from inference_sidecar.pool import Choice, RoutingPool, classify
 
 A, B, C = "http://127.0.0.1:9001", "http://127.0.0.1:9002", "http://127.0.0.1:9003"
 
@@ -28,13 +28,26 @@ class TestRoutingPool:
     def pool(self, **kw) -> RoutingPool:
         return RoutingPool("worker", [A, B, C], make_policy("bounded_hash"), **kw)
 
-    def test_sticky_then_failed_over_when_home_excluded(self) -> None:
+    def test_placed_then_sticky_then_failed_over_when_home_excluded(self) -> None:
         pool = self.pool()
-        first = pool.choose("k")
-        assert first is not None and first.decision == "sticky"
-        second = pool.choose("k", exclude=[first.worker])
-        assert second is not None and second.worker != first.worker
-        assert second.decision == "failed_over"
+        first = pool.choose("k", size=1000)
+        assert first is not None and first.decision == "placed"
+        pool.finish(first.worker, True, 0.1, 0.0, pool.start(first.worker, "k", 1000))
+        again = pool.choose("k", size=1010)
+        assert again == Choice(first.worker, "sticky")
+        other = pool.choose("k", exclude=[first.worker], size=1010)
+        assert other is not None and other.worker != first.worker
+        assert other.decision == "failed_over"
+
+    def test_a_key_spilled_by_cost_is_reported_as_spilled(self) -> None:
+        pool = self.pool()
+        first = pool.choose("k", size=100)
+        assert first is not None
+        pool.start(first.worker, "k", 100)  # in flight: its 100 tokens are queued there
+        pool.start(first.worker, "new", 6000)  # a new shopper's big prompt queued there too
+        spilled = pool.choose("k", size=110)
+        assert spilled is not None and spilled.worker != first.worker
+        assert spilled.decision == "spilled"
 
     def test_none_when_everything_excluded(self) -> None:
         assert self.pool().choose("k", exclude=[A, B, C]) is None

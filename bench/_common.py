@@ -1,0 +1,266 @@
+"""What every benchmark of the suite shares: the machine, targets, results files, memory.
+
+Pure functions except where a name says it reads (``/proc``) or writes (``write_result``).
+A result document has the keys every benchmark shares (``RESULT_KEYS``) plus its own;
+``bench/README.md`` lists them.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import platform
+import subprocess
+import sys
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS_DIR = REPO / "bench" / "results"
+SCHEMA_VERSION = 1
+
+#: Keys of every result document, in this order, whatever the benchmark.
+RESULT_KEYS = (
+    "benchmark",
+    "schema_version",
+    "timestamp",
+    "command",
+    "git",
+    "runtime_s",
+    "machine",
+    "targets",
+    "all_targets_met",
+    "notes",
+)
+
+_OPS = {
+    ">=": lambda v, limit: v >= limit,
+    "<=": lambda v, limit: v <= limit,
+}
+
+
+def ratio(numerator: float | None, denominator: float | None) -> float:
+    """``numerator / denominator``; NaN when either is missing or the denominator is 0."""
+    if numerator is None or denominator is None or denominator == 0:
+        return math.nan
+    return numerator / denominator
+
+
+def percentile(values: Sequence[float], pct: float) -> float:
+    """Nearest-rank percentile (the definition ``run_report.percentile`` uses); NaN if empty."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    rank = max(1, math.ceil(pct / 100 * len(ordered)))
+    return float(ordered[rank - 1])
+
+
+def target(name: str, value: float | None, op: str, limit: float, note: str = "") -> dict:
+    """One target's verdict; a missing or NaN value never meets it."""
+    if op not in _OPS:
+        raise ValueError(f"op must be one of {', '.join(_OPS)} (got {op!r})")
+    known = value is not None and not (isinstance(value, float) and math.isnan(value))
+    met = bool(known and _OPS[op](value, limit))
+    return {
+        "name": name,
+        "value": rounded(value),
+        "op": op,
+        "limit": limit,
+        "met": met,
+        "note": note,
+    }
+
+
+def rounded(value: Any, digits: int = 3) -> Any:
+    """Floats rounded for the JSON (NaN becomes None: JSON has no NaN); others unchanged."""
+    if isinstance(value, float):
+        return None if math.isnan(value) or math.isinf(value) else round(value, digits)
+    return value
+
+
+def machine() -> dict[str, Any]:
+    """Cores, CPU model, memory and Python of this machine (read from /proc)."""
+    cpu = platform.processor() or "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+        mem_kib = int(Path("/proc/meminfo").read_text().split()[1])
+    except (OSError, ValueError, IndexError):
+        mem_kib = 0
+    return {
+        "cores": os.cpu_count(),
+        "cpu_model": cpu,
+        "memory_gib": round(mem_kib / 1024 / 1024, 1),
+        "python": platform.python_version(),
+        "kernel": platform.release(),
+    }
+
+
+def git_state() -> dict[str, Any]:
+    """The commit measured and whether the tree had uncommitted changes."""
+
+    def run(*args: str) -> str:
+        try:
+            return subprocess.run(
+                ["git", *args], cwd=REPO, capture_output=True, text=True, timeout=10
+            ).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    return {"commit": run("rev-parse", "HEAD") or None, "dirty": bool(run("status", "--short"))}
+
+
+def result_doc(
+    benchmark: str,
+    started: float,
+    targets: Sequence[Mapping[str, Any]],
+    notes: Sequence[str] = (),
+    **figures: Any,
+) -> dict[str, Any]:
+    """A result document: the shared keys (``RESULT_KEYS``) first, then ``figures``."""
+    clash = set(figures) & set(RESULT_KEYS)
+    if clash:
+        raise ValueError(f"figures may not use the shared keys {sorted(clash)}")
+    doc: dict[str, Any] = {
+        "benchmark": benchmark,
+        "schema_version": SCHEMA_VERSION,
+        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "command": command_line(),
+        "git": git_state(),
+        "runtime_s": round(time.monotonic() - started, 1),
+        "machine": machine(),
+        "targets": list(targets),
+        "all_targets_met": bool(targets) and all(t["met"] for t in targets),
+        "notes": list(notes),
+    }
+    doc.update(figures)
+    return doc
+
+
+def command_line() -> str:
+    """How this process was started, as ``python -m bench.<name> args`` when it was."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    head = ["python", "-m", spec.name] if spec is not None else ["python", sys.argv[0]]
+    return " ".join([*head, *sys.argv[1:]])
+
+
+def write_result(doc: Mapping[str, Any], out_dir: Path = RESULTS_DIR) -> Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{doc['benchmark']}.json"
+    path.write_bytes(
+        orjson.dumps(
+            doc, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_NON_STR_KEYS
+        )
+        + b"\n"
+    )
+    return path
+
+
+def targets_table(targets: Iterable[Mapping[str, Any]]) -> str:
+    """The targets as a markdown table."""
+    lines = ["| target | value | limit | met |", "| --- | --- | --- | --- |"]
+    for t in targets:
+        mark = "yes" if t["met"] else "**no**"
+        lines.append(f"| {t['name']} | {t['value']} | {t['op']} {t['limit']} | {mark} |")
+    return "\n".join(lines)
+
+
+# --- memory --------------------------------------------------------------------------------
+
+
+def read_hwm_kib(pid: int) -> int | None:
+    """Peak resident memory (``VmHWM``) of one process, in KiB; None if it is gone."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def classify_process(cmdline: str) -> str | None:
+    """Which part of the stack a command line is (None: not ours to report)."""
+    if "org.apache.flink" in cmdline or ("java" in cmdline.split(" ", 1)[0] and "flink" in cmdline):
+        return "flink_jvm"
+    if "pyflink.fn_execution" in cmdline or "beam_boot" in cmdline or "pyflink/bin" in cmdline:
+        return "python_udf_worker"
+    if "redis-server" in cmdline:
+        return "redis"
+    if "tansu" in cmdline:
+        return "tansu"
+    if "VLLM::" in cmdline or "vllm-venv" in cmdline or "vllm.entrypoints" in cmdline:
+        return "vllm_worker"  # the API server, its engine core and their helpers
+    if "inference_sidecar" in cmdline and "router" in cmdline:
+        return "router"
+    if "standin_llm" in cmdline:
+        return "standin_llm"
+    return None
+
+
+def _descendants(root: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(entry.name))
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        for child in children.get(pid, []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+class PeakMemory:
+    """Peak RSS per part of the stack, from ``VmHWM`` of every descendant of ``root``.
+
+    ``sample()`` records each live process's high-water mark (call it now and then and at
+    the end: a process that exits between samples keeps its last reading). ``summary()``
+    gives, per kind, the largest single process and the sum over that kind's processes,
+    in MiB. The bench process itself is reported as ``bench_driver`` (it hosts the Flink
+    client and, in process mode, nothing of the job's Python work).
+    """
+
+    def __init__(self, root: int | None = None) -> None:
+        self.root = root or os.getpid()
+        self.peaks: dict[int, tuple[str, int]] = {}
+
+    def sample(self) -> None:
+        for pid in [self.root, *_descendants(self.root)]:
+            try:
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+            kind = "bench_driver" if pid == self.root else classify_process(cmd)
+            hwm = read_hwm_kib(pid)
+            if kind is None or hwm is None:
+                continue
+            previous = self.peaks.get(pid, (kind, 0))[1]
+            self.peaks[pid] = (kind, max(previous, hwm))
+
+    def summary(self) -> dict[str, dict[str, float]]:
+        return summarise_peaks(self.peaks.values())
+
+
+def summarise_peaks(peaks: Iterable[tuple[str, int]]) -> dict[str, dict[str, float]]:
+    """Per kind: ``processes``, ``max_mib`` (largest process) and ``sum_mib`` (all of them)."""
+    out: dict[str, dict[str, float]] = {}
+    for kind, kib in peaks:
+        entry = out.setdefault(kind, {"processes": 0, "max_mib": 0.0, "sum_mib": 0.0})
+        entry["processes"] += 1
+        entry["max_mib"] = round(max(entry["max_mib"], kib / 1024), 1)
+        entry["sum_mib"] = round(entry["sum_mib"] + kib / 1024, 1)
+    return dict(sorted(out.items()))

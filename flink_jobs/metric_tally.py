@@ -1,0 +1,160 @@
+"""Flink metrics from Python operators, as gauges over counts kept in Python.
+
+Why not Flink counters: PyFlink records a counter update only while Beam's (thread-local)
+state sampler is in the operator's processing scope. ``AsyncFunction.async_invoke`` runs on
+the operator's own event-loop thread (``timeout`` on a timer thread), and timer callbacks
+(``KeyedProcessFunction.on_timer``) run outside that scope: counter and distribution
+updates made there are dropped without a word. Gauges are read at the end of each bundle,
+inside the scope, so a gauge whose value is a count kept here is reported. (Measured with
+Flink 2.2.1's Prometheus reporter: a counter incremented in ``async_invoke`` never
+appeared while a gauge did; in a run of the job, counts made in ``on_timer`` such as
+``prompts_sent`` never appeared while ``events_in`` did.) Distributions are no help either:
+the Prometheus reporter shows them as 0.
+
+:class:`GaugeCounters` is a counter per name, made on first use; :class:`Tally` keeps,
+thread-safely, a fixed set of:
+
+- **counts**: cumulative, only growing (``rate()`` works on them as on counters);
+- **timings**: per name ``<name>_count`` and ``<name>_sum`` (cumulative: the mean over any
+  range is ``rate(sum) / rate(count)``) and ``<name>_p50``, ``<name>_p95``, ``<name>_max``
+  over the samples of the last ``window_s`` seconds (0 when there were none).
+
+``register`` turns each into a gauge of a Flink metric group. Per record the cost is a lock
+and an addition (and a deque append for a timing); quantiles are computed when read, at
+most once per change.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol
+
+#: Suffixes of the gauges registered for each timing.
+TIMING_SUFFIXES = ("count", "sum", "p50", "p95", "max")
+
+
+class MetricGroup(Protocol):
+    def gauge(self, name: str, obj: Callable[[], int]) -> Any: ...
+
+
+class GaugeCounters:
+    """Counts by name, each registered as a gauge of ``group`` when first incremented.
+
+    Register from the thread that runs the bundles (``process_element``, ``on_timer``):
+    PyFlink reads the gauges there at the end of each bundle.
+    """
+
+    def __init__(self, group: MetricGroup) -> None:
+        self._group = group
+        self._counts: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def inc(self, name: str, amount: int = 1) -> None:
+        with self._lock:
+            if name not in self._counts:
+                self._counts[name] = 0
+                self._group.gauge(name, lambda n=name: self._counts[n])
+            self._counts[name] += amount
+
+    def value(self, name: str) -> int:
+        return self._counts.get(name, 0)
+
+
+def gauge_names(counts: Iterable[str], timings: Iterable[str]) -> list[str]:
+    """Every gauge :meth:`Tally.register` adds, in order."""
+    return [*counts, *(f"{t}_{s}" for t in timings for s in TIMING_SUFFIXES)]
+
+
+class _Window:
+    __slots__ = ("count", "samples", "sorted", "sum")
+
+    def __init__(self, cap: int) -> None:
+        self.count = 0
+        self.sum = 0
+        self.samples: deque[tuple[float, int]] = deque(maxlen=cap)
+        self.sorted: list[int] | None = None
+
+
+class Tally:
+    """Thread-safe counts and timings, read by Flink gauges (module docstring)."""
+
+    def __init__(
+        self,
+        counts: Iterable[str],
+        timings: Iterable[str] = (),
+        window_s: float = 60.0,
+        window_cap: int = 4096,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if window_s <= 0 or window_cap <= 0:
+            raise ValueError("window_s and window_cap must be positive")
+        self._counts = dict.fromkeys(counts, 0)
+        self._windows = {name: _Window(window_cap) for name in timings}
+        self._window_s = window_s
+        self._clock = clock
+        self._lock = threading.Lock()
+
+    # --- writing (any thread) ---------------------------------------------------------
+
+    def add(self, name: str, amount: int = 1) -> None:
+        with self._lock:
+            self._counts[name] += amount
+
+    def observe(self, name: str, value: int | float) -> None:
+        """One timing sample (milliseconds); negative values count as 0."""
+        sample = max(0, int(value))
+        now = self._clock()
+        with self._lock:
+            window = self._windows[name]
+            window.count += 1
+            window.sum += sample
+            window.samples.append((now, sample))
+            window.sorted = None
+
+    # --- reading (the gauges) ---------------------------------------------------------
+
+    def count(self, name: str) -> int:
+        return self._counts[name]
+
+    def timing(self, name: str, what: str) -> int:
+        """``what`` is one of :data:`TIMING_SUFFIXES`."""
+        with self._lock:
+            window = self._windows[name]
+            if what == "count":
+                return window.count
+            if what == "sum":
+                return window.sum
+            recent = self._recent(window)
+        if not recent:
+            return 0
+        if what == "max":
+            return recent[-1]
+        q = {"p50": 0.50, "p95": 0.95}[what]
+        return recent[max(0, math.ceil(q * len(recent)) - 1)]  # nearest rank
+
+    def _recent(self, window: _Window) -> list[int]:
+        horizon = self._clock() - self._window_s
+        samples = window.samples
+        if samples and samples[0][0] < horizon:
+            while samples and samples[0][0] < horizon:
+                samples.popleft()
+            window.sorted = None
+        if window.sorted is None:
+            window.sorted = sorted(v for _, v in samples)
+        return window.sorted
+
+    def register(self, group: MetricGroup) -> list[str]:
+        """Add a gauge per count and per timing statistic to ``group``; returns the names."""
+        names = []
+        for name in self._counts:
+            group.gauge(name, lambda n=name: self.count(n))
+            names.append(name)
+        for name in self._windows:
+            for what in TIMING_SUFFIXES:
+                group.gauge(f"{name}_{what}", lambda n=name, w=what: self.timing(n, w))
+                names.append(f"{name}_{what}")
+        return names

@@ -1,0 +1,186 @@
+"""One shopper's timeline: what each arriving event and each watermark timer does.
+
+Events are held until the watermark passes them and then applied in event-time order; the
+trigger is evaluated at event times only. So a trigger firing at event time ``t`` sees
+exactly the shopper's events up to ``t`` (all of them, for events within the watermark's
+out-of-orderness bound), whatever order the partitions were read in and whenever the
+watermark happened to be emitted: replaying a topic renders the same prompts.
+
+Flink timers only say "the watermark has passed this time". When the watermark jumps (a
+job catching up a backlog), PyFlink fires every timer it passed before the Python side has
+registered the wake-up timers those firings ask for, so timers arrive out of order. Hence
+:func:`on_timer` replays the shopper's timeline itself: every held event due and every
+trigger wake-up (kept in ``SessionState.wake_at_ms``) up to the timer's time, in
+event-time order. A timer whose time was already replayed does nothing.
+
+An event that arrives behind the watermark is applied at once. ``session.apply_event``
+then judges it against the shopper's newest event: folded into the context if within
+``session.max_lateness_s`` (a late click is still signal), else dropped and dead-lettered.
+
+:func:`on_event` and :func:`on_timer` are pure: ``operators.ShopperSessions`` stores the
+:class:`Step` they return, registers its timers and emits its prompt and dead letters.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from itertools import groupby
+
+from flink_jobs.config import AppConfig
+from flink_jobs.events import DeadLetter, ShopperEvent
+from flink_jobs.inference import PromptTask
+from flink_jobs.prompting import PromptError, RenderedPrompt
+from flink_jobs.session import (
+    Outcome,
+    SessionState,
+    apply_event,
+    clear_pending,
+    mark_prompted,
+    new_session_state,
+)
+from flink_jobs.trigger import Verdict, decide
+
+Renderer = Callable[[SessionState], RenderedPrompt]
+
+
+@dataclass(slots=True)
+class Step:
+    state: SessionState | None
+    held: tuple[ShopperEvent, ...]
+    counts: dict[str, int] = field(default_factory=dict)
+    timers: list[int] = field(default_factory=list)
+    dead_letters: list[DeadLetter] = field(default_factory=list)
+    late_events: list[tuple[ShopperEvent, Outcome]] = field(default_factory=list)
+    prompts: list[PromptTask] = field(default_factory=list)
+
+    def count(self, name: str) -> None:
+        self.counts[name] = self.counts.get(name, 0) + 1
+
+
+def hold(held: tuple[ShopperEvent, ...], event: ShopperEvent) -> tuple[ShopperEvent, ...]:
+    """``held`` with ``event`` added in event-time order (ties keep arrival order)."""
+    at = bisect.bisect_right([e.event_time_ms for e in held], event.event_time_ms)
+    return (*held[:at], event, *held[at:])
+
+
+def release(
+    held: tuple[ShopperEvent, ...], until_ms: int
+) -> tuple[tuple[ShopperEvent, ...], tuple[ShopperEvent, ...]]:
+    """Split ``held`` into the events due by ``until_ms``, oldest first, and the rest."""
+    at = bisect.bisect_right([e.event_time_ms for e in held], until_ms)
+    return held[:at], held[at:]
+
+
+def is_held(event: ShopperEvent, watermark_ms: int) -> bool:
+    """Whether :func:`on_event` will hold ``event`` (and so needs no session state)."""
+    return event.event_time_ms > watermark_ms
+
+
+def on_event(
+    state: SessionState | None,
+    held: tuple[ShopperEvent, ...],
+    event: ShopperEvent,
+    watermark_ms: int,
+    config: AppConfig,
+    render: Renderer,
+) -> Step:
+    if is_held(event, watermark_ms):
+        step = Step(state, hold(held, event), timers=[event.event_time_ms])
+        step.count("events_held")
+        return step
+    step = Step(state, held)
+    _wake(step, watermark_ms, config, render)
+    _apply(step, (event,), config, behind_watermark=True)
+    _evaluate(step, watermark_ms, event.event_time_ms, config, render)
+    return step
+
+
+def on_timer(
+    state: SessionState | None,
+    held: tuple[ShopperEvent, ...],
+    timestamp_ms: int,
+    config: AppConfig,
+    render: Renderer,
+) -> Step:
+    due, rest = release(held, timestamp_ms)
+    step = Step(state, rest)
+    for at_ms, same_time in groupby(due, key=lambda e: e.event_time_ms):
+        _wake(step, at_ms - 1, config, render)
+        _apply(step, tuple(same_time), config, behind_watermark=False)
+        assert step.state is not None
+        _evaluate(step, at_ms, step.state.newest_event_ms, config, render)
+    _wake(step, timestamp_ms, config, render)
+    return step
+
+
+def _wake(step: Step, until_ms: int, config: AppConfig, render: Renderer) -> None:
+    """Run the trigger wake-ups due by ``until_ms``, each at its own time."""
+    while (
+        step.state is not None
+        and step.state.wake_at_ms is not None
+        and step.state.wake_at_ms <= until_ms
+    ):
+        at_ms = step.state.wake_at_ms
+        step.state = replace(step.state, wake_at_ms=None)
+        _evaluate(step, at_ms, at_ms, config, render)
+
+
+def _apply(
+    step: Step, events: tuple[ShopperEvent, ...], config: AppConfig, behind_watermark: bool
+) -> None:
+    for event in events:
+        state = step.state or new_session_state(event.shopper_id)
+        step.state, outcome = apply_event(
+            state, event, config.session, config.trigger.high_signal_types
+        )
+        step.count(f"events_{outcome.value}")
+        if behind_watermark:
+            step.count("events_behind_watermark")
+            if outcome is not Outcome.DUPLICATE:
+                step.late_events.append((event, outcome))
+        if outcome is Outcome.LATE_DROPPED:
+            step.dead_letters.append(
+                DeadLetter(
+                    "late",
+                    "too_late",
+                    f"event is more than {config.session.max_lateness_s:.0f} s "
+                    "(session.max_lateness_s) behind the shopper's newest event",
+                    shopper_id=event.shopper_id,
+                    context={"event_id": event.event_id, "event_time_ms": event.event_time_ms},
+                )
+            )
+
+
+def _evaluate(
+    step: Step, now_ms: int, trigger_event_ms: int, config: AppConfig, render: Renderer
+) -> None:
+    assert step.state is not None
+    state = step.state = replace(step.state, wake_at_ms=None)
+    decision = decide(state, now_ms, config.trigger)
+    if decision.verdict is Verdict.FIRE:
+        try:
+            prompt = render(state)
+        except PromptError as exc:
+            step.count("dead_letter_prompt")
+            step.dead_letters.append(
+                DeadLetter("prompt", "prompt_error", str(exc), shopper_id=state.shopper_id)
+            )
+            step.state = clear_pending(state)
+            return
+        state = step.state = mark_prompted(state, now_ms, decision.fingerprint)
+        step.count("prompts_sent")
+        step.count(f"prompts_reason_{decision.reason.replace(' ', '_').replace('-', '_')}")
+        step.prompts.append(
+            PromptTask(
+                state.shopper_id, state.prompt_seq, state.newest_event_ms, trigger_event_ms, prompt
+            )
+        )
+    elif decision.verdict is Verdict.UNCHANGED:
+        step.count("prompts_skipped_unchanged")
+        step.state = clear_pending(state)
+    elif decision.verdict is Verdict.WAIT:
+        assert decision.wake_at_ms is not None
+        step.state = replace(state, wake_at_ms=decision.wake_at_ms)
+        step.timers.append(decision.wake_at_ms)

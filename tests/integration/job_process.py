@@ -1,0 +1,74 @@
+"""The job as its own process (``python -m flink_jobs.job``), so a test can kill it for
+real: SIGKILL to the process group takes the Python driver, the Flink JVM and its Python
+workers down at once, as a crashed task manager would."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+
+def config_env(groups: Mapping[str, Mapping[str, Any]]) -> dict[str, str]:
+    """``{group: {field: value}}`` as the ``SI_<GROUP>_<FIELD>`` variables config.py reads."""
+    return {
+        f"SI_{group.upper()}_{name.upper()}": str(value)
+        for group, fields in groups.items()
+        for name, value in fields.items()
+    }
+
+
+def _inherited_by_accident(name: str) -> bool:
+    """This process's own job settings, and PyFlink's in-worker flag: a job run inside the
+    test process (loopback mode) sets ``PYFLINK_GATEWAY_DISABLED`` in ``os.environ`` for
+    good, and a child that inherits it refuses to start its own gateway."""
+    return name.startswith("SI_") or name == "PYFLINK_GATEWAY_DISABLED"
+
+
+class JobProcess:
+    def __init__(self, groups: Mapping[str, Mapping[str, Any]], log_path: Path) -> None:
+        self.log_path = log_path
+        env = {k: v for k, v in os.environ.items() if not _inherited_by_accident(k)}
+        env.update(config_env(groups))
+        self._log = log_path.open("wb")
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "flink_jobs.job"],
+            env=env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
+    def running(self) -> bool:
+        return self._proc.poll() is None
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def kill(self) -> None:
+        """SIGKILL the whole process group: no shutdown hooks, no final checkpoint."""
+        if self._proc.poll() is None:
+            os.killpg(self._proc.pid, signal.SIGKILL)
+            self._proc.wait(timeout=30)
+        # The JVM's Python workers may outlive the group leader for a moment.
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(self._proc.pid, 0)
+            except ProcessLookupError:
+                break
+            try:
+                os.killpg(self._proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                break
+            time.sleep(0.2)
+        self._log.close()

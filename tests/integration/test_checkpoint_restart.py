@@ -1,0 +1,295 @@
+"""Checkpoints, a killed job and a replay, on the real broker, Redis, PyFlink and vLLM.
+
+Run B consumes a topic while it is being produced (event time rebased to send time, 3x),
+checkpointing every 2 s. Once a checkpoint has completed and intents are landing, the job
+process group is SIGKILLed mid-stream; while it is down the replay goes on, then the job
+restarts from the latest checkpoint and finishes. A watcher reads every shopper's intent
+version from Redis throughout. Run A then replays the finished topic from the start, never
+interrupted, as a bounded replay (it reads to the end of the topic and finishes). Both runs
+copy every prompt they render to a prompts topic.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import orjson
+import pytest
+import redis
+
+from flink_jobs.checkpoints import latest_checkpoint
+from flink_jobs.intent_store import intent_key
+from flink_jobs.local_services import cache_dir, create_topics
+from flink_jobs.replay import replay_records
+from flink_jobs.run_report import is_settled, read_json_topic, read_stats
+from flink_jobs.sample_data import SampleConfig, generate_sample
+from tests.integration.job_process import JobProcess
+
+SHOPPERS = 30
+SPEED = 3.0
+WARM_UP = 20
+PHASE_TIMEOUT_S = 240
+
+
+Version = tuple[int, int]
+
+
+@dataclass
+class VersionWatcher:
+    """Polls every intent's (version_ts, version_seq) and notes any that went backwards."""
+
+    client: redis.Redis
+    prefix: str
+    seen: dict[str, Version] = field(default_factory=dict)
+    regressions: list[str] = field(default_factory=list)
+    polls: int = 0
+    _stop: threading.Event = field(default_factory=threading.Event)
+
+    def start(self) -> None:
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.3):
+            try:
+                self.poll()
+            except redis.RedisError:
+                continue
+
+    def poll(self) -> None:
+        keys = list(self.client.scan_iter(match=intent_key("*", self.prefix), count=1000))
+        pipe = self.client.pipeline(transaction=False)
+        for key in keys:
+            pipe.hmget(key, "version_ts", "version_seq")
+        for key, (ts, seq) in zip(keys, pipe.execute(), strict=True):
+            if ts is None:
+                continue
+            shopper = key.decode()[len(intent_key("", self.prefix)) :]
+            version = (int(ts), int(seq))
+            before = self.seen.get(shopper)
+            if before is not None and version < before:
+                self.regressions.append(f"{shopper}: {before} -> {version}")
+            self.seen[shopper] = max(version, before or version)
+        self.polls += 1
+
+
+@dataclass
+class Runs:
+    prompts_a: list[dict]
+    prompts_b: list[dict]
+    dead_letters_b: list[dict]
+    intents_b: dict[str, Version]
+    watcher: VersionWatcher
+    versions_at_kill: dict[str, Version]
+    restored_from: Path
+    restart_log: str
+    stats_a: dict[str, int]
+    stats_b: dict[str, int]
+
+
+def _groups(name: str, bootstrap: str, redis_url: str, llm_url: str, run: str) -> dict:
+    return {
+        "kafka": {
+            "bootstrap_servers": bootstrap,
+            "events_topic": f"{name}-events",
+            "dead_letter_topic": f"{name}-{run}-dlq",
+            "prompts_topic": f"{name}-{run}-prompts",
+            "group_id": f"{name}-{run}",
+            "starting_offsets": "earliest",
+        },
+        "redis": {"url": redis_url, "key_prefix": f"{name}-{run}"},
+        "llm": {"base_url": llm_url},
+        # A quiet partition's watermark only follows the wall clock after 5 s, well above
+        # the gaps of this replay, so the live run sees the topic as the replay does.
+        "job": {"checkpoint_interval_s": 2, "watermark_idle_advance_s": 5},
+    }
+
+
+def _wait(check, what: str, timeout_s: float = PHASE_TIMEOUT_S, job: JobProcess | None = None):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if check():
+            return
+        if job is not None and not job.running():
+            raise AssertionError(
+                f"the job exited while waiting for {what}:\n{job.log_text()[-3000:]}"
+            )
+        time.sleep(0.5)
+    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+
+
+def _wait_quiet(client: redis.Redis, prefix: str, produced: int, job: JobProcess) -> None:
+    """Until every record was read and the stats stopped moving for 15 s (after a restart
+    the at-least-once stats count replayed records again, so is_settled cannot be used)."""
+    last, since = None, time.monotonic()
+
+    def quiet() -> bool:
+        nonlocal last, since
+        stats = read_stats(client, prefix)
+        if stats != last:
+            last, since = stats, time.monotonic()
+        return stats.get("events_in", 0) >= produced and time.monotonic() - since > 15
+
+    _wait(quiet, "run B to go quiet", job=job)
+
+
+@pytest.fixture(scope="module")
+def runs(kafka_bootstrap, redis_url, llm_tier, tmp_path_factory) -> Runs:
+    workdir = tmp_path_factory.mktemp("restart")
+    name = f"restart-{time.monotonic_ns()}"
+    sample = generate_sample(SampleConfig(shoppers=SHOPPERS, seed=23, duration_s=120.0))
+    create_topics(
+        kafka_bootstrap,
+        [f"{name}-events"] + [f"{name}-{r}-{t}" for r in "ab" for t in ("dlq", "prompts")],
+        1,
+    )
+    client = redis.Redis.from_url(redis_url)
+    groups_b = _groups(name, kafka_bootstrap, redis_url, llm_tier.base_url, "b")
+    groups_b["job"]["checkpoint_dir"] = str(workdir / "checkpoints")
+    prefix_b = groups_b["redis"]["key_prefix"]
+
+    replayed = threading.Event()
+
+    def replay(records: list[bytes]) -> None:
+        summary = replay_records(
+            kafka_bootstrap, f"{name}-events", records, speed=SPEED, rebase_time="send"
+        )
+        assert summary.ok, summary.describe(f"{name}-events")
+
+    def replay_rest() -> None:
+        replay(sample.records[WARM_UP:])
+        replayed.set()
+
+    watcher = VersionWatcher(client, prefix_b)
+    first = JobProcess(groups_b, workdir / "b-first.log")
+    restarted = None
+    try:
+        # The stream proper starts once the job is reading: its start-up takes a while.
+        replay(sample.records[:WARM_UP])
+        _wait(
+            lambda: read_stats(client, prefix_b).get("events_in", 0) >= WARM_UP,
+            "the job to read the first records",
+            job=first,
+        )
+        threading.Thread(target=replay_rest, daemon=True).start()
+        watcher.start()
+        _wait(
+            lambda: (
+                latest_checkpoint(workdir / "checkpoints") is not None
+                and read_stats(client, prefix_b).get("intents_written", 0) >= 5
+            ),
+            "a completed checkpoint and five intents",
+            job=first,
+        )
+        assert not replayed.is_set(), "the replay ended before the kill: not mid-stream"
+        first.kill()
+        watcher.poll()
+        versions_at_kill = dict(watcher.seen)
+        restored_from = latest_checkpoint(workdir / "checkpoints")
+        time.sleep(3)
+
+        groups_b["job"]["restore_from"] = "latest"
+        restarted = JobProcess(groups_b, workdir / "b-restarted.log")
+        _wait(replayed.is_set, "the replay to finish")
+        _wait_quiet(client, prefix_b, len(sample.records), restarted)
+        watcher.poll()
+    finally:
+        watcher.stop()
+        first.kill()
+        if restarted is not None:
+            restarted.kill()
+
+    groups_a = _groups(name, kafka_bootstrap, redis_url, llm_tier.base_url, "a")
+    groups_a["kafka"]["bounded"] = True
+    uninterrupted = JobProcess(groups_a, workdir / "a.log")
+    try:
+        _wait(
+            lambda: is_settled(
+                read_stats(client, groups_a["redis"]["key_prefix"]), len(sample.records)
+            ),
+            "run A to settle",
+            job=uninterrupted,
+        )
+    finally:
+        uninterrupted.kill()
+
+    runs = Runs(
+        prompts_a=read_json_topic(kafka_bootstrap, f"{name}-a-prompts"),
+        prompts_b=read_json_topic(kafka_bootstrap, f"{name}-b-prompts"),
+        dead_letters_b=read_json_topic(kafka_bootstrap, f"{name}-b-dlq"),
+        intents_b=dict(watcher.seen),
+        watcher=watcher,
+        versions_at_kill=versions_at_kill,
+        restored_from=restored_from,
+        restart_log=restarted.log_text(),
+        stats_a=read_stats(client, groups_a["redis"]["key_prefix"]),
+        stats_b=read_stats(client, prefix_b),
+    )
+    report = cache_dir() / "reports" / "checkpoint_restart.json"
+    report.parent.mkdir(parents=True, exist_ok=True)
+    report.write_bytes(
+        orjson.dumps(
+            {
+                "stats_a": runs.stats_a,
+                "stats_b": runs.stats_b,
+                "prompts_a": runs.prompts_a,
+                "prompts_b": runs.prompts_b,
+                "restored_from": str(runs.restored_from),
+                "intents_at_kill": len(runs.versions_at_kill),
+            },
+            option=orjson.OPT_INDENT_2,
+        )
+    )
+    return runs
+
+
+def _by_version(prompts: list[dict]) -> dict[tuple[str, int], str]:
+    digests: dict[tuple[str, int], str] = {}
+    for p in prompts:
+        key = (p["shopper_id"], p["seq"])
+        assert digests.setdefault(key, p["sha256"]) == p["sha256"], f"two prompts for {key}"
+    return digests
+
+
+def test_the_restarted_job_restores_the_latest_checkpoint(runs: Runs) -> None:
+    assert (runs.restored_from / "_metadata").exists()
+    assert "restoring from" in runs.restart_log
+    assert runs.versions_at_kill, "no intent had landed before the kill"
+
+
+def test_replaying_the_topic_renders_the_same_prompts(runs: Runs) -> None:
+    live_with_a_crash, replayed = _by_version(runs.prompts_b), _by_version(runs.prompts_a)
+
+    assert len(replayed) >= SHOPPERS
+    assert live_with_a_crash == replayed
+
+
+def test_no_intent_is_lost_across_the_restart(runs: Runs) -> None:
+    last_prompt: dict[str, tuple[int, int]] = {}
+    for p in runs.prompts_b:
+        last_prompt[p["shopper_id"]] = max(
+            last_prompt.get(p["shopper_id"], (0, 0)), (p["version_ts"], p["seq"])
+        )
+    dead_lettered = {
+        (d["shopper_id"], d["context"]["prompt_seq"])
+        for d in runs.dead_letters_b
+        if d.get("context") and "prompt_seq" in d["context"]
+    }
+
+    missing = {
+        shopper: (version, runs.intents_b.get(shopper))
+        for shopper, version in last_prompt.items()
+        if runs.intents_b.get(shopper) != version and (shopper, version[1]) not in dead_lettered
+    }
+
+    assert missing == {}
+
+
+def test_an_older_intent_never_overwrites_a_newer_one(runs: Runs) -> None:
+    assert runs.watcher.polls > 20
+    assert runs.watcher.regressions == []

@@ -1,0 +1,267 @@
+"""A burst at three times the sustainable rate, on the real broker, Redis, PyFlink and vLLM.
+
+The two CPU workers finish about 1.1 prompts/s here while the job shares their two cores,
+and the trigger policy sends about 0.27 prompts per event: about 4 events/s are
+sustainable. The sample's records are replayed in event-time order at fixed rates, event
+time rebased to send time: a minute at 0.8 events/s (a fifth of the sustainable rate), a
+30 s burst at 12 events/s (three times it), then four minutes at 0.8 events/s again, in
+which the backlog must drain. Throughout, the test polls the stats hash, every
+intent in Redis, the events the job has read and the resident memory of the job's
+processes (driver, Flink JVM, Python workers). The figures, with the rate the LLM tier
+actually sustained while it drained the backlog, go to ``<cache>/reports/overload.json``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+import orjson
+import psutil
+import pytest
+import redis
+
+from flink_jobs.local_services import cache_dir, create_topics
+from flink_jobs.replay import replay_records
+from flink_jobs.run_report import (
+    is_settled,
+    percentile,
+    prompts_settled,
+    read_intents,
+    read_samples,
+    read_stats,
+)
+from flink_jobs.sample_data import SampleConfig, generate_sample
+from tests.integration.job_process import JobProcess
+
+# (name, seconds, events per second)
+PHASES = (("steady", 60.0, 0.8), ("burst", 30.0, 12.0), ("recovery", 240.0, 0.8))
+LLM_CAPACITY = 16
+SETTLE_TIMEOUT_S = 420
+
+
+@dataclass
+class Probe:
+    """What the test saw, sampled every half second from outside the job."""
+
+    client: redis.Redis
+    prefix: str
+    root_pid: int
+    started: float = field(default_factory=time.monotonic)
+    rss_mb: list[tuple[float, float]] = field(default_factory=list)
+    in_flight: list[tuple[float, int]] = field(default_factory=list)
+    events_in: list[tuple[float, int]] = field(default_factory=list)
+    llm_calls: list[tuple[float, int]] = field(default_factory=list)
+    # (seconds since start when seen, event-to-intent latency ms) per new intent version
+    writes: list[tuple[float, int]] = field(default_factory=list)
+    _versions: dict[str, int] = field(default_factory=dict)
+    _stop: threading.Event = field(default_factory=threading.Event)
+
+    def start(self) -> None:
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.5):
+            now = time.monotonic() - self.started
+            self.rss_mb.append((now, _tree_rss_mb(self.root_pid)))
+            stats = read_stats(self.client, self.prefix)
+            self.in_flight.append((now, stats.get("prompts_sent", 0) - prompts_settled(stats)))
+            self.events_in.append((now, stats.get("events_in", 0)))
+            self.llm_calls.append((now, stats.get("llm_calls", 0)))
+            for row in read_intents(self.client, self.prefix):
+                if self._versions.get(row.shopper_id) != row.written_at_ms:
+                    self._versions[row.shopper_id] = row.written_at_ms
+                    self.writes.append((now, row.latency_ms))
+
+
+def _tree_rss_mb(pid: int) -> float:
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return 0.0
+    total = 0
+    for proc in procs:
+        try:
+            total += proc.memory_info().rss
+        except psutil.NoSuchProcess:
+            continue
+    return total / 2**20
+
+
+@dataclass
+class OverloadRun:
+    stats: dict[str, int]
+    probe: Probe
+    phase_ends: dict[str, float]
+    produced: dict[str, int]
+    settled_at: float
+    # The outbox's queued + running prompts, sampled at each prompt sent.
+    queued_or_running: list[int]
+
+
+def _split_into_phases(records: list[bytes]) -> list[list[bytes]]:
+    """Consecutive slices of ``records``, one per phase, each as long as its rate and span
+    ask for."""
+    parts, at = [], 0
+    for _, span_s, rate in PHASES:
+        count = round(span_s * rate)
+        parts.append(records[at : at + count])
+        at += count
+    assert len(parts[-1]) == round(PHASES[-1][1] * PHASES[-1][2]), "the sample is too small"
+    return parts
+
+
+@pytest.fixture(scope="module")
+def overload(kafka_bootstrap, redis_url, llm_tier, tmp_path_factory) -> OverloadRun:
+    workdir = tmp_path_factory.mktemp("overload")
+    name = f"overload-{time.monotonic_ns()}"
+    sample = generate_sample(SampleConfig(shoppers=80, seed=31, duration_s=600))
+    phases = _split_into_phases(sample.records)
+    total = sum(len(records) for records in phases)
+    create_topics(kafka_bootstrap, [f"{name}-events", f"{name}-dlq"], 2)
+    groups = {
+        "kafka": {
+            "bootstrap_servers": kafka_bootstrap,
+            "events_topic": f"{name}-events",
+            "dead_letter_topic": f"{name}-dlq",
+            "group_id": name,
+            "starting_offsets": "earliest",
+        },
+        "redis": {"url": redis_url, "key_prefix": name},
+        "llm": {"base_url": llm_tier.base_url, "capacity": LLM_CAPACITY},
+    }
+    client = redis.Redis.from_url(redis_url)
+    job = JobProcess(groups, workdir / "job.log")
+    probe = Probe(client, name, job.pid)
+    phase_ends: dict[str, float] = {}
+    produced: dict[str, int] = {}
+    try:
+        probe.start()
+        for (phase, _, rate), records in zip(PHASES, phases, strict=True):
+            summary = replay_records(
+                kafka_bootstrap, f"{name}-events", records, rate=rate, rebase_time="send"
+            )
+            assert summary.ok, summary.describe(f"{name}-events")
+            phase_ends[phase] = time.monotonic() - probe.started
+            produced[phase] = max(produced.values(), default=0) + len(records)
+        deadline = time.monotonic() + SETTLE_TIMEOUT_S
+        while not is_settled(read_stats(client, name), total):
+            assert job.running(), job.log_text()[-3000:]
+            assert time.monotonic() < deadline, f"not settled: {read_stats(client, name)}"
+            time.sleep(1)
+        settled_at = time.monotonic() - probe.started
+    finally:
+        probe.stop()
+        job.kill()
+    run = OverloadRun(
+        read_stats(client, name),
+        probe,
+        phase_ends,
+        produced,
+        settled_at,
+        read_samples(client, name, "outbox_in_system"),
+    )
+    _write_report(run)
+    return run
+
+
+def _latencies(run: OverloadRun, start_s: float, end_s: float) -> list[int]:
+    return [ms for at, ms in run.probe.writes if start_s <= at < end_s]
+
+
+def _recovery_s(run: OverloadRun) -> float:
+    """Seconds from the end of the burst until the prompts in flight are back to the
+    steady phase's highest level."""
+    steady_max = max(n for at, n in run.probe.in_flight if at < run.phase_ends["steady"])
+    burst_end = run.phase_ends["burst"]
+    after = [(at, n) for at, n in run.probe.in_flight if at >= burst_end]
+    backlog_left = [at for at, n in after if n > steady_max]
+    return (max(backlog_left) - burst_end) if backlog_left else 0.0
+
+
+def _llm_calls_per_s_while_draining(run: OverloadRun) -> float | None:
+    """The LLM tier's measured capacity: calls answered per second from the end of the
+    burst until the backlog was gone (the tier was busy all that time)."""
+    start = run.phase_ends["burst"]
+    end = start + _recovery_s(run)
+    at_start = [n for at, n in run.probe.llm_calls if at <= start]
+    at_end = [n for at, n in run.probe.llm_calls if at <= end]
+    if end - start < 10 or not at_start or not at_end:
+        return None
+    return (at_end[-1] - at_start[-1]) / (end - start)
+
+
+def _write_report(run: OverloadRun) -> None:
+    steady = _latencies(run, 0, run.phase_ends["steady"])
+    burst = _latencies(run, run.phase_ends["steady"], run.phase_ends["burst"])
+    tail = _latencies(run, run.phase_ends["recovery"] - 60, run.phase_ends["recovery"])
+    report = {
+        "phases": [{"name": n, "seconds": s, "events_per_s": r} for n, s, r in PHASES],
+        "phase_ends_s": run.phase_ends,
+        "settled_at_s": run.settled_at,
+        "peak_rss_mb": max(mb for _, mb in run.probe.rss_mb),
+        "steady_peak_rss_mb": max(
+            mb for at, mb in run.probe.rss_mb if at < run.phase_ends["steady"]
+        ),
+        "max_prompts_without_outcome": max(n for _, n in run.probe.in_flight),
+        "max_prompts_queued_or_running": max(run.queued_or_running, default=0),
+        "outbox_capacity": LLM_CAPACITY,
+        "events_read_at_phase_ends": {
+            name: max((n for at, n in run.probe.events_in if at <= end), default=0)
+            for name, end in run.phase_ends.items()
+        },
+        "events_produced_at_phase_ends": run.produced,
+        "recovery_s": _recovery_s(run),
+        "llm_calls_per_s_while_draining": _llm_calls_per_s_while_draining(run),
+        "prompts_per_event": run.stats.get("prompts_sent", 0) / max(1, run.stats["events_in"]),
+        "event_to_intent_s": {
+            name: {"p50": percentile(v, 50) / 1000, "p99": percentile(v, 99) / 1000, "n": len(v)}
+            for name, v in (("steady", steady), ("burst", burst), ("recovery_last_60s", tail))
+        },
+        "stats": run.stats,
+    }
+    path = cache_dir() / "reports" / "overload.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))
+
+
+def test_superseded_prompts_of_a_shopper_are_coalesced_during_the_burst(overload) -> None:
+    assert overload.stats.get("prompts_superseded", 0) > 0
+
+
+def test_prompts_queued_or_running_never_exceed_the_outbox_capacity(overload) -> None:
+    """Beyond ``llm.capacity`` the job blocks (back-pressure): the rest waits in Kafka."""
+    assert overload.queued_or_running, "no prompt was sent"
+    assert max(overload.queued_or_running) <= LLM_CAPACITY
+
+
+def test_the_burst_filled_the_outbox(overload) -> None:
+    assert max(overload.queued_or_running) > LLM_CAPACITY // 2
+
+
+def test_memory_stays_bounded_through_the_burst(overload) -> None:
+    steady_peak = max(mb for at, mb in overload.probe.rss_mb if at < overload.phase_ends["steady"])
+    overall_peak = max(mb for _, mb in overload.probe.rss_mb)
+
+    assert overall_peak < steady_peak * 1.25
+
+
+def test_freshness_recovers_after_the_burst(overload) -> None:
+    steady = _latencies(overload, 0, overload.phase_ends["steady"])
+    burst = _latencies(overload, overload.phase_ends["steady"], overload.phase_ends["burst"])
+    tail = _latencies(
+        overload, overload.phase_ends["recovery"] - 60, overload.phase_ends["recovery"]
+    )
+
+    assert percentile(burst, 50) > percentile(steady, 50), "the burst did not overload the job"
+    assert percentile(tail, 50) <= percentile(steady, 99) + 1000
+    assert _recovery_s(overload) < PHASES[-1][1] - 60
+
+
+def test_every_event_and_prompt_has_an_outcome_after_the_burst(overload) -> None:
+    assert is_settled(overload.stats, overload.stats["events_in"])

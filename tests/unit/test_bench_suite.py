@@ -1,0 +1,265 @@
+"""The benchmark suite's pure pieces: result keys, ratios, rates, targets, the baseline."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import pytest
+
+from bench import _common, freshness, pipeline_capacity, redis_upsert, run_all
+from flink_jobs.config import AppConfig
+from flink_jobs.events import ShopperEvent
+
+
+def _doc(**figures):
+    return _common.result_doc("x", time.monotonic(), [], **figures)
+
+
+def test_a_result_document_starts_with_the_shared_keys_in_order():
+    doc = _doc(extra=1)
+    assert tuple(doc)[: len(_common.RESULT_KEYS)] == _common.RESULT_KEYS
+    assert doc["extra"] == 1
+
+
+def test_a_benchmark_cannot_overwrite_a_shared_key():
+    with pytest.raises(ValueError, match="shared keys"):
+        _doc(machine="mine")
+
+
+def test_no_targets_is_not_all_targets_met():
+    assert _doc()["all_targets_met"] is False
+
+
+def test_the_machine_is_described_by_cores_cpu_and_memory():
+    assert {"cores", "cpu_model", "memory_gib"} <= set(_common.machine())
+
+
+def test_ratio_of_a_missing_or_zero_denominator_is_nan():
+    assert _common.ratio(3, 2) == 1.5
+    assert math.isnan(_common.ratio(3, 0))
+    assert math.isnan(_common.ratio(None, 2))
+
+
+def test_a_nan_value_never_meets_a_target():
+    assert _common.target("t", math.nan, "<=", 1.0)["met"] is False
+    assert _common.target("t", None, ">=", 1.0)["met"] is False
+
+
+def test_a_target_compares_with_its_operator():
+    assert _common.target("t", 0.6, ">=", 0.5)["met"] is True
+    assert _common.target("t", 1.2, "<=", 1.0)["met"] is False
+
+
+def test_nan_is_written_as_null():
+    assert _common.rounded(math.nan) is None
+    assert _common.rounded(1.23456) == 1.235
+
+
+def test_peaks_are_summarised_per_kind_as_largest_and_sum():
+    summary = _common.summarise_peaks(
+        [("redis", 2048), ("vllm_worker", 1024), ("vllm_worker", 3072)]
+    )
+    assert summary["vllm_worker"] == {"processes": 2, "max_mib": 3.0, "sum_mib": 4.0}
+    assert summary["redis"]["processes"] == 1
+
+
+@pytest.mark.parametrize(
+    ("cmdline", "kind"),
+    [
+        ("java -cp x org.apache.flink.client.python.PythonGatewayServer", "flink_jvm"),
+        ("/usr/bin/redis-server 127.0.0.1:1234", "redis"),
+        ("/x/.cache/bin/tansu broker --listener-url tcp://127.0.0.1:1", "tansu"),
+        ("python -m vllm.entrypoints.openai.api_server --model m", "vllm_worker"),
+        ("python -m inference_sidecar router --port 1", "router"),
+        ("python -m bench.standin_llm --port 1", "standin_llm"),
+        ("bash -c sleep", None),
+    ],
+)
+def test_processes_are_classified_by_their_command_line(cmdline, kind):
+    assert _common.classify_process(cmdline) == kind
+
+
+# --- pipeline capacity ------------------------------------------------------------------------
+
+
+def test_the_drain_rate_is_taken_between_10_and_90_percent():
+    series = [(0.0, 0), (10.0, 0), (11.0, 100), (12.0, 900), (13.0, 1000)]
+    # 10% (100 events) at 11.0 s, 90% (900) at 12.0 s: 800 events in 1 s.
+    assert pipeline_capacity.drain_rate(series, 1000) == pytest.approx(800.0)
+
+
+def test_crossings_are_interpolated_between_polls():
+    assert pipeline_capacity.crossing_time([(0.0, 0), (2.0, 100)], 50) == pytest.approx(1.0)
+    assert pipeline_capacity.crossing_time([(0.0, 0), (2.0, 10)], 50) is None
+
+
+def test_a_drain_that_never_finished_has_no_rate():
+    assert pipeline_capacity.drain_rate([(0.0, 0), (1.0, 500)], 1000) is None
+
+
+def test_windowed_rates_are_events_per_second_over_the_window():
+    series = [(0.0, 0), (1.0, 100), (2.0, 300), (3.0, 600)]
+    assert pipeline_capacity.windowed_rates(series, 2.0)[-1] == (3.0, 250.0)
+
+
+def _paced(p99: float | None, lag: float | None) -> dict:
+    return {"event_to_redis_s": {"p50": 0.4, "p99": p99}, "lag_at_end_s": lag}
+
+
+def test_a_paced_run_keeps_up_with_p99_within_a_second_and_no_growing_lag():
+    assert pipeline_capacity.kept_up(_paced(0.9, 0.2))
+    assert not pipeline_capacity.kept_up(_paced(1.4, 0.2))
+    assert not pipeline_capacity.kept_up(_paced(0.9, 4.3))
+    assert not pipeline_capacity.kept_up(_paced(None, None))
+
+
+def test_profile_lines_become_self_and_inclusive_shares():
+    collapsed = "main (a.py:1);decode (e.py:5) 3\nmain (a.py:1);pickle (p.py:9) 1\n"
+    top = {row["function"]: row for row in pipeline_capacity.top_functions(collapsed)}
+    assert top["decode (e.py)"]["self_pct"] == 75.0
+    assert "main (a.py)" not in top  # never a leaf
+    assert pipeline_capacity.top_functions(collapsed, 5)[0]["inclusive_pct"] == 75.0
+
+
+def test_without_py_spy_the_drain_runs_unprofiled(monkeypatch, tmp_path):
+    monkeypatch.setattr(pipeline_capacity.shutil, "which", lambda _name: None)
+    monkeypatch.setattr(pipeline_capacity.sys, "executable", str(tmp_path / "python"))
+    assert pipeline_capacity.py_spy() is None
+    assert pipeline_capacity.start_profiler([1], 5, tmp_path / "out.txt") == []
+
+
+# --- redis upsert -------------------------------------------------------------------------------
+
+
+def test_the_plain_hset_writes_the_same_fields_as_the_upsert():
+    record = redis_upsert.make_records(1, 1)[0]
+    mapping = redis_upsert.hset_mapping(record, 1000)
+    assert set(mapping) == {
+        "version_ts",
+        "version_seq",
+        "written_at_ms",
+        *redis_upsert.RECORD_FIELDS,
+    }
+
+
+def test_benchmark_records_are_newer_per_shopper_so_every_upsert_writes():
+    records = redis_upsert.make_records(10, 3)
+    for shopper in {r.shopper_id for r in records}:
+        versions = [r.version for r in records if r.shopper_id == shopper]
+        assert versions == sorted(set(versions))
+
+
+def test_redis_benchmark_csv_gives_the_last_rows_requests_per_second():
+    text = '"test","rps","avg_latency_ms"\n"HSET k a 1","363636.38","2.076"\n'
+    assert redis_upsert.parse_redis_benchmark_csv(text) == pytest.approx(363636.38)
+    assert redis_upsert.parse_redis_benchmark_csv("") is None
+
+
+# --- freshness: the baseline and staleness ------------------------------------------------------
+
+
+def _event(
+    i: int, shopper: str, kind: str = "view", product: str = "p1", category: str = "Kettles"
+) -> ShopperEvent:
+    return ShopperEvent(
+        f"e{i}", shopper, kind, 1_000_000 + i * 1000, product_id=product, category=category
+    )
+
+
+def test_browsing_a_category_already_browsed_is_not_qualifying():
+    config = AppConfig()
+    events = [
+        _event(0, "s"),
+        _event(1, "s", product="p2"),
+        _event(2, "s", product="p3", category="Grinders"),
+    ]
+    rows = freshness.shopper_timelines(events, config.session, config.trigger)["s"]
+    assert [q for _e, _a, q, _s in rows] == [True, False, True]
+
+
+def _fires(events, **trigger) -> dict[str, list[int]]:
+    from flink_jobs.prompting import PromptRenderer
+
+    config = AppConfig().with_overrides({"trigger": trigger})
+    return freshness.policy_fire_times(events, config, PromptRenderer(config.prompt).render)
+
+
+def test_the_policy_replay_fires_after_the_quiet_period():
+    fires = _fires([_event(0, "s")], quiet_s=3, max_wait_s=5, min_interval_s=0)
+    assert fires == {"s": [1_000_000 + 3_000]}
+
+
+def test_the_policy_replay_fires_a_high_signal_event_at_once():
+    fires = _fires([_event(0, "s", kind="add_to_cart")], quiet_s=3, max_wait_s=5)
+    assert fires == {"s": [1_000_000]}
+
+
+def test_the_policy_delay_is_to_the_first_prompt_at_or_after_the_event():
+    delays = freshness.policy_delays_s({"s": [1_000, 5_000], "t": [2_000]}, {"s": [4_000]})
+    assert delays == [3.0, float("inf"), float("inf")]
+
+
+def test_the_baseline_has_one_prompt_per_accepted_event():
+    config = AppConfig()
+    events = [_event(0, "a"), _event(1, "b"), _event(1, "b")]  # the last one a duplicate
+    timelines = freshness.shopper_timelines(events, config.session, config.trigger)
+    from flink_jobs.prompting import PromptRenderer
+
+    prompts = freshness.baseline_prompts(timelines, PromptRenderer(config.prompt))
+    assert [shopper for shopper, _ in prompts] == ["a", "b"]
+
+
+def test_the_baseline_prompt_is_the_session_as_of_that_event():
+    config = AppConfig()
+    events = [_event(0, "a"), _event(1, "a", product="p2")]
+    timelines = freshness.shopper_timelines(events, config.session, config.trigger)
+    from flink_jobs.prompting import PromptRenderer
+
+    prompts = freshness.baseline_prompts(timelines, PromptRenderer(config.prompt))
+    assert [p.events_included for _, p in prompts] == [1, 2]
+
+
+def test_staleness_is_zero_when_the_intent_covers_the_latest_qualifying_event():
+    assert freshness.staleness_s(5_000, 5_000, 9_000) == 0.0
+
+
+def test_staleness_counts_from_the_uncovered_event():
+    assert freshness.staleness_s(5_000, 4_000, 9_000) == 4.0
+    assert freshness.staleness_s(5_000, None, 6_500) == 1.5
+
+
+def test_no_qualifying_event_yet_has_no_staleness():
+    assert freshness.staleness_s(None, None, 9_000) is None
+
+
+def test_latest_before_is_the_last_time_not_after_now():
+    assert freshness.latest_before([1, 5, 9], 6) == 5
+    assert freshness.latest_before([7], 6) is None
+
+
+# --- the runner --------------------------------------------------------------------------------
+
+
+def test_the_runner_selects_benchmarks_by_name_in_suite_order():
+    assert run_all.selected("pipeline_capacity,redis_upsert") == [
+        "redis_upsert",
+        "pipeline_capacity",
+    ]
+
+
+def test_the_runner_refuses_an_unknown_benchmark():
+    with pytest.raises(SystemExit):
+        run_all.selected("nope")
+
+
+def test_ab_settings_become_config_override_groups():
+    assert pipeline_capacity.settings(["job.python_bundle_size=5000", "trigger.quiet_s=1"]) == {
+        "job": {"python_bundle_size": "5000"},
+        "trigger": {"quiet_s": "1"},
+    }
+
+
+def test_a_setting_without_a_group_is_refused():
+    with pytest.raises(ValueError, match=r"GROUP\.KEY=VALUE"):
+        pipeline_capacity.settings(["quiet_s=1"])

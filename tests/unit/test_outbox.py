@@ -1,0 +1,242 @@
+"""The outbox: prompts run on a background event loop, bounded, one call per shopper at a
+time, a queued prompt replaced by the shopper's newer one (latest context wins), outcomes
+kept until collected, and a failure that must restart the job raised, not swallowed.
+
+The calls are the job's own (``run_task``: the LLM client over httpx's MockTransport, the
+intent store over the test Redis), except where a test needs to hold a call open."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import orjson
+import pytest
+import redis
+import redis.asyncio
+
+from flink_jobs.inference import PromptTask, TaskResult, run_task
+from flink_jobs.intent_store import AsyncIntentStore
+from flink_jobs.llm_client import LlmClient
+from flink_jobs.outbox import Outbox, OutboxFailed
+from tests.unit.test_inference import INTENT, LLM, MODEL, completion, task
+
+WAIT_S = 10.0
+
+
+class HeldLlm:
+    """An LLM whose answers wait until the test releases them; records what it computed."""
+
+    def __init__(self) -> None:
+        self.computed: list[tuple[str, int]] = []
+        self.started = threading.Semaphore(0)
+        self._gate = threading.Event()
+
+    def release(self) -> None:
+        self._gate.set()
+
+    async def __call__(self, request: httpx.Request) -> httpx.Response:
+        body = orjson.loads(request.content)
+        seq = int(body["messages"][1]["content"].split("seq=")[1].split("\n")[0])
+        self.computed.append((request.headers["X-Session-ID"], seq))
+        self.started.release()
+        while not self._gate.is_set():
+            await asyncio.sleep(0.005)
+        return completion(orjson.dumps(INTENT).decode())
+
+
+class JobCalls:
+    """``run_task`` with clients made on the outbox's loop, as ``PromptRunner`` does."""
+
+    def __init__(self, redis_url: str, prefix: str, llm: HeldLlm) -> None:
+        self._redis_url, self._prefix, self._handler = redis_url, prefix, llm
+        self._clients: tuple[LlmClient, AsyncIntentStore] | None = None
+
+    async def __call__(self, t: PromptTask) -> TaskResult:
+        if self._clients is None:
+            store = AsyncIntentStore(redis.asyncio.Redis.from_url(self._redis_url), self._prefix)
+            llm = LlmClient(LLM, transport=httpx.MockTransport(self._handler))
+            self._clients = (llm, store)
+        llm, store = self._clients
+        return await run_task(t, llm, store, MODEL, redis_retry_budget_s=5.0)
+
+    async def aclose(self) -> None:
+        if self._clients is not None:
+            await self._clients[0].aclose()
+            await self._clients[1].client.aclose()
+
+
+@pytest.fixture
+def llm() -> HeldLlm:
+    return HeldLlm()
+
+
+@pytest.fixture
+def outbox_for(redis_url: str, unique_name: str, llm: HeldLlm) -> Iterator:
+    made: list[Outbox] = []
+
+    def make(capacity: int = 8, max_concurrency: int = 1) -> Outbox:
+        calls = JobCalls(redis_url, unique_name, llm)
+        made.append(Outbox(calls, capacity, max_concurrency, calls.aclose).start())
+        return made[-1]
+
+    yield make
+    llm.release()
+    for outbox in made:
+        outbox.close()
+
+
+def outcomes(outbox: Outbox, shopper_id: str, seq: int) -> list[tuple[int, str]]:
+    return [(s.task.seq, s.result.outcome) for s in outbox.wait(shopper_id, seq, WAIT_S)]
+
+
+class TestLatestContextWins:
+    def test_a_queued_prompt_replaced_by_a_newer_one_is_not_sent(
+        self, outbox_for, llm: HeldLlm, redis_client: redis.Redis, unique_name: str
+    ) -> None:
+        outbox = outbox_for(max_concurrency=1)
+        outbox.submit(task("shopper-00043", seq=1))
+        assert llm.started.acquire(timeout=WAIT_S)  # holds the only slot
+        for seq in (1, 2, 3):
+            outbox.submit(task("shopper-00146", seq=seq, at_s=10 * seq))
+
+        llm.release()
+
+        assert outcomes(outbox, "shopper-00146", 3) == [
+            (1, "superseded"),
+            (2, "superseded"),
+            (3, "written"),
+        ]
+        assert ("shopper-00146", 3) in llm.computed
+        assert ("shopper-00146", 1) not in llm.computed
+        assert redis_client.hget(f"{unique_name}:intent:shopper-00146", "version_seq") == b"3"
+
+    def test_an_older_prompt_arriving_after_a_newer_one_is_the_one_dropped(
+        self, outbox_for, llm: HeldLlm
+    ) -> None:
+        outbox = outbox_for(max_concurrency=1)
+        outbox.submit(task("shopper-00043", seq=1))
+        assert llm.started.acquire(timeout=WAIT_S)
+        outbox.submit(task("shopper-00146", seq=5))
+        outbox.submit(task("shopper-00146", seq=4))
+
+        llm.release()
+
+        assert outcomes(outbox, "shopper-00146", 5) == [(4, "superseded"), (5, "written")]
+
+    def test_prompts_of_other_shoppers_are_all_sent(self, outbox_for, llm: HeldLlm) -> None:
+        outbox = outbox_for(max_concurrency=1)
+        shoppers = ["shopper-00043", "shopper-00146", "shopper-00299"]
+        for shopper in shoppers:
+            outbox.submit(task(shopper, seq=1))
+
+        llm.release()
+
+        for shopper in shoppers:
+            assert outcomes(outbox, shopper, 1) == [(1, "written")]
+        assert [shopper for shopper, _ in llm.computed] == shoppers
+
+
+class TestOneCallPerShopper:
+    def test_a_shoppers_next_prompt_waits_for_the_running_one(
+        self, outbox_for, llm: HeldLlm
+    ) -> None:
+        outbox = outbox_for(max_concurrency=4)
+        outbox.submit(task("shopper-00146", seq=1))
+        assert llm.started.acquire(timeout=WAIT_S)
+        outbox.submit(task("shopper-00146", seq=2))
+
+        assert not llm.started.acquire(timeout=0.3)  # a free slot, yet not started
+        llm.release()
+
+        assert [seq for seq, _ in outcomes(outbox, "shopper-00146", 2)] in ([1, 2], [2])
+        assert llm.computed == [("shopper-00146", 1), ("shopper-00146", 2)]
+
+
+class TestBounded:
+    def test_submit_blocks_while_the_outbox_is_full(self, outbox_for, llm: HeldLlm) -> None:
+        outbox = outbox_for(capacity=2, max_concurrency=1)
+        outbox.submit(task("shopper-00043", seq=1))
+        outbox.submit(task("shopper-00146", seq=1))
+        third = threading.Thread(target=outbox.submit, args=(task("shopper-00299", seq=1),))
+        third.start()
+
+        third.join(timeout=0.5)
+        assert third.is_alive() and outbox.in_system == 2
+        llm.release()
+        third.join(timeout=WAIT_S)
+
+        assert not third.is_alive()
+        assert outcomes(outbox, "shopper-00299", 1) == [(1, "written")]
+
+    def test_replacing_a_queued_prompt_never_blocks(self, outbox_for, llm: HeldLlm) -> None:
+        outbox = outbox_for(capacity=2, max_concurrency=1)
+        outbox.submit(task("shopper-00043", seq=1))
+        outbox.submit(task("shopper-00146", seq=1))
+
+        started = time.monotonic()
+        outbox.submit(task("shopper-00146", seq=2))
+
+        assert time.monotonic() - started < 0.5
+        assert outbox.in_system == 2
+
+
+class TestBookkeeping:
+    def test_outcomes_wait_until_collected_then_are_gone(self, outbox_for, llm: HeldLlm) -> None:
+        outbox = outbox_for()
+        llm.release()
+        outbox.submit(task("shopper-00146", seq=1))
+        outcomes(outbox, "shopper-00146", 1)
+
+        assert outbox.collect("shopper-00146") == []
+        assert not outbox.tracks("shopper-00146", 1)
+
+    def test_it_tracks_a_prompt_from_submit_until_collected(self, outbox_for, llm) -> None:
+        outbox = outbox_for()
+        assert not outbox.tracks("shopper-00146", 1)
+        outbox.submit(task("shopper-00146", seq=1))
+        assert outbox.tracks("shopper-00146", 1)
+        llm.release()
+        deadline = time.monotonic() + WAIT_S
+        while outbox.in_system and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+        assert outbox.tracks("shopper-00146", 1)  # settled, not yet collected
+        assert [s.task.seq for s in outbox.collect("shopper-00146")] == [1]
+
+    def test_waiting_for_a_prompt_never_submitted_is_refused(self, outbox_for) -> None:
+        with pytest.raises(ValueError, match="never submitted"):
+            outbox_for().wait("shopper-00146", 7, WAIT_S)
+
+
+class TestFailures:
+    def test_a_call_that_raises_fails_the_next_submit_and_collect(self) -> None:
+        async def broken(t: PromptTask) -> TaskResult:
+            raise RuntimeError("Redis unreachable for the whole budget")
+
+        outbox = Outbox(broken, capacity=4, max_concurrency=1).start()
+        try:
+            outbox.submit(task("shopper-00146", seq=1))
+            deadline = time.monotonic() + WAIT_S
+            while outbox.in_system and time.monotonic() < deadline:
+                time.sleep(0.01)
+
+            with pytest.raises(OutboxFailed, match="Redis unreachable"):
+                outbox.collect("shopper-00146")
+            with pytest.raises(OutboxFailed):
+                outbox.submit(task("shopper-00299", seq=1))
+        finally:
+            outbox.close()
+
+    def test_close_cancels_calls_still_running(self, outbox_for, llm: HeldLlm) -> None:
+        outbox = outbox_for()
+        outbox.submit(task("shopper-00146", seq=1))
+        assert llm.started.acquire(timeout=WAIT_S)
+
+        started = time.monotonic()
+        outbox.close(timeout_s=5)
+
+        assert time.monotonic() - started < 5
