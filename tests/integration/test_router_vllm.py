@@ -36,6 +36,7 @@ import httpx
 import pytest
 
 from inference_sidecar.exceptions import ConfigError
+from inference_sidecar.policies.bounded_hash import preference_order
 from inference_sidecar.workers import (
     ClusterConfig,
     WorkerPool,
@@ -416,16 +417,24 @@ class TestAggregated:
     def test_slowed_worker_is_ejected_then_readmitted(
         self, aggregated: Cluster, stack: Stack
     ) -> None:
-        """A second router sees worker-1 through a proxy adding 1.5 s per request: it is
+        """A second router sees worker-1 through a proxy adding 1.5 s per request.
+        Returning shoppers whose home is that worker stay on it (new shoppers would be
+        steered away from a slow worker, so they alone might never eject it); it is
         ejected on latency (no request fails meanwhile), probed after its 5 s back-off
         and re-admitted."""
         healthy, sick = aggregated.pool.worker_urls
         proxy = SlowProxy(sick, delay_s=1.5)
-        router = stack.start_router([healthy, proxy.url], "degraded", ["--request-timeout", "30"])
+        workers = [healthy, proxy.url]
+        shoppers = [
+            s
+            for s in (f"slow-{n}" for n in range(200))
+            if preference_order(s, workers)[0] == proxy.url
+        ][:3]
+        router = stack.start_router(workers, "degraded", ["--request-timeout", "30"])
         try:
             ejected_at = None
             for i in range(40):
-                r = router.post(chat_body(GREEDY_PROMPTS["short"], 2), f"slow-{i}")
+                r = router.post(chat_body(GREEDY_PROMPTS["short"], 2), shoppers[i % len(shoppers)])
                 assert r.status_code == 200, r.text
                 if router.metric("inference_sidecar_ejections_total", reason="latency") >= 1:
                     ejected_at = time.monotonic()
