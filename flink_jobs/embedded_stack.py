@@ -32,6 +32,12 @@ ROUTER_READY_TIMEOUT_S = 30.0
 # Room for every in-flight prompt's KV blocks: a cache that is nearly full makes vLLM
 # preempt and recompute requests, which costs more than the memory.
 KV_CACHE_BYTES = 1 << 30
+# CPU workers are slow and their speed varies tenfold between hosts: SmolLM2-135M answers
+# in about 1 s on a core with AMX, but takes 10-60 s under load on an AVX2-only core
+# (prefill at ~70 tokens/s). A job timeout below that resends a prompt vLLM is still
+# computing, doubling the load exactly when it is highest; the router's own per-attempt
+# timeout (120 s) must also be shorter than the job's, so that the router fails over first.
+CPU_REQUEST_TIMEOUT_S = 300.0
 
 
 @dataclass
@@ -42,6 +48,10 @@ class LlmTier:
     router_url: str
     worker_urls: list[str]
     _exit: ExitStack = field(repr=False)
+
+    def job_settings(self) -> dict[str, Any]:
+        """The job's ``llm`` settings for this tier."""
+        return {"base_url": self.base_url, "request_timeout_s": CPU_REQUEST_TIMEOUT_S}
 
     def stop(self) -> None:
         self._exit.close()
@@ -100,7 +110,7 @@ class EmbeddedStack:
         return {
             "kafka": {"bootstrap_servers": self.bootstrap},
             "redis": {"url": self.redis_url},
-            "llm": {"base_url": self.llm.base_url},
+            "llm": self.llm.job_settings(),
         }
 
     def stop(self) -> None:

@@ -50,7 +50,7 @@ import pytest
 import redis
 
 from flink_jobs.config import AppConfig, load_config
-from flink_jobs.embedded_stack import KV_CACHE_BYTES
+from flink_jobs.embedded_stack import CPU_REQUEST_TIMEOUT_S, KV_CACHE_BYTES
 from flink_jobs.events import load_schema
 from flink_jobs.local_services import (
     KafkaService,
@@ -399,8 +399,13 @@ def scenario() -> Iterator[Scenario]:
                 "redis": {"url": redis_service.url, "key_prefix": name},
                 # Six attempts: the client's backoff (0.5 s doubling, jittered) then spans
                 # at least 7.75 s, longer than a router restart takes. Four calls at once:
-                # after the kill one CPU worker serves them all, within the 60 s timeout.
-                "llm": {"base_url": f"{router.url}/v1", "max_concurrency": 4},
+                # after the kill one CPU worker serves them all; the timeout is the CPU
+                # tier's (embedded_stack.CPU_REQUEST_TIMEOUT_S).
+                "llm": {
+                    "base_url": f"{router.url}/v1",
+                    "max_concurrency": 4,
+                    "request_timeout_s": CPU_REQUEST_TIMEOUT_S,
+                },
                 "job": {"checkpoint_interval_s": 5},
             },
             environ={},

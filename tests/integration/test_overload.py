@@ -133,7 +133,7 @@ def overload(kafka_bootstrap, redis_url, llm_tier, tmp_path_factory) -> Overload
             "starting_offsets": "earliest",
         },
         "redis": {"url": redis_url, "key_prefix": name},
-        "llm": {"base_url": llm_tier.base_url, "capacity": LLM_CAPACITY},
+        "llm": {**llm_tier.job_settings(), "capacity": LLM_CAPACITY},
     }
     client = redis.Redis.from_url(redis_url)
     job = JobProcess(groups, workdir / "job.log")

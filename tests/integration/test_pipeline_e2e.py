@@ -1,9 +1,9 @@
 """The whole pipeline on real components: a Kafka-protocol broker, Redis, PyFlink and
 vLLM behind the router.
 
-One run is shared by the tests of this module: 300 shoppers' sessions (10 minutes of
+One run is shared by the tests of this module: 80 shoppers' sessions (10 minutes of
 event time, with malformed, schema-violating, oversized and duplicate records mixed in)
-are replayed at 2.5x, about what two CPU-bound vLLM workers keep up with, with event
+are replayed at 2.5x, which two vLLM workers on AVX2-only cores keep up with, with event
 times rebased to the send time. The job runs until every record and every prompt has an
 outcome; each test then checks one promise against what landed in Redis and on the
 dead-letter topic. The run's figures are written to ``<cache>/reports/pipeline_e2e.json``.
@@ -38,7 +38,7 @@ from flink_jobs.run_report import (
 )
 from flink_jobs.sample_data import SampleConfig, generate_sample
 
-SHOPPERS = 300
+SHOPPERS = 80
 SPEED = 2.5
 RUN_TIMEOUT_S = 20 * 60
 
@@ -75,7 +75,7 @@ def pipeline_run(kafka_bootstrap: str, redis_url: str, llm_tier) -> PipelineRun:
                 "starting_offsets": "earliest",
             },
             "redis": {"url": redis_url, "key_prefix": name},
-            "llm": {"base_url": llm_tier.base_url},
+            "llm": llm_tier.job_settings(),
             "job": {"checkpoint_interval_s": 5},
         },
         environ={},

@@ -17,6 +17,7 @@ from inference_sidecar.exceptions import ConfigError, WorkerStartError
 from inference_sidecar.workers import (
     ClusterConfig,
     WorkerPool,
+    cpu_dtype,
     find_free_port_range,
     log_tail,
     plan_workers,
@@ -156,6 +157,14 @@ class TestPlan:
         assert spec.argv[-2:] == ("--seed", "1") and spec.env["X"] == "y"
         assert "--enforce-eager" not in spec.argv
 
+    def test_an_explicit_dtype_is_passed_on(self, tmp_path: Path) -> None:
+        (spec,) = plan_workers(resolved(tmp_path, workers=1, dtype="float16"))
+        assert arg(spec.argv, "--dtype") == "float16"
+
+    def test_the_gpu_profile_keeps_the_models_dtype(self, tmp_path: Path) -> None:
+        specs = plan_workers(resolved(tmp_path, profile="gpu", workers=1))
+        assert "--dtype" not in specs[0].argv
+
     def test_unresolved_config_is_refused(self) -> None:
         with pytest.raises(ConfigError):
             plan_workers(ClusterConfig())
@@ -256,3 +265,17 @@ def test_prune_older_than(tmp_path: Path) -> None:
     assert prune_older_than(tmp_path, time.time() - 60) == 1
     assert not old.exists() and new.exists()
     assert prune_older_than(tmp_path / "missing", time.time()) == 0
+
+
+EPYC_AVX2 = "processor\t: 0\nflags\t\t: fpu sse2 avx fma avx2 bmi2\n"
+XEON_AMX = "processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512bw avx512_bf16 amx_bf16\n"
+ARM = "processor\t: 0\nFeatures\t: fp asimd bf16\n"
+
+
+@pytest.mark.parametrize(
+    ("cpuinfo", "dtype"),
+    [(EPYC_AVX2, "float32"), (XEON_AMX, "bfloat16"), (ARM, "auto"), ("", "auto")],
+    ids=["avx2-only-computes-in-float32", "avx512-keeps-bf16", "arm-keeps-the-model's", "unknown"],
+)
+def test_cpu_dtype_follows_the_cpus_bf16_kernels(cpuinfo: str, dtype: str) -> None:
+    assert cpu_dtype(cpuinfo) == dtype
