@@ -417,19 +417,20 @@ class TestAggregated:
     def test_slowed_worker_is_ejected_then_readmitted(
         self, aggregated: Cluster, stack: Stack
     ) -> None:
-        """A second router sees worker-1 through a proxy adding 1.5 s per request.
-        Returning shoppers whose home is that worker stay on it (new shoppers would be
-        steered away from a slow worker, so they alone might never eject it); it is
-        ejected on latency (no request fails meanwhile), probed after its 5 s back-off
-        and re-admitted."""
+        """A second router sees worker-1 through a proxy adding 3 s per request (over 4x
+        a healthy answer's time on a slow CPU, and over 1 s more). Returning shoppers stay
+        on their worker, as in production: three whose home is the slowed worker, placed
+        first (new shoppers are steered away from a worker once it has answered slowly),
+        then three homed on the healthy one, which give the router a peer to compare
+        with. The slowed worker is ejected on latency (no request fails meanwhile), probed
+        after its 5 s back-off and re-admitted."""
         healthy, sick = aggregated.pool.worker_urls
-        proxy = SlowProxy(sick, delay_s=1.5)
+        proxy = SlowProxy(sick, delay_s=3.0)
         workers = [healthy, proxy.url]
-        shoppers = [
-            s
-            for s in (f"slow-{n}" for n in range(200))
-            if preference_order(s, workers)[0] == proxy.url
-        ][:3]
+        by_home: dict[str, list[str]] = {healthy: [], proxy.url: []}
+        for shopper in (f"slow-{n}" for n in range(200)):
+            by_home[preference_order(shopper, workers)[0]].append(shopper)
+        shoppers = by_home[proxy.url][:3] + by_home[healthy][:3]
         router = stack.start_router(workers, "degraded", ["--request-timeout", "30"])
         try:
             ejected_at = None
