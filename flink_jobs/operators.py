@@ -225,8 +225,11 @@ class ShopperSessions(KeyedProcessFunction, _Counted):
             self._count(name, amount)
         for dead_letter in step.dead_letters:
             yield DEAD_LETTERS, _dead_letter_json(dead_letter)
-        for event, outcome in step.late_events:
-            yield LATE_EVENTS, orjson.dumps({"outcome": outcome.value, "event": event}).decode()
+        # A side output nothing consumes is an error in PyFlink ("Unknown OutputTag"): the
+        # late events' copy is only emitted when the job wires its topic.
+        if self._config.kafka.late_events_topic:
+            for event, outcome in step.late_events:
+                yield LATE_EVENTS, orjson.dumps({"outcome": outcome.value, "event": event}).decode()
         for task in step.prompts:
             if self._config.kafka.prompts_topic:
                 yield PROMPTS, task.audit_json()

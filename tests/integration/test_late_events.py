@@ -1,0 +1,89 @@
+"""A late event on a job with no late-events topic, on the real broker, Redis and PyFlink.
+
+PyFlink fails a task that emits to a side output nothing consumes ("Unknown OutputTag"),
+and the job then restarts and reads its input again: found when a late event reached a job
+run without ``kafka.late_events_topic``. The late event is sent once the job has read the
+others, so that the watermark has passed it. The LLM endpoint here is a closed port, so every
+prompt is dead-lettered at once; what is checked is the event accounting.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import UTC, datetime
+
+import orjson
+import redis
+from confluent_kafka import Producer
+
+from flink_jobs.local_services import create_topics, free_port
+from flink_jobs.run_report import is_settled, read_stats
+from tests.integration.job_process import JobProcess
+
+SETTLE_TIMEOUT_S = 300
+
+
+def _view(event_id: str, shopper_id: str, time_ms: int) -> bytes:
+    return orjson.dumps(
+        {
+            "event_id": event_id,
+            "shopper_id": shopper_id,
+            "event_type": "view",
+            "event_time": datetime.fromtimestamp(time_ms / 1000, UTC).isoformat(),
+            "product": {"product_id": "sku-737145", "title": "Trail running shoes"},
+        }
+    )
+
+
+def test_a_late_event_without_a_late_topic_is_folded_and_counted_once(
+    kafka_bootstrap: str, redis_url: str, unique_name: str, tmp_path
+) -> None:
+    name = unique_name
+    create_topics(kafka_bootstrap, [f"{name}-events", f"{name}-dlq"], 1)
+    t0 = int(time.time() * 1000) - 600_000
+    records = [_view(f"ev-on-time-{i}", "shopper-00001", t0 + i * 60_000) for i in range(5)]
+    # Three minutes behind the watermark, within session.max_lateness_s (ten minutes).
+    records.append(_view("ev-late", "shopper-00001", t0 + 60_000))
+    producer = Producer({"bootstrap.servers": kafka_bootstrap})
+
+    def produce(batch: list[bytes]) -> None:
+        for record in batch:
+            producer.produce(f"{name}-events", record, key=b"k")
+        assert producer.flush(30) == 0
+
+    groups = {
+        "kafka": {
+            "bootstrap_servers": kafka_bootstrap,
+            "events_topic": f"{name}-events",
+            "dead_letter_topic": f"{name}-dlq",
+            "group_id": name,
+            "starting_offsets": "earliest",
+        },
+        "redis": {"url": redis_url, "key_prefix": name},
+        "llm": {"base_url": f"http://127.0.0.1:{free_port()}/v1", "max_attempts": 1},
+    }
+    client = redis.Redis.from_url(redis_url)
+    job = JobProcess(groups, tmp_path / "job.log")
+
+    def wait_for(check, what: str) -> dict[str, int]:
+        deadline = time.monotonic() + SETTLE_TIMEOUT_S
+        while not check(stats := read_stats(client, name)):
+            assert job.running(), f"the job ended: {stats}\n{job.log_text()[-3000:]}"
+            assert time.monotonic() < deadline, f"no {what}: {stats}"
+            time.sleep(0.5)
+        return stats
+
+    try:
+        produce(records[:-1])
+        wait_for(lambda stats: stats.get("events_in", 0) == len(records) - 1, "on-time events")
+        time.sleep(2)  # the watermark follows them (emitted every 200 ms)
+        produce(records[-1:])
+        stats = wait_for(lambda stats: is_settled(stats, len(records)), "settled run")
+        time.sleep(12)  # a failed task restarts after 5 s and reads the input again
+        stats = read_stats(client, name)
+    finally:
+        job.kill()
+
+    assert stats["events_in"] == len(records), stats
+    assert stats.get("events_behind_watermark") == 1, stats
+    assert stats.get("events_late_folded") == 1, stats
