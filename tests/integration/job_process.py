@@ -23,6 +23,24 @@ def config_env(groups: Mapping[str, Mapping[str, Any]]) -> dict[str, str]:
     }
 
 
+def job_groups(
+    name: str, bootstrap: str, redis_url: str, llm: Mapping[str, Any]
+) -> dict[str, dict[str, Any]]:
+    """A job reading ``<name>-events`` from the start, dead letters to ``<name>-dlq``, its
+    Redis keys and consumer group named ``name``."""
+    return {
+        "kafka": {
+            "bootstrap_servers": bootstrap,
+            "events_topic": f"{name}-events",
+            "dead_letter_topic": f"{name}-dlq",
+            "group_id": name,
+            "starting_offsets": "earliest",
+        },
+        "redis": {"url": redis_url, "key_prefix": name},
+        "llm": dict(llm),
+    }
+
+
 def _inherited_by_accident(name: str) -> bool:
     """This process's own job settings, and PyFlink's in-worker flag: a job run inside the
     test process (loopback mode) sets ``PYFLINK_GATEWAY_DISABLED`` in ``os.environ`` for

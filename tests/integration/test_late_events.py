@@ -18,7 +18,7 @@ from confluent_kafka import Producer
 
 from flink_jobs.local_services import create_topics, free_port
 from flink_jobs.run_report import is_settled, read_stats
-from tests.integration.job_process import JobProcess
+from tests.integration.job_process import JobProcess, job_groups
 
 SETTLE_TIMEOUT_S = 300
 
@@ -51,17 +51,8 @@ def test_a_late_event_without_a_late_topic_is_folded_and_counted_once(
             producer.produce(f"{name}-events", record, key=b"k")
         assert producer.flush(30) == 0
 
-    groups = {
-        "kafka": {
-            "bootstrap_servers": kafka_bootstrap,
-            "events_topic": f"{name}-events",
-            "dead_letter_topic": f"{name}-dlq",
-            "group_id": name,
-            "starting_offsets": "earliest",
-        },
-        "redis": {"url": redis_url, "key_prefix": name},
-        "llm": {"base_url": f"http://127.0.0.1:{free_port()}/v1", "max_attempts": 1},
-    }
+    llm = {"base_url": f"http://127.0.0.1:{free_port()}/v1", "max_attempts": 1}
+    groups = job_groups(name, kafka_bootstrap, redis_url, llm)
     client = redis.Redis.from_url(redis_url)
     job = JobProcess(groups, tmp_path / "job.log")
 

@@ -41,7 +41,7 @@ from flink_jobs.run_report import (
 )
 from flink_jobs.sample_data import SampleConfig, generate_sample
 from flink_jobs.session import SessionState, apply_event, new_session_state
-from tests.integration.job_process import JobProcess
+from tests.integration.job_process import JobProcess, job_groups
 
 # (name, seconds, events per second as a multiple of the sustainable rate)
 PHASES = (("steady", 60.0, 0.2), ("burst", 30.0, 3.0), ("recovery", 240.0, 0.2))
@@ -176,17 +176,8 @@ def overload(kafka_bootstrap, redis_url, llm_tier, tmp_path_factory) -> Overload
     phases = _split_into_phases(sample.records, sustainable)
     total = sum(len(records) for records in phases)
     create_topics(kafka_bootstrap, [f"{name}-events", f"{name}-dlq"], 2)
-    groups = {
-        "kafka": {
-            "bootstrap_servers": kafka_bootstrap,
-            "events_topic": f"{name}-events",
-            "dead_letter_topic": f"{name}-dlq",
-            "group_id": name,
-            "starting_offsets": "earliest",
-        },
-        "redis": {"url": redis_url, "key_prefix": name},
-        "llm": {**llm_tier.job_settings(), "capacity": LLM_CAPACITY},
-    }
+    llm = {**llm_tier.job_settings(), "capacity": LLM_CAPACITY}
+    groups = job_groups(name, kafka_bootstrap, redis_url, llm)
     client = redis.Redis.from_url(redis_url)
     job = JobProcess(groups, workdir / "job.log")
     probe = Probe(client, name, job.pid)
