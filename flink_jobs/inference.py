@@ -92,7 +92,11 @@ async def run_task(
     redis_retry_budget_s: float,
     invalid_answer_retries: int = 1,
 ) -> TaskResult:
+    # A re-asked prompt cost every call it took: freshness is judged against the LLM time
+    # and tokens summed over them, not against the last call's alone.
     attempts = 0
+    latency_s = 0.0
+    prompt_tokens = 0
     for _ in range(1 + invalid_answer_retries):
         try:
             answer = await llm.complete(task.prompt, task.shopper_id)
@@ -103,8 +107,12 @@ async def run_task(
                     task, "llm", exc.reason, exc.detail, status=exc.status, attempts=exc.attempts
                 ),
                 attempts=attempts + exc.attempts,
+                llm_latency_s=latency_s,
+                prompt_tokens=prompt_tokens,
             )
         attempts += answer.attempts
+        latency_s += answer.latency_s
+        prompt_tokens += answer.completion.prompt_tokens
         parsed = parse_intent(answer.text)
         if not isinstance(parsed, IntentError):
             break
@@ -121,7 +129,8 @@ async def run_task(
             "dead_letter",
             _dead_letter(task, "intent", parsed.reason, parsed.detail, answer=answer.text[:2000]),
             attempts=attempts,
-            llm_latency_s=answer.latency_s,
+            llm_latency_s=latency_s,
+            prompt_tokens=prompt_tokens,
         )
     record = IntentRecord(
         shopper_id=task.shopper_id,
@@ -140,8 +149,8 @@ async def run_task(
     return TaskResult(
         "written" if written else "stale",
         attempts=attempts,
-        llm_latency_s=answer.latency_s,
-        prompt_tokens=answer.completion.prompt_tokens,
+        llm_latency_s=latency_s,
+        prompt_tokens=prompt_tokens,
     )
 
 

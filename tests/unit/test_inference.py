@@ -251,6 +251,20 @@ class TestDeadLetters:
 
         assert (result.outcome, result.attempts) == ("written", 2)
 
+    def test_a_re_asked_prompt_counts_the_time_and_tokens_of_both_calls(
+        self, redis_url: str, prefix: str
+    ) -> None:
+        answers = iter(["The shopper is comparing headphones.", orjson.dumps(INTENT).decode()])
+
+        async def handler(request: httpx.Request) -> httpx.Response:
+            await asyncio.sleep(0.2)
+            return completion(next(answers))
+
+        result = run_in_pipeline(redis_url, prefix, handler, lambda p: p.run(task()))
+
+        assert result.prompt_tokens == 2 * 412
+        assert result.llm_latency_s >= 0.4
+
     def test_answer_cut_at_max_tokens_is_reported_as_truncated(
         self, redis_url: str, prefix: str
     ) -> None:
