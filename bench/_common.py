@@ -103,7 +103,8 @@ def machine() -> dict[str, Any]:
 
 
 def git_state() -> dict[str, Any]:
-    """The commit measured and whether the tree had uncommitted changes."""
+    """The commit measured and whether the tree had uncommitted changes (other than the
+    results a benchmark run before this one just wrote)."""
 
     def run(*args: str) -> str:
         try:
@@ -113,7 +114,10 @@ def git_state() -> dict[str, Any]:
         except (OSError, subprocess.SubprocessError):
             return ""
 
-    return {"commit": run("rev-parse", "HEAD") or None, "dirty": bool(run("status", "--short"))}
+    return {
+        "commit": run("rev-parse", "HEAD") or None,
+        "dirty": bool(run("status", "--short", "--", ".", ":!bench/results")),
+    }
 
 
 def result_doc(
