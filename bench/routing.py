@@ -70,6 +70,8 @@ from inference_sidecar.workers import (
     WorkerPool,
     default_cache_dir,
     find_free_port_range,
+    find_model_dir,
+    host_cpu_dtype,
     repo_root,
 )
 
@@ -77,6 +79,8 @@ logger = logging.getLogger("bench.routing")
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 MIB = 1024 * 1024
+DEFAULT_KV_CACHE_TOKENS = 34_944
+"""Per worker: the working set (module doc) is ~2x one worker's cache, ~2/3 of all three."""
 #: Unpinned workers: vLLM binds no OpenMP thread (``nobind``) and runs one (as when pinned).
 UNPINNED_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
 
@@ -205,6 +209,21 @@ def process_rss_mib(pid: int | None, include_group: bool = False) -> float | Non
 
 
 # ----- tokens ------------------------------------------------------------------------------
+
+
+def kv_bytes_per_token(model_config: dict[str, Any], dtype: str) -> int:
+    """KV cache bytes one token takes (K and V of every layer's KV heads).
+
+    The benchmark sizes caches in tokens, not bytes: workers compute in float32 on CPUs
+    without AVX-512 (``inference_sidecar.workers.cpu_dtype``), where the same bytes hold
+    half the tokens and the working set would no longer fit in the three caches."""
+    heads = model_config["num_attention_heads"]
+    kv_heads = model_config.get("num_key_value_heads") or heads
+    head_dim = model_config.get("head_dim") or model_config["hidden_size"] // heads
+    if dtype == "auto":
+        dtype = model_config.get("torch_dtype") or model_config.get("dtype") or "bfloat16"
+    width = 4 if dtype in ("float32", "float") else 2
+    return 2 * model_config["num_hidden_layers"] * kv_heads * head_dim * width
 
 
 async def tokenize_all(worker: str, model: str, requests: Sequence[Request]) -> list[list[int]]:
@@ -757,7 +776,12 @@ def parse_args(argv: Sequence[str] | None) -> BenchConfig:
     p.add_argument("--zipf", type=float, default=0.8, help="Zipf exponent of shopper activity")
     p.add_argument("--concurrency", type=int, default=3, help="steady phase requests in flight")
     p.add_argument("--max-tokens", type=int, default=8)
-    p.add_argument("--kv-cache-mib", type=int, default=768, help="KV cache per worker")
+    p.add_argument(
+        "--kv-cache-tokens",
+        type=int,
+        default=DEFAULT_KV_CACHE_TOKENS,
+        help="KV cache per worker in tokens (bytes follow from the model and dtype)",
+    )
     p.add_argument(
         "--cores",
         default="0,1,0",
@@ -775,6 +799,7 @@ def parse_args(argv: Sequence[str] | None) -> BenchConfig:
     p.add_argument("--quick", action="store_true", help="a small smoke run (not for results)")
     p.add_argument("--out", type=Path, default=RESULTS_DIR)
     a = p.parse_args(argv)
+    model_config = json.loads((find_model_dir() / "config.json").read_text())
     if a.quick:
         a.shoppers, a.requests, a.per_hot, a.per_background, a.time_limit = 7, 16, 4, 1, 600
         if a.out == RESULTS_DIR:  # never overwrite the real results with a smoke run
@@ -785,7 +810,7 @@ def parse_args(argv: Sequence[str] | None) -> BenchConfig:
         ),
         concurrency=a.concurrency,
         max_tokens=a.max_tokens,
-        kv_cache_bytes=a.kv_cache_mib * MIB,
+        kv_cache_bytes=a.kv_cache_tokens * kv_bytes_per_token(model_config, host_cpu_dtype()),
         cores=() if a.cores == "unpinned" else tuple(int(c) for c in a.cores.split(",")),
         block_size=a.block_size,
         hot=a.hot,

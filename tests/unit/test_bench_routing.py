@@ -29,7 +29,7 @@ from bench._workload import (
     zipf_schedule,
     zipf_weights,
 )
-from bench.routing import judge, table
+from bench.routing import judge, kv_bytes_per_token, table
 from flink_jobs.run_report import percentile
 
 
@@ -253,3 +253,30 @@ class TestTimeWeightedBalance:
     def test_weights_must_match_samples(self):
         with pytest.raises(ValueError):
             inflight_balance([[1, 1]], [1.0, 2.0])
+
+
+SMOLLM2_135M = {
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "head_dim": 64,
+    "hidden_size": 576,
+    "dtype": "bfloat16",
+}
+
+
+class TestKvCacheSize:
+    def test_a_bf16_token_takes_k_and_v_of_every_kv_head_in_two_bytes(self):
+        assert kv_bytes_per_token(SMOLLM2_135M, "bfloat16") == 30 * 3 * 64 * 2 * 2
+
+    def test_a_float32_token_takes_twice_the_bytes(self):
+        assert kv_bytes_per_token(SMOLLM2_135M, "float32") == 2 * kv_bytes_per_token(
+            SMOLLM2_135M, "bfloat16"
+        )
+
+    def test_auto_uses_the_models_own_dtype(self):
+        assert kv_bytes_per_token(SMOLLM2_135M, "auto") == 23_040
+
+    def test_head_dim_defaults_to_hidden_size_over_heads(self):
+        shape = {k: v for k, v in SMOLLM2_135M.items() if k != "head_dim"}
+        assert kv_bytes_per_token(shape, "bfloat16") == 23_040
