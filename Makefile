@@ -28,12 +28,12 @@ format: setup
 
 # Every benchmark (bench/run_all.py): a table, bench/results/<name>.json and REPORT.md with
 # plots. Each benchmark takes the heavy-run lock itself. Select some with
-# ARGS="--only redis_upsert,pipeline_capacity"; routing (~20 min) needs SI_WITH_BENCH=1 setup.
+# ARGS="--only redis_upsert,pipeline_capacity"; routing (12-35 min, host-dependent) needs SI_WITH_BENCH=1 setup.
 bench: setup
 	$(VENV)/bin/pip install -q "py-spy>=0.3" "matplotlib>=3.8"
 	$(PY) -m bench.run_all $(ARGS)
 
-# Routing benchmark (~20 min): our router vs round-robin vs vllm-router on three vLLM
+# Routing benchmark (12-35 min, host-dependent): our router vs round-robin vs vllm-router on three vLLM
 # workers; writes bench/results/routing.{json,md}. Takes the machine's heavy-run lock.
 bench-routing:
 	SI_WITH_BENCH=1 bash scripts/setup.sh

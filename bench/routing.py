@@ -794,7 +794,7 @@ def parse_args(argv: Sequence[str] | None) -> BenchConfig:
     p.add_argument("--per-hot", type=int, default=24, help="requests per hot shopper")
     p.add_argument("--background", type=int, default=3, help="lanes of cold shoppers")
     p.add_argument("--per-background", type=int, default=3, help="requests per cold lane")
-    p.add_argument("--time-limit", type=float, default=1380.0, help="seconds for the whole run")
+    p.add_argument("--time-limit", type=float, default=3600.0, help="seconds for the whole run")
     p.add_argument("--seed", type=int, default=11)
     p.add_argument("--quick", action="store_true", help="a small smoke run (not for results)")
     p.add_argument("--out", type=Path, default=RESULTS_DIR)
