@@ -42,17 +42,17 @@ Three layers, from hard to soft:
 4. **Speed**, for keys the policy has never seen: their cost is scaled by how slow the
    worker has been lately: the moving average of its request latencies over the median
    of its peers' (clamped to 0.5-4; 1 within 0.8-1.25 or 0.1 s of the median, and until
-   two workers have answered). Workers are not equal: a degraded GPU, a busier host, or
-   (in ``bench/routing.py``) two workers sharing a core answer slower for the same work,
-   and latency also rises with a worker's own load, so new keys go where they will be
-   served soonest. A key with history keeps the token cost alone: scaling it too made
-   keys leave the prefix they had cached for a faster worker (measured: 10 spills and
-   1.16x vllm-router's computed tokens in the skewed phase, against 1 and 1.07x before
-   speed was weighed at all). Throughput (work per busy second) instead of latency was
-   tried once and did worse in every skewed figure (p99 25.7 s against vllm-router's
-   9.7 s, in-flight max/mean 1.76); the skewed phase's p99 varies a lot from run to run
-   (vllm-router's own between 9.7 and 19.8 s in four runs), so one run each decides
-   little, and latency stays.
+   two workers have answered within ``LATENCY_MEMORY_S``). Workers are not equal: a
+   degraded GPU, a busier host, or (in ``bench/routing.py``) two workers sharing a core
+   answer slower for the same work, and latency also rises with a worker's own load, so
+   new keys go where they will be served soonest. A key with history keeps the token
+   cost alone: scaling it too made keys leave the prefix they had cached for a faster
+   worker (measured: 10 spills and 1.16x vllm-router's computed tokens in the skewed
+   phase, against 1 and 1.07x before speed was weighed at all). Throughput (work per busy
+   second) instead of latency was tried once and did worse in every skewed figure (p99
+   25.7 s against vllm-router's 9.7 s, in-flight max/mean 1.76); the skewed phase's p99
+   varies a lot from run to run (vllm-router's own between 9.7 and 19.8 s in four runs),
+   so one run each decides little, and latency stays.
 
 Without a size (``size=0``: the caller could not estimate the prompt) the policy falls
 back to plain bounded-load hashing: the first worker under the bound in the key's order.
@@ -89,6 +89,12 @@ SLOWNESS_RANGE = (0.5, 4.0)
 SLOWNESS_DEAD_BAND = (0.8, 1.25, 0.1)
 """Latencies this close to the median (as a ratio, or within 0.1 s) count as equal: noise
 must not herd new keys."""
+LATENCY_MEMORY_S = 60.0
+"""How long a worker's latency average is trusted after its last answer. Older, it counts
+as unknown: a worker that new keys avoided gets no answers to refresh its figure, so
+without this it would be starved on one old measurement (seen in bench/routing.py: two
+slow answers early in the steady phase left a worker 2 of 150 requests, and the stale
+figures then steered the skewed phase's new shoppers onto a core-sharing worker)."""
 
 
 def rendezvous_score(key: str, worker: str) -> int:
@@ -152,7 +158,7 @@ class BoundedHashPolicy(Policy):
         # key -> ((worker, prompt tokens it last served for the key), ...), most recent first
         self._history: OrderedDict[str, tuple[tuple[str, int], ...]] = OrderedDict()
         self._queued: dict[str, int] = {}
-        self._latency: dict[str, float] = {}
+        self._latency: dict[str, tuple[float, float]] = {}  # worker -> (average, as of)
         self._clock = clock
 
     # ----- what the policy knows ----------------------------------------------------------
@@ -174,13 +180,13 @@ class BoundedHashPolicy(Policy):
 
     def slowness(self, worker: str, workers: Sequence[str]) -> float:
         """``worker``'s recent latency over the median of ``workers``' (module doc, 4)."""
-        known = [self._latency[w] for w in workers if w in self._latency]
-        if worker not in self._latency or len(known) < 2:
+        known = {w: self._latency[w][0] for w in workers if self._is_recent(w)}
+        if worker not in known or len(known) < 2:
             return 1.0
-        median = statistics.median(known)
-        ratio = self._latency[worker] / median
+        median = statistics.median(known.values())
+        ratio = known[worker] / median
         low_ratio, high_ratio, seconds = SLOWNESS_DEAD_BAND
-        if low_ratio <= ratio <= high_ratio or abs(self._latency[worker] - median) < seconds:
+        if low_ratio <= ratio <= high_ratio or abs(known[worker] - median) < seconds:
             return 1.0
         low, high = SLOWNESS_RANGE
         return min(high, max(low, ratio))
@@ -244,11 +250,19 @@ class BoundedHashPolicy(Policy):
     def on_finish(self, worker: str, ticket: object = None, ok: bool | None = None) -> None:
         self.on_prefilled(worker, ticket)
         if ok is True and isinstance(ticket, Ticket):
-            latency = self._clock() - ticket.started
-            previous = self._latency.get(ticket.worker, latency)
-            self._latency[ticket.worker] = previous + LATENCY_SMOOTHING * (latency - previous)
+            now = self._clock()
+            latency = now - ticket.started
+            previous = (
+                self._latency[ticket.worker][0] if self._is_recent(ticket.worker) else latency
+            )
+            average = previous + LATENCY_SMOOTHING * (latency - previous)
+            self._latency[ticket.worker] = (average, now)
         if ok is False and isinstance(ticket, Ticket) and ticket.key:
             self._forget(ticket.key, ticket.worker)  # the worker failed: nothing cached there
+
+    def _is_recent(self, worker: str) -> bool:
+        entry = self._latency.get(worker)
+        return entry is not None and self._clock() - entry[1] <= LATENCY_MEMORY_S
 
     # ----- history -------------------------------------------------------------------------
 

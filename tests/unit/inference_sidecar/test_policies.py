@@ -13,7 +13,7 @@ from inference_sidecar.policies import (
     RoundRobinPolicy,
     make_policy,
 )
-from inference_sidecar.policies.bounded_hash import load_bound, preference_order
+from inference_sidecar.policies.bounded_hash import LATENCY_MEMORY_S, load_bound, preference_order
 
 WORKERS = [f"http://127.0.0.1:{8100 + i}" for i in range(4)]
 KEYS = [f"shopper-{i}" for i in range(2000)]
@@ -372,6 +372,24 @@ class TestSpeedAwareness:
 
         assert self.C not in picks
 
+    def test_a_slow_figure_is_forgotten_when_the_worker_has_not_answered_for_a_while(
+        self,
+    ) -> None:
+        clock = FakeClock()
+        policy = BoundedHashPolicy(clock=clock)
+        for i in range(5):
+            served_in(policy, clock, self.A, f"a{i}", 1.0)
+            served_in(policy, clock, self.B, f"b{i}", 1.0)
+            served_in(policy, clock, self.C, f"c{i}", 3.0)
+        clock.now += LATENCY_MEMORY_S
+        served_in(policy, clock, self.A, "a5", 1.0)
+        served_in(policy, clock, self.B, "b5", 1.0)
+        homed_on_c = [k for k in KEYS if policy.home(k, WORKERS[:3]) == self.C][:20]
+
+        picks = {policy.pick(k, WORKERS[:3], {}, size=1500) for k in homed_on_c}
+
+        assert picks == {self.C}
+
     def test_a_known_key_is_weighed_in_tokens_alone(self) -> None:
         clock = FakeClock()
         policy = BoundedHashPolicy(clock=clock)
@@ -415,7 +433,7 @@ class TestSpeedAwareness:
     def test_slowness_is_clamped(self) -> None:
         clock = FakeClock()
         policy = BoundedHashPolicy(clock=clock)
-        for worker, seconds in zip(WORKERS[:3], (0.1, 1.0, 100.0), strict=True):
+        for worker, seconds in zip(WORKERS[:3], (0.1, 1.0, 10.0), strict=True):
             served_in(policy, clock, worker, "k", seconds)
 
         assert policy.slowness(self.C, WORKERS[:3]) == 4.0
