@@ -359,7 +359,9 @@ def served_in(policy: BoundedHashPolicy, clock: FakeClock, worker: str, key: str
 class TestSpeedAwareness:
     A, B, C = WORKERS[:3]
 
-    def test_a_new_key_avoids_a_worker_that_has_been_answering_slower(self) -> None:
+    def c_answered_slower(self) -> tuple[BoundedHashPolicy, FakeClock, list[str]]:
+        """A policy that saw worker C answer 3x slower than A and B, and 20 new keys whose
+        rendezvous home is C."""
         clock = FakeClock()
         policy = BoundedHashPolicy(clock=clock)
         for i in range(5):
@@ -367,6 +369,10 @@ class TestSpeedAwareness:
             served_in(policy, clock, self.B, f"b{i}", 1.0)
             served_in(policy, clock, self.C, f"c{i}", 3.0)
         homed_on_c = [k for k in KEYS if policy.home(k, WORKERS[:3]) == self.C][:20]
+        return policy, clock, homed_on_c
+
+    def test_a_new_key_avoids_a_worker_that_has_been_answering_slower(self) -> None:
+        policy, _clock, homed_on_c = self.c_answered_slower()
 
         picks = {policy.pick(k, WORKERS[:3], {}, size=1500) for k in homed_on_c}
 
@@ -375,16 +381,10 @@ class TestSpeedAwareness:
     def test_a_slow_figure_is_forgotten_when_the_worker_has_not_answered_for_a_while(
         self,
     ) -> None:
-        clock = FakeClock()
-        policy = BoundedHashPolicy(clock=clock)
-        for i in range(5):
-            served_in(policy, clock, self.A, f"a{i}", 1.0)
-            served_in(policy, clock, self.B, f"b{i}", 1.0)
-            served_in(policy, clock, self.C, f"c{i}", 3.0)
+        policy, clock, homed_on_c = self.c_answered_slower()
         clock.now += LATENCY_MEMORY_S
         served_in(policy, clock, self.A, "a5", 1.0)
         served_in(policy, clock, self.B, "b5", 1.0)
-        homed_on_c = [k for k in KEYS if policy.home(k, WORKERS[:3]) == self.C][:20]
 
         picks = {policy.pick(k, WORKERS[:3], {}, size=1500) for k in homed_on_c}
 
