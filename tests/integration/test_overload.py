@@ -16,6 +16,7 @@ actually sustained while it drained the backlog, go to ``<cache>/reports/overloa
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
 import time
 from dataclasses import dataclass, field, replace
@@ -39,7 +40,7 @@ from flink_jobs.run_report import (
     read_samples,
     read_stats,
 )
-from flink_jobs.sample_data import SampleConfig, generate_sample
+from flink_jobs.sample_data import Sample, SampleConfig, generate_sample
 from flink_jobs.session import SessionState, apply_event, new_session_state
 from tests.integration.job_process import JobProcess, job_groups
 
@@ -47,6 +48,8 @@ from tests.integration.job_process import JobProcess, job_groups
 PHASES = (("steady", 60.0, 0.2), ("burst", 30.0, 3.0), ("recovery", 240.0, 0.2))
 PROMPTS_PER_EVENT = 0.27  # the trigger policy on this sample (measured: 0.23-0.32)
 CALIBRATION_CALLS = 8
+SHOPPERS = 80
+"""Shoppers of the calibration sample; the replayed one has as many as the rate needs."""
 LLM_CAPACITY = 16
 SETTLE_TIMEOUT_S = 420
 
@@ -153,6 +156,18 @@ def _sustainable_events_per_s(llm_tier, records: list[bytes]) -> float:
     return calls_per_s / PROMPTS_PER_EVENT
 
 
+def _sample_for(sustainable: float, calibration: Sample) -> Sample:
+    """A sample with enough records for every phase at this host's rate: the same seed
+    and span, more shoppers as the tier is faster (a fixed sample ran out on a host
+    with twice the speed)."""
+    needed = sum(round(span_s * share * sustainable) for _, span_s, share in PHASES)
+    sample, shoppers = calibration, SHOPPERS
+    while len(sample.records) < needed:
+        shoppers = math.ceil(shoppers * 1.1 * needed / len(sample.records))
+        sample = generate_sample(SampleConfig(shoppers=shoppers, seed=31, duration_s=600))
+    return sample
+
+
 def _split_into_phases(records: list[bytes], sustainable: float) -> list[list[bytes]]:
     """Consecutive slices of ``records``, one per phase, each as long as its rate and span
     ask for."""
@@ -171,8 +186,9 @@ def _split_into_phases(records: list[bytes], sustainable: float) -> list[list[by
 def overload(kafka_bootstrap, redis_url, llm_tier, tmp_path_factory) -> OverloadRun:
     workdir = tmp_path_factory.mktemp("overload")
     name = f"overload-{time.monotonic_ns()}"
-    sample = generate_sample(SampleConfig(shoppers=80, seed=31, duration_s=600))
-    sustainable = _sustainable_events_per_s(llm_tier, sample.records)
+    calibration = generate_sample(SampleConfig(shoppers=SHOPPERS, seed=31, duration_s=600))
+    sustainable = _sustainable_events_per_s(llm_tier, calibration.records)
+    sample = _sample_for(sustainable, calibration)
     phases = _split_into_phases(sample.records, sustainable)
     total = sum(len(records) for records in phases)
     create_topics(kafka_bootstrap, [f"{name}-events", f"{name}-dlq"], 2)
