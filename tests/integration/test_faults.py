@@ -93,8 +93,10 @@ PROXY_FAULTS: list[tuple[str, int, dict]] = [
     ("invalid_json", 3, {}),
 ]
 PROXY_FAULT_MAX_S = 25.0
-# Redis stays down until an answer has reached the job (whose write must then wait), at
-# least REDIS_MIN_DOWN_S and at most REDIS_MAX_DOWN_S (well inside the write retry budget).
+# Redis stays down until an answer has reached the job and the job has failed to write it
+# (its retry is logged), at least REDIS_MIN_DOWN_S and at most REDIS_MAX_DOWN_S (well inside
+# the write retry budget). A fixed second after the router's answer was once too short.
+REDIS_RETRY_LOG = "Redis write failed"  # flink_jobs.inference.upsert_with_retry's warning
 REDIS_MIN_DOWN_S = 3.0
 REDIS_MAX_DOWN_S = 20.0
 ROUTER_DOWN_S = 2.0
@@ -454,17 +456,21 @@ def scenario() -> Iterator[Scenario]:
                 time.sleep(2.0)
 
             # Redis goes away while answers are on their way, and comes back once one has
-            # reached the job: that answer's write has to wait for it.
+            # reached the job and its write has failed: that write has to wait for it.
             busy = _wait_for(in_flight(), IN_FLIGHT_WAIT_S)
             pid_before = redis_service.process.pid
             answered_before = answers_sent()
+            retries_before = len(_job_log_lines(REDIS_RETRY_LOG))
             started = began("redis")
             redis_service.stop()
             time.sleep(REDIS_MIN_DOWN_S)
             answered = _wait_for(
                 lambda: answers_sent() > answered_before, REDIS_MAX_DOWN_S - REDIS_MIN_DOWN_S
             )
-            time.sleep(1.0)
+            _wait_for(
+                lambda: len(_job_log_lines(REDIS_RETRY_LOG)) > retries_before,
+                max(0.0, started + REDIS_MAX_DOWN_S - time.time()),
+            )
             redis_service.start()
             faults["redis"] = Fault(
                 "redis",
@@ -577,7 +583,7 @@ def scenario() -> Iterator[Scenario]:
             intents={r.shopper_id: r for r in read_intents(client, config.redis.key_prefix)},
             dead_letters=dead_letters,
             job_statuses=list(watcher.statuses),
-            redis_retry_log=_job_log_lines("Redis write failed"),
+            redis_retry_log=_job_log_lines(REDIS_RETRY_LOG),
             elapsed_s=elapsed_s,
         )
         _write_report(run)
