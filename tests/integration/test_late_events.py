@@ -2,9 +2,12 @@
 
 PyFlink fails a task that emits to a side output nothing consumes ("Unknown OutputTag"),
 and the job then restarts and reads its input again: found when a late event reached a job
-run without ``kafka.late_events_topic``. The late event is sent once the job has read the
-others, so that the watermark has passed it. The LLM endpoint here is a closed port, so every
-prompt is dead-lettered at once; what is checked is the event accounting.
+run without ``kafka.late_events_topic``. The late event is sent once the watermark has passed
+the others. Every record carries its event time as its Kafka timestamp, as a producer
+stamping events at their source does: the watermark follows the Kafka timestamps, and with
+send times as timestamps an on-time record read after the first watermark was already
+behind it (CI once counted four of the five so). The LLM endpoint here is a closed port, so every prompt is dead-lettered at once;
+what is checked is the event accounting.
 """
 
 from __future__ import annotations
@@ -40,15 +43,18 @@ def test_a_late_event_without_a_late_topic_is_folded_and_counted_once(
 ) -> None:
     name = unique_name
     create_topics(kafka_bootstrap, [f"{name}-events", f"{name}-dlq"], 1)
-    t0 = int(time.time() * 1000) - 600_000
-    records = [_view(f"ev-on-time-{i}", "shopper-00001", t0 + i * 60_000) for i in range(5)]
+    # The newest on-time event is a second old, so the watermark passes it about a second
+    # and a half after it is read (job.watermark_idle_advance_s plus its lag).
+    t0 = int(time.time() * 1000) - 4 * 60_000 - 1_000
+    times = [t0 + i * 60_000 for i in range(5)]
+    records = [(_view(f"ev-on-time-{i}", "shopper-00001", t), t) for i, t in enumerate(times)]
     # Three minutes behind the watermark, within session.max_lateness_s (ten minutes).
-    records.append(_view("ev-late", "shopper-00001", t0 + 60_000))
+    records.append((_view("ev-late", "shopper-00001", t0 + 60_000), t0 + 60_000))
     producer = Producer({"bootstrap.servers": kafka_bootstrap})
 
-    def produce(batch: list[bytes]) -> None:
-        for record in batch:
-            producer.produce(f"{name}-events", record, key=b"k")
+    def produce(batch: list[tuple[bytes, int]]) -> None:
+        for record, time_ms in batch:
+            producer.produce(f"{name}-events", record, key=b"k", timestamp=time_ms)
         assert producer.flush(30) == 0
 
     llm = {"base_url": f"http://127.0.0.1:{free_port()}/v1", "max_attempts": 1}
@@ -66,8 +72,8 @@ def test_a_late_event_without_a_late_topic_is_folded_and_counted_once(
 
     try:
         produce(records[:-1])
-        wait_for(lambda stats: stats.get("events_in", 0) == len(records) - 1, "on-time events")
-        time.sleep(2)  # the watermark follows them (emitted every 200 ms)
+        on_time = len(records) - 1
+        wait_for(lambda stats: stats.get("events_accepted", 0) == on_time, "on-time events")
         produce(records[-1:])
         stats = wait_for(lambda stats: is_settled(stats, len(records)), "settled run")
         time.sleep(12)  # a failed task restarts after 5 s and reads the input again
