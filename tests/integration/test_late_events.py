@@ -6,8 +6,8 @@ run without ``kafka.late_events_topic``. The late event is sent once the waterma
 the others. Every record carries its event time as its Kafka timestamp, as a producer
 stamping events at their source does: the watermark follows the Kafka timestamps, and with
 send times as timestamps an on-time record read after the first watermark was already
-behind it (CI once counted four of the five so). The LLM endpoint here is a closed port, so every prompt is dead-lettered at once;
-what is checked is the event accounting.
+behind it (CI once counted four of the five so). The LLM endpoint here is a closed port,
+so every prompt is dead-lettered at once; what is checked is the event accounting.
 """
 
 from __future__ import annotations
