@@ -4,9 +4,10 @@ One scenario is shared by the tests of this module (a PyFlink run costs minutes 
 runs on a private stack, because it breaks it: a persistent Redis, a Tansu broker, two
 vLLM workers on the CPU, the router in front of them, and a fault proxy
 (``fault_proxy.py``) between the router and the second worker. 24 shoppers' sessions
-(four minutes of event time, bad and duplicate records mixed in) are replayed at 2.5x,
+(six minutes of event time, bad and duplicate records mixed in) are replayed at 2.5x,
 event times rebased to the send time. One fault at a time, each bounded in count and
-time, and when each happened is recorded:
+time, the first once the router has a request in flight, and when each happened is
+recorded:
 
 while all but the last 30 records are sent
     the proxied worker answers slowly (6 s late), then with prose instead of an intent,
@@ -79,7 +80,9 @@ pytestmark = pytest.mark.timeout(15 * 60)
 
 SHOPPERS = 24
 SEED = 23
-DURATION_S = 240.0
+# Long enough that prompts still flow when the last fault needs them: with four minutes,
+# a run whose first proxy faults waited out their windows found nothing in flight later.
+DURATION_S = 360.0
 SPEED = 2.5
 TAIL = 30  # the last records, sent after the broker restart
 # Sent after the broker restart too, so dead letters are written through the restarted
@@ -102,6 +105,7 @@ REDIS_MAX_DOWN_S = 20.0
 ROUTER_DOWN_S = 2.0
 BROKER_DOWN_S = 5.0
 IN_FLIGHT_WAIT_S = 20.0  # how long a kill waits for requests in flight to its victim
+FIRST_REQUEST_WAIT_S = 90.0  # the job's start-up and its first prompts
 # The dead-letter sink's producer gives up on a record after this (Kafka's default is
 # 120 s); see TestBrokerRestarted.
 DELIVERY_TIMEOUT_MS = 20_000
@@ -448,7 +452,7 @@ def scenario() -> Iterator[Scenario]:
             return metric_sum(text, "inference_sidecar_requests_total", status="200")
 
         def inject_faults() -> None:
-            time.sleep(8.0)
+            _wait_for(in_flight(), FIRST_REQUEST_WAIT_S)
             for mode, count, extra in PROXY_FAULTS:
                 began(mode)
                 proxy.inject(mode, count, PROXY_FAULT_MAX_S, **extra)
@@ -515,7 +519,7 @@ def scenario() -> Iterator[Scenario]:
                 broker.bootstrap, config.kafka.events_topic, main, speed=SPEED, rebase_time="send"
             )
             assert sent.ok, sent.describe(config.kafka.events_topic)
-            injector.join(4 * 60)
+            injector.join(6 * 60)
             for mode, window in _windows_by_mode(proxy.windows).items():
                 faults[mode] = Fault(mode, window.started_at, window.ended_at)
             stats_before_broker, settled_before_broker = _wait_until_settled(
