@@ -218,6 +218,33 @@ def test_the_policy_delay_is_to_the_first_prompt_at_or_after_the_event():
     assert delays == [3.0, float("inf"), float("inf")]
 
 
+def test_the_policy_replay_counts_one_prompt_for_a_burst_within_the_quiet_period():
+    from flink_jobs.prompting import PromptRenderer
+
+    config = AppConfig().with_overrides({"trigger": {"quiet_s": 3, "max_wait_s": 5}})
+    events = [_event(0, "s"), _event(1, "s", category="Grinders"), _event(2, "s", product="p2")]
+    replay = freshness.policy_replay(events, config, PromptRenderer(config.prompt).render)
+    assert replay == {
+        "accepted_events": 3,
+        "qualifying_events": 2,
+        "prompts": 1,
+        "prompts_per_event": 0.333,
+        "delay_to_prompt_max_s": 5.0,
+    }
+
+
+def test_the_policy_is_replayed_over_each_further_sample_seed():
+    from flink_jobs.prompting import PromptRenderer
+
+    config = AppConfig()
+    render = PromptRenderer(config.prompt).render
+    rows = freshness.policy_across_samples([3, 4], 5, 120.0, config, render)
+    assert [r["seed"] for r in rows] == [3, 4]
+    for row in rows:
+        assert 0 < row["prompts"] <= row["qualifying_events"] <= row["accepted_events"]
+        assert row["delay_to_prompt_max_s"] <= config.trigger.max_wait_s
+
+
 def test_the_baseline_has_one_prompt_per_accepted_event():
     config = AppConfig()
     events = [_event(0, "a"), _event(1, "b"), _event(1, "b")]  # the last one a duplicate
