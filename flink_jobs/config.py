@@ -157,8 +157,8 @@ class SessionConfig:
 class TriggerConfig:
     high_signal_types: tuple[str, ...] = ("add_to_cart", "purchase", "remove_from_cart")
     # With the sample's shoppers (median 9 s between a shopper's events) these keep every
-    # qualifying event covered by a prompt within max_wait_s, at about 0.29 prompts per
-    # event (bench/freshness.py measures both).
+    # qualifying event covered by a prompt within max_wait_s, at 0.25-0.39 prompts per
+    # event over five samples (bench/freshness.py measures both).
     quiet_s: float = 3.0
     max_wait_s: float = 5.0
     min_interval_s: float = 2.0
