@@ -198,8 +198,11 @@ class JobConfig:
     # partition is quiet waits about this long: at 2 s, freshness p99 was 2.4 s above the
     # LLM's in bench/freshness.py.
     watermark_idle_advance_s: float = 0.5
-    # A partition that never had a record stops holding the watermark back after this long.
-    source_idleness_s: float = 30.0
+    # A partition that never had a record stops holding the watermark back after this long
+    # from the job's start. Long enough for every partition's first fetch, even of a backlog
+    # after a restore; at 30 s, a job started on a quiet topic held its first prompts for
+    # up to 30 s (bench/freshness.py's first prompt: 8.8 s outside its LLM call).
+    source_idleness_s: float = 5.0
     # Local runs only (Managed Flink manages both): where checkpoints are kept (empty: a
     # scratch folder, lost with the job), and a checkpoint or savepoint to start from
     # ("latest": the newest completed checkpoint under checkpoint_dir).
