@@ -54,6 +54,7 @@ from bench._common import (
     target,
     write_result,
 )
+from flink_jobs.local_services import stop_on_sigterm
 
 BENCHMARK = "freshness"
 MAX_CALLS_PER_EVENT = 0.25
@@ -509,6 +510,7 @@ def table(doc: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    stop_on_sigterm()
     p = argparse.ArgumentParser(
         prog="python -m bench.freshness", description=__doc__.split("\n")[0]
     )

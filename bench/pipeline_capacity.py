@@ -67,6 +67,7 @@ from flink_jobs.local_services import (
     free_port,
     start_redis,
     start_tansu,
+    stop_on_sigterm,
 )
 from flink_jobs.run_report import events_accounted
 
@@ -701,6 +702,7 @@ def parse_args(argv: Sequence[str] | None):
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    stop_on_sigterm()
     args.out.mkdir(parents=True, exist_ok=True)
     doc = run(args)
     print(table(doc))

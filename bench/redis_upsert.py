@@ -48,7 +48,7 @@ from flink_jobs.intent_store import (
     intent_key,
     upsert_args,
 )
-from flink_jobs.local_services import start_redis
+from flink_jobs.local_services import start_redis, stop_on_sigterm
 
 BENCHMARK = "redis_upsert"
 JOB_CONCURRENCY = 8  # LlmConfig.max_concurrency: upserts one async operator has in flight
@@ -296,6 +296,7 @@ def table(doc: dict) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    stop_on_sigterm()
     p = argparse.ArgumentParser(
         prog="python -m bench.redis_upsert", description=__doc__.split("\n")[0]
     )

@@ -64,7 +64,7 @@ from bench._workload import (
     minimum_new_tokens,
     shared_prefix_tokens,
 )
-from flink_jobs.local_services import LocalProcess, free_port
+from flink_jobs.local_services import LocalProcess, free_port, stop_on_sigterm
 from flink_jobs.run_report import percentile
 from inference_sidecar.workers import (
     ClusterConfig,
@@ -978,6 +978,7 @@ def dump(doc: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    stop_on_sigterm()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     args = list(sys.argv[1:] if argv is None else argv)

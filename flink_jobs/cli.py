@@ -25,7 +25,7 @@ import orjson
 import redis
 
 from flink_jobs.config import ConfigError, load_config
-from flink_jobs.local_services import cache_dir
+from flink_jobs.local_services import cache_dir, stop_on_sigterm
 from flink_jobs.run_report import (
     events_accounted,
     latency_summary,
@@ -69,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     sub.add_parser("run", help="run the job against the configured endpoints")
     args = parser.parse_args(argv)
+    stop_on_sigterm()
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

@@ -138,6 +138,18 @@ def _stop_leftovers() -> None:
         process.stop(timeout_s=2.0)
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def stop_on_sigterm() -> None:
+    """Make SIGTERM unwind the program like Ctrl-C. Its default action ends the interpreter
+    without running ``finally`` blocks or ``atexit``, so the brokers, Redis servers and vLLM
+    workers a command started would outlive it (``kill`` of a benchmark left five behind).
+    Entry points call this; a library import never changes signal handling."""
+    signal.signal(signal.SIGTERM, _interrupt)
+
+
 class LocalProcess:
     """A child process in its own process group, its output appended to ``log_path``.
 

@@ -7,6 +7,11 @@ they never disturb the session's services.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -186,3 +191,39 @@ def test_stop_escalates_to_sigkill(tmp_path: Path) -> None:
         assert stubborn.stop(timeout_s=0.5) == -9
         assert time.monotonic() - started < 5
     assert not stubborn.running
+
+
+_STARTS_A_SERVICE_THEN_WAITS = """
+import sys, time
+from pathlib import Path
+from flink_jobs.local_services import LocalProcess, stop_on_sigterm
+stop_on_sigterm()
+service = LocalProcess("sleeper", ["sleep", "120"], Path(sys.argv[1])).start()
+print(service.pid, flush=True)
+time.sleep(120)
+"""
+
+
+def test_sigterm_to_an_entry_point_stops_the_services_it_started(tmp_path: Path) -> None:
+    program = subprocess.Popen(
+        [sys.executable, "-c", _STARTS_A_SERVICE_THEN_WAITS, str(tmp_path / "sleeper.log")],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    service_pid = int(program.stdout.readline())
+    try:
+        program.send_signal(signal.SIGTERM)
+        program.wait(timeout=20)
+        assert not _alive(service_pid), "the service outlived the program it was started by"
+    finally:
+        program.kill()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(service_pid, signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
