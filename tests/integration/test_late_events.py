@@ -44,7 +44,7 @@ def test_a_late_event_without_a_late_topic_is_folded_and_counted_once(
     name = unique_name
     create_topics(kafka_bootstrap, [f"{name}-events", f"{name}-dlq"], 1)
     # The newest on-time event is a second old, so the watermark passes it about a second
-    # and a half after it is read (job.watermark_idle_advance_s plus its lag).
+    # and a quarter after it is read (job.watermark_idle_advance_s plus its lag).
     t0 = int(time.time() * 1000) - 4 * 60_000 - 1_000
     times = [t0 + i * 60_000 for i in range(5)]
     records = [(_view(f"ev-on-time-{i}", "shopper-00001", t), t) for i, t in enumerate(times)]

@@ -6,6 +6,8 @@ import org.apache.flink.api.common.eventtime.WatermarkGeneratorSupplier;
 import org.apache.flink.api.common.eventtime.WatermarkOutput;
 import org.apache.flink.api.common.eventtime.WatermarkStrategy;
 
+import java.util.function.LongSupplier;
+
 /**
  * Bounded out-of-orderness watermarks that keep moving when a partition goes quiet.
  *
@@ -21,6 +23,13 @@ import org.apache.flink.api.common.eventtime.WatermarkStrategy;
  * had a record is marked idle after {@code idlenessMs}. A timestamp more than {@code
  * maxLeadMs} ahead of the wall clock (a record the decoder dead-letters as from the future)
  * never moves the watermark: one bad clock must not make every other event late.
+ *
+ * <p>Quiet is only known if the task was running to see it. After a pause of the task (a
+ * GC pause, a starved CPU) the periodic emit can run before the records that came in
+ * meanwhile are read, and a watermark that followed the wall clock through the pause would
+ * make them late. So when two emits are further apart than the bound plus {@code
+ * idleAdvanceAfterMs} (a pause the wall-clock rule does not already tolerate), the
+ * wall-clock advance waits that long again, for the reader to catch up.
  */
 public final class EventTimeWatermarks implements WatermarkStrategy<Object> {
     private static final long serialVersionUID = 1L;
@@ -41,7 +50,8 @@ public final class EventTimeWatermarks implements WatermarkStrategy<Object> {
     @Override
     public WatermarkGenerator<Object> createWatermarkGenerator(
             WatermarkGeneratorSupplier.Context context) {
-        return new Generator(boundMs, idleAdvanceAfterMs, idlenessMs, maxLeadMs);
+        return new Generator(
+                boundMs, idleAdvanceAfterMs, idlenessMs, maxLeadMs, System::currentTimeMillis);
     }
 
     static final class Generator implements WatermarkGenerator<Object> {
@@ -49,22 +59,33 @@ public final class EventTimeWatermarks implements WatermarkStrategy<Object> {
         private final long idleAdvanceAfterMs;
         private final long idlenessMs;
         private final long maxLeadMs;
-        private final long createdMs = System.currentTimeMillis();
+        private final LongSupplier clock;
+        private final long createdMs;
         private long maxTimestamp = Long.MIN_VALUE;
         private long lastRecordWallMs;
         private long lastRecordLagMs;
         private long emitted = Long.MIN_VALUE;
+        private long lastEmitWallMs;
+        private long quietAdvanceHeldUntilMs = Long.MIN_VALUE;
 
-        Generator(long boundMs, long idleAdvanceAfterMs, long idlenessMs, long maxLeadMs) {
+        Generator(
+                long boundMs,
+                long idleAdvanceAfterMs,
+                long idlenessMs,
+                long maxLeadMs,
+                LongSupplier clock) {
             this.boundMs = boundMs;
             this.idleAdvanceAfterMs = idleAdvanceAfterMs;
             this.idlenessMs = idlenessMs;
             this.maxLeadMs = maxLeadMs;
+            this.clock = clock;
+            this.createdMs = clock.getAsLong();
+            this.lastEmitWallMs = createdMs;
         }
 
         @Override
         public void onEvent(Object event, long eventTimestamp, WatermarkOutput output) {
-            long now = System.currentTimeMillis();
+            long now = clock.getAsLong();
             if (eventTimestamp > maxTimestamp && eventTimestamp <= now + maxLeadMs) {
                 maxTimestamp = eventTimestamp;
             }
@@ -74,7 +95,12 @@ public final class EventTimeWatermarks implements WatermarkStrategy<Object> {
 
         @Override
         public void onPeriodicEmit(WatermarkOutput output) {
-            long now = System.currentTimeMillis();
+            long now = clock.getAsLong();
+            long pauseToleratedMs = boundMs + idleAdvanceAfterMs;
+            if (now - lastEmitWallMs > pauseToleratedMs) {
+                quietAdvanceHeldUntilMs = now + pauseToleratedMs;
+            }
+            lastEmitWallMs = now;
             if (maxTimestamp == Long.MIN_VALUE) {
                 if (idlenessMs > 0 && now - createdMs >= idlenessMs) {
                     output.markIdle();
@@ -83,7 +109,7 @@ public final class EventTimeWatermarks implements WatermarkStrategy<Object> {
             }
             long watermark = maxTimestamp - boundMs - 1;
             long advanceMs = now - lastRecordWallMs - idleAdvanceAfterMs - lastRecordLagMs;
-            if (idleAdvanceAfterMs > 0 && advanceMs > 0) {
+            if (idleAdvanceAfterMs > 0 && advanceMs > 0 && now >= quietAdvanceHeldUntilMs) {
                 watermark += advanceMs;
             }
             if (watermark > emitted) {
