@@ -196,8 +196,8 @@ class JobConfig:
     # After this long without a record, a partition's watermark follows the wall clock (so
     # the last prompts fire when traffic stops); 0 turns that off. A prompt due while its
     # partition is quiet waits about this long plus out_of_orderness_s: bench/freshness.py
-    # measured freshness p99 2.4 s above the LLM's at 2 s, 0.7-1.0 s at 0.5 s, 0.8 s at 0.25 s.
-    # A paused task does not make records late whatever the value (EventTimeWatermarks.java).
+    # measured freshness p99 2.4 s above the LLM's at 2 s, 0.7-1.0 s at 0.5 s, 0.5 s at 0.25 s.
+    # A paused task no longer makes records late through it (EventTimeWatermarks.java).
     watermark_idle_advance_s: float = 0.25
     # A partition that never had a record stops holding the watermark back after this long
     # from the job's start. Long enough for every partition's first fetch, even of a backlog
