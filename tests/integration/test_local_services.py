@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import psutil
 import pytest
 import redis
 from confluent_kafka import Consumer, Producer, TopicPartition
@@ -214,16 +215,8 @@ def test_sigterm_to_an_entry_point_stops_the_services_it_started(tmp_path: Path)
     try:
         program.send_signal(signal.SIGTERM)
         program.wait(timeout=20)
-        assert not _alive(service_pid), "the service outlived the program it was started by"
+        assert not psutil.pid_exists(service_pid), "the service outlived its program"
     finally:
         program.kill()
         with contextlib.suppress(ProcessLookupError):
             os.kill(service_pid, signal.SIGKILL)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
