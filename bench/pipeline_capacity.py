@@ -26,7 +26,8 @@ Three phases, each on a fresh job (own topic, group, key prefix):
    p99 <= 1 s and every event done within ``MAX_LAG_S`` of the last one sent. That rate
    is the sustained capacity.
 3. **modes**: the same smaller drain (``--modes-events``) in PyFlink's thread and process
-   execution modes, back to back: the effect of the execution mode, as a ratio.
+   execution modes, and in thread mode with the LLM calls made in the job's own
+   interpreter (``llm.call_process=false``), back to back: the effect of each, as ratios.
 
 ``--profile-s N`` runs py-spy on the Python worker(s) for N s of the drain and writes the
 collapsed stacks beside the results (``pipeline_capacity.pyspy.txt``) and the top
@@ -539,25 +540,34 @@ def run(args) -> dict[str, Any]:
             phases["drain"] = run_drain(stack, args, memory, args.out)
             print(f"drain: {phases['drain']['events_per_s']} events/s")
         if "modes" in args.phases:
-            # The same smaller drain in each execution mode, back to back.
-            modes = {
-                mode: run_drain(
-                    stack,
-                    args,
-                    memory,
-                    args.out,
-                    args.modes_events,
-                    {"job": {"python_execution_mode": mode}},
-                )
-                for mode in ("thread", "process")
+            # The same smaller drain in each execution mode, and in thread mode with the
+            # LLM calls in the job's own interpreter, back to back.
+            variants = {
+                "thread": {"job": {"python_execution_mode": "thread"}},
+                "process": {"job": {"python_execution_mode": "process"}},
+                "thread_calls_in_job": {
+                    "job": {"python_execution_mode": "thread"},
+                    "llm": {"call_process": False},
+                },
             }
+            modes = {
+                name: run_drain(stack, args, memory, args.out, args.modes_events, overrides)
+                for name, overrides in variants.items()
+            }
+            thread_rate = modes["thread"]["events_per_s"]
             phases["modes"] = {
                 **modes,
                 "thread_over_process": rounded(
-                    ratio(modes["thread"]["events_per_s"], modes["process"]["events_per_s"])
+                    ratio(thread_rate, modes["process"]["events_per_s"])
+                ),
+                "call_process_over_calls_in_job": rounded(
+                    ratio(thread_rate, modes["thread_calls_in_job"]["events_per_s"])
                 ),
             }
-            print(f"modes: thread/process {phases['modes']['thread_over_process']}")
+            print(
+                f"modes: thread/process {phases['modes']['thread_over_process']}, call process/"
+                f"calls in job {phases['modes']['call_process_over_calls_in_job']}"
+            )
         if "paced" in args.phases:
             measured = phases.get("drain", {}).get("events_per_s") or 1000
             rates = (
@@ -656,6 +666,11 @@ def table(doc: dict[str, Any]) -> str:
             f" {modes['thread']['events_per_s']} events/s, process"
             f" {modes['process']['events_per_s']} events/s:"
             f" {modes['thread_over_process']}x"
+        )
+        lines.append(
+            f"modes   {modes['thread_calls_in_job']['events']:>8,} events  thread, calls in the"
+            f" job's interpreter {modes['thread_calls_in_job']['events_per_s']} events/s:"
+            f" call process {modes['call_process_over_calls_in_job']}x"
         )
     paced = doc["phases"].get("paced")
     if paced:

@@ -121,6 +121,10 @@ class LlmConfig:
     invalid_answer_retries: int = 1
     # Send the JSON Schema as response_format so the server constrains decoding to it.
     guided_json: bool = True
+    # Make the calls (HTTP, answer check, Redis upsert) in a helper process with its own
+    # interpreter (call_process.py) instead of the job's, which they would share with
+    # every event in thread mode.
+    call_process: bool = True
 
     def validate(self) -> None:
         if not self.base_url.startswith(("http://", "https://")):

@@ -23,6 +23,7 @@ from pyflink.datastream import OutputTag, RuntimeContext, TimeDomain
 from pyflink.datastream.functions import KeyedProcessFunction, ProcessFunction
 from pyflink.datastream.state import StateTtlConfig, ValueStateDescriptor
 
+from flink_jobs.call_process import CallProcess
 from flink_jobs.config import AppConfig
 from flink_jobs.events import DeadLetter, ShopperEvent, SourcePosition, decode_event
 from flink_jobs.inference import PromptRunner, PromptTask, TaskResult
@@ -168,7 +169,7 @@ class ShopperSessions(KeyedProcessFunction, _Counted):
         # every record to Java, whatever the level Java then filters at.
         for chatty in ("httpx", "httpcore"):
             logging.getLogger(chatty).setLevel(logging.WARNING)
-        runner = PromptRunner(self._config)
+        runner = (CallProcess if self._config.llm.call_process else PromptRunner)(self._config)
         self._outbox = Outbox(
             runner, self._config.llm.capacity, self._config.llm.max_concurrency, runner.aclose
         ).start()

@@ -8,8 +8,9 @@ and it is refused in PyFlink's ``thread`` execution mode, which costs about an e
 ``process`` mode per keyed state access here (``bench/README.md``).
 
 So ``operators.ShopperSessions`` hands each prompt to an :class:`Outbox` and returns. The
-outbox runs ``run(task)`` (``inference.PromptRunner``: LLM call, answer check, Redis
-upsert) on its own thread's event loop:
+outbox runs ``run(task)`` (LLM call, answer check, Redis upsert: ``inference.PromptRunner``,
+by default in a helper process through ``call_process.CallProcess``) on its own thread's
+event loop:
 
 - **bounded**: at most ``capacity`` prompts are queued or running; :meth:`Outbox.submit`
   blocks beyond that, which back-pressures the job into Kafka;

@@ -2,11 +2,14 @@
 
 Run B consumes a topic while it is being produced (event time rebased to send time, at
 the sample's own pace), checkpointing every 2 s. Once a checkpoint has completed and
-intents are landing, the job process group is SIGKILLed mid-stream; while it is down the
-replay goes on, then the job restarts from the latest checkpoint and finishes. A watcher
-reads every shopper's intent version from Redis throughout. Run A then replays the
-finished topic from the start, never interrupted, as a bounded replay (it reads to the end
-of the topic and finishes). Both runs copy every prompt they render to a prompts topic.
+intents are landing, the job's LLM call process (``flink_jobs.call_process``) is killed,
+which fails the job into Flink's own restart from that checkpoint, with a new call
+process; once intents land again, the job process group is SIGKILLed mid-stream; while it
+is down the replay goes on, then the job restarts from the latest checkpoint and
+finishes. A watcher reads every shopper's intent version from Redis throughout. Run A
+then replays the finished topic from the start, never interrupted, as a bounded replay
+(it reads to the end of the topic and finishes). Both runs copy every prompt they render
+to a prompts topic.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import orjson
+import psutil
 import pytest
 import redis
 
@@ -95,6 +99,10 @@ class Runs:
     versions_at_kill: dict[str, Version]
     restored_from: Path
     restart_log: str
+    killed_call_process: int
+    call_process_after: int
+    intents_before_call_process_kill: int
+    intents_after_call_process_kill: int
     stats_a: dict[str, int]
     stats_b: dict[str, int]
 
@@ -115,6 +123,18 @@ def _groups(name: str, bootstrap: str, redis_url: str, llm: dict, run: str) -> d
         # the gaps of this replay, so the live run sees the topic as the replay does.
         "job": {"checkpoint_interval_s": 2, "watermark_idle_advance_s": 5},
     }
+
+
+def call_processes(job: JobProcess) -> list[int]:
+    """Pids of the job's LLM call processes (children of its JVM)."""
+    pids = []
+    for child in psutil.Process(job.pid).children(recursive=True):
+        try:
+            if "flink_jobs.call_process" in child.cmdline():
+                pids.append(child.pid)
+        except psutil.NoSuchProcess:
+            pass
+    return pids
 
 
 def _wait(check, what: str, timeout_s: float = PHASE_TIMEOUT_S, job: JobProcess | None = None):
@@ -223,6 +243,20 @@ def runs(kafka_bootstrap, redis_url, llm_tier, tmp_path_factory) -> Runs:
             job=first,
         )
         assert not replayed.is_set(), "the replay ended before the kill: not mid-stream"
+        [killed_call_process] = call_processes(first)
+        intents_before_helper_kill = read_stats(client, prefix_b)["intents_written"]
+        psutil.Process(killed_call_process).kill()
+        _wait(
+            lambda: (
+                call_processes(first) not in ([], [killed_call_process])
+                and read_stats(client, prefix_b)["intents_written"] > intents_before_helper_kill
+            ),
+            "a new call process and a new intent after the call process was killed",
+            job=first,
+        )
+        [call_process_after] = call_processes(first)
+        intents_after_helper_kill = read_stats(client, prefix_b)["intents_written"]
+        assert not replayed.is_set(), "the replay ended before the kill: not mid-stream"
         first.kill()
         watcher.poll()
         versions_at_kill = dict(watcher.seen)
@@ -263,6 +297,10 @@ def runs(kafka_bootstrap, redis_url, llm_tier, tmp_path_factory) -> Runs:
         versions_at_kill=versions_at_kill,
         restored_from=restored_from,
         restart_log=restarted.log_text(),
+        killed_call_process=killed_call_process,
+        call_process_after=call_process_after,
+        intents_before_call_process_kill=intents_before_helper_kill,
+        intents_after_call_process_kill=intents_after_helper_kill,
         stats_a=read_stats(client, groups_a["redis"]["key_prefix"]),
         stats_b=read_stats(client, prefix_b),
     )
@@ -296,6 +334,11 @@ def test_the_restarted_job_restores_the_latest_checkpoint(runs: Runs) -> None:
     assert (runs.restored_from / "_metadata").exists()
     assert "restoring from" in runs.restart_log
     assert runs.versions_at_kill, "no intent had landed before the kill"
+
+
+def test_a_killed_call_process_is_replaced_and_intents_land_again(runs: Runs) -> None:
+    assert runs.call_process_after != runs.killed_call_process
+    assert runs.intents_after_call_process_kill > runs.intents_before_call_process_kill
 
 
 def test_replaying_the_topic_renders_the_same_prompts(runs: Runs) -> None:

@@ -1,0 +1,135 @@
+"""The LLM calls in a helper process (``flink_jobs.call_process``): a prompt answered there
+lands in Redis as it would in-process, what the child's call raised is raised in the
+parent, and a child that dies fails its calls loudly instead of leaving them hanging.
+Real vLLM workers behind the router, a real Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+
+import psutil
+import pytest
+import redis
+
+from flink_jobs.call_process import CallProcess, CallProcessExited
+from flink_jobs.config import load_config
+from flink_jobs.inference import PromptTask, RedisUnavailable
+from flink_jobs.intent_store import IntentStore
+from flink_jobs.local_services import free_port
+from flink_jobs.prompting import PromptRenderer
+from tests.unit.catalogue import EARBUDS, HEADPHONES, T0
+from tests.unit.test_prompting import event, session_of
+
+
+def prompt_task(shopper_id: str) -> PromptTask:
+    state = session_of(
+        event(1, "search", 3.8, query="over ear headphones", shopper_id=shopper_id),
+        event(2, "view", 28.6, HEADPHONES, shopper_id=shopper_id),
+        event(3, "view", 60.6, EARBUDS, shopper_id=shopper_id),
+    )
+    prompt = PromptRenderer(load_config(environ={}).prompt).render(state)
+    at = T0 + 60_600
+    return PromptTask(shopper_id, seq=1, version_ts=at, event_time_ms=at, prompt=prompt)
+
+
+def config(**llm_and_redis):
+    llm = {k: v for k, v in llm_and_redis.items() if k != "redis"}
+    return load_config({"llm": llm, "redis": llm_and_redis.get("redis", {})}, environ={})
+
+
+def run(calls: CallProcess, *tasks: PromptTask, timeout_s: float = 120.0):
+    async def go():
+        try:
+            return await asyncio.wait_for(
+                asyncio.gather(*(calls(t) for t in tasks), return_exceptions=True), timeout_s
+            )
+        finally:
+            await calls.aclose()
+
+    return asyncio.run(go())
+
+
+def helpers() -> list[psutil.Process]:
+    return [p for p in psutil.Process().children() if "flink_jobs.call_process" in p.cmdline()]
+
+
+def test_prompts_answered_in_one_helper_land_in_redis(llm_tier, redis_url, unique_name):
+    calls = CallProcess(
+        config(**llm_tier.job_settings(), redis={"url": redis_url, "key_prefix": unique_name})
+    )
+    shoppers = ["shopper-00146", "shopper-00151", "shopper-00152"]
+
+    async def go():
+        try:
+            results = await asyncio.wait_for(
+                asyncio.gather(*(calls(prompt_task(s)) for s in shoppers)), 120
+            )
+            return results, helpers()
+        finally:
+            await calls.aclose()
+
+    results, running = asyncio.run(go())
+
+    assert [r.outcome for r in results] == ["written"] * 3, results
+    assert all(r.prompt_tokens > 0 and r.llm_latency_s > 0 for r in results)
+    store = IntentStore(redis.Redis.from_url(redis_url), unique_name)
+    assert all(store.read(s).version == (T0 + 60_600, 1) for s in shoppers)
+    assert [p.pid for p in running] == [calls.pid], "the first calls came together: one helper"
+
+
+def test_an_unreachable_redis_is_raised_in_the_parent_and_the_retries_logged_there(
+    llm_tier, caplog: pytest.LogCaptureFixture
+):
+    calls = CallProcess(
+        config(
+            **llm_tier.job_settings(),
+            redis={"url": f"redis://127.0.0.1:{free_port()}/0", "write_retry_budget_s": 1.0},
+        )
+    )
+    [outcome] = run(calls, prompt_task("shopper-00147"))
+
+    assert isinstance(outcome, RedisUnavailable), outcome
+    assert "shopper-00147" in str(outcome)
+    retries = [r for r in caplog.records if "Redis write failed" in r.getMessage()]
+    assert retries and all(r.name == "flink_jobs.inference" for r in retries)
+
+
+def test_a_dead_helper_fails_its_calls_in_flight_and_later_ones():
+    with socket.create_server(("127.0.0.1", 0)) as silent:  # accepts, never answers
+        port = silent.getsockname()[1]
+        calls = CallProcess(config(base_url=f"http://127.0.0.1:{port}/v1", max_attempts=1))
+
+        async def go():
+            try:
+                in_flight = asyncio.ensure_future(calls(prompt_task("shopper-00148")))
+                while calls.pid is None:
+                    await asyncio.sleep(0.05)
+                await asyncio.sleep(1.0)
+                psutil.Process(calls.pid).kill()
+                started = time.monotonic()
+                with pytest.raises(CallProcessExited, match="exited"):
+                    await asyncio.wait_for(in_flight, 30)
+                waited = time.monotonic() - started
+                with pytest.raises(CallProcessExited):
+                    await calls(prompt_task("shopper-00149"))
+                return waited
+            finally:
+                await calls.aclose()
+
+        assert asyncio.run(go()) < 10
+
+
+def test_closing_stops_the_helper():
+    calls = CallProcess(config(base_url=f"http://127.0.0.1:{free_port()}/v1", max_attempts=1))
+
+    async def go():
+        result = await calls(prompt_task("shopper-00150"))  # nothing listens: a dead letter
+        pid = calls.pid
+        await calls.aclose()
+        return result, pid
+
+    result, pid = asyncio.run(go())
+    assert result.outcome == "dead_letter" and result.dead_letter.stage == "llm"
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
