@@ -91,6 +91,7 @@ def test_peaks_are_summarised_per_kind_as_largest_and_sum():
         ("python -m vllm.entrypoints.openai.api_server --model m", "vllm_worker"),
         ("python -m inference_sidecar router --port 1", "router"),
         ("python -m bench.standin_llm --port 1", "standin_llm"),
+        ("/x/.cache/venv/bin/python3.11 -m flink_jobs.call_process 72", "llm_call_process"),
         ("bash -c sleep", None),
     ],
 )
