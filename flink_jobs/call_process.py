@@ -153,9 +153,12 @@ class CallProcess:
             log.exception("unreadable message from the LLM call process %s", self.pid)
             self._process.kill()
         code = await asyncio.get_running_loop().run_in_executor(None, self._wait_exit)
+        if code is None:  # its socket closed but it lives on: it must not linger
+            self._process.kill()
         self._exited = CallProcessExited(
             f"the LLM call process {self.pid} exited (code {code}) with "
-            f"{len(self._pending)} calls in flight; its error is in the TaskManager log"
+            f"{len(self._pending)} calls in flight; what it said last is in the TaskManager's "
+            "log, a crash's traceback in its stderr"
         )
         for answer in self._pending.values():
             if not answer.done():
