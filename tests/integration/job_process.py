@@ -13,6 +13,20 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import psutil
+
+
+def call_processes(root: int) -> list[int]:
+    """Pids of the LLM call processes (``flink_jobs.call_process``) below process ``root``."""
+    pids = []
+    for child in psutil.Process(root).children(recursive=True):
+        try:
+            if "flink_jobs.call_process" in child.cmdline():
+                pids.append(child.pid)
+        except psutil.NoSuchProcess:
+            pass
+    return pids
+
 
 def config_env(groups: Mapping[str, Mapping[str, Any]]) -> dict[str, str]:
     """``{group: {field: value}}`` as the ``SI_<GROUP>_<FIELD>`` variables config.py reads."""

@@ -6,6 +6,7 @@ Real vLLM workers behind the router, a real Redis."""
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 import time
 
@@ -19,6 +20,7 @@ from flink_jobs.inference import PromptTask, RedisUnavailable
 from flink_jobs.intent_store import IntentStore
 from flink_jobs.local_services import free_port
 from flink_jobs.prompting import PromptRenderer
+from tests.integration.job_process import call_processes
 from tests.unit.catalogue import EARBUDS, HEADPHONES, T0
 from tests.unit.test_prompting import event, session_of
 
@@ -51,10 +53,6 @@ def run(calls: CallProcess, *tasks: PromptTask, timeout_s: float = 120.0):
     return asyncio.run(go())
 
 
-def helpers() -> list[psutil.Process]:
-    return [p for p in psutil.Process().children() if "flink_jobs.call_process" in p.cmdline()]
-
-
 def test_prompts_answered_in_one_helper_land_in_redis(llm_tier, redis_url, unique_name):
     calls = CallProcess(
         config(**llm_tier.job_settings(), redis={"url": redis_url, "key_prefix": unique_name})
@@ -66,7 +64,7 @@ def test_prompts_answered_in_one_helper_land_in_redis(llm_tier, redis_url, uniqu
             results = await asyncio.wait_for(
                 asyncio.gather(*(calls(prompt_task(s)) for s in shoppers)), 120
             )
-            return results, helpers()
+            return results, call_processes(os.getpid())
         finally:
             await calls.aclose()
 
@@ -76,7 +74,7 @@ def test_prompts_answered_in_one_helper_land_in_redis(llm_tier, redis_url, uniqu
     assert all(r.prompt_tokens > 0 and r.llm_latency_s > 0 for r in results)
     store = IntentStore(redis.Redis.from_url(redis_url), unique_name)
     assert all(store.read(s).version == (T0 + 60_600, 1) for s in shoppers)
-    assert [p.pid for p in running] == [calls.pid], "the first calls came together: one helper"
+    assert running == [calls.pid], "the first calls came together: one helper"
 
 
 def test_an_unreachable_redis_is_raised_in_the_parent_and_the_retries_logged_there(

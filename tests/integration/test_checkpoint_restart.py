@@ -30,7 +30,7 @@ from flink_jobs.local_services import cache_dir, create_topics
 from flink_jobs.replay import replay_records
 from flink_jobs.run_report import is_settled, read_json_topic, read_stats
 from flink_jobs.sample_data import SampleConfig, generate_sample
-from tests.integration.job_process import JobProcess
+from tests.integration.job_process import JobProcess, call_processes
 
 SHOPPERS = 30
 SPEED = 1.0
@@ -123,18 +123,6 @@ def _groups(name: str, bootstrap: str, redis_url: str, llm: dict, run: str) -> d
         # the gaps of this replay, so the live run sees the topic as the replay does.
         "job": {"checkpoint_interval_s": 2, "watermark_idle_advance_s": 5},
     }
-
-
-def call_processes(job: JobProcess) -> list[int]:
-    """Pids of the job's LLM call processes (children of its JVM)."""
-    pids = []
-    for child in psutil.Process(job.pid).children(recursive=True):
-        try:
-            if "flink_jobs.call_process" in child.cmdline():
-                pids.append(child.pid)
-        except psutil.NoSuchProcess:
-            pass
-    return pids
 
 
 def _wait(check, what: str, timeout_s: float = PHASE_TIMEOUT_S, job: JobProcess | None = None):
@@ -243,18 +231,18 @@ def runs(kafka_bootstrap, redis_url, llm_tier, tmp_path_factory) -> Runs:
             job=first,
         )
         assert not replayed.is_set(), "the replay ended before the kill: not mid-stream"
-        [killed_call_process] = call_processes(first)
+        [killed_call_process] = call_processes(first.pid)
         intents_before_helper_kill = read_stats(client, prefix_b)["intents_written"]
         psutil.Process(killed_call_process).kill()
         _wait(
             lambda: (
-                call_processes(first) not in ([], [killed_call_process])
+                call_processes(first.pid) not in ([], [killed_call_process])
                 and read_stats(client, prefix_b)["intents_written"] > intents_before_helper_kill
             ),
             "a new call process and a new intent after the call process was killed",
             job=first,
         )
-        [call_process_after] = call_processes(first)
+        [call_process_after] = call_processes(first.pid)
         intents_after_helper_kill = read_stats(client, prefix_b)["intents_written"]
         assert not replayed.is_set(), "the replay ended before the kill: not mid-stream"
         first.kill()
