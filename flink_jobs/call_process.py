@@ -41,6 +41,7 @@ from typing import Any
 
 from flink_jobs.config import AppConfig
 from flink_jobs.inference import PromptRunner, PromptTask, TaskResult
+from flink_jobs.llm_client import quiet_http_logs
 
 log = logging.getLogger(__name__)
 
@@ -242,8 +243,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(
         stream=sys.stderr, level=logging.INFO, format="%(asctime)s call_process %(message)s"
     )
-    for chatty in ("httpx", "httpcore"):
-        logging.getLogger(chatty).setLevel(logging.WARNING)
+    quiet_http_logs()
     asyncio.run(_serve(socket.socket(fileno=int(args[0]))))
     return 0
 

@@ -13,6 +13,7 @@ sticky routing on it, so the shopper's growing prompt prefix stays in one worker
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 import time
 from collections.abc import Callable
@@ -25,6 +26,15 @@ import orjson
 from flink_jobs.config import LlmConfig
 from flink_jobs.intents import intent_response_format
 from flink_jobs.prompting import RenderedPrompt
+
+
+def quiet_http_logs() -> None:
+    """Keep httpx and httpcore to warnings: they log every request (INFO, DEBUG), and in
+    thread mode PEMJA hands every record to Java, whatever level Java then filters at
+    (the call process forwards each to the job the same way)."""
+    for name in ("httpx", "httpcore"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+
 
 RETRYABLE_STATUS = frozenset({408, 409, 425, 429, 500, 502, 503, 504})
 

@@ -27,6 +27,7 @@ from flink_jobs.call_process import CallProcess
 from flink_jobs.config import AppConfig
 from flink_jobs.events import DeadLetter, ShopperEvent, SourcePosition, decode_event
 from flink_jobs.inference import PromptRunner, PromptTask, TaskResult
+from flink_jobs.llm_client import quiet_http_logs
 from flink_jobs.metric_tally import GaugeCounters, Tally
 from flink_jobs.outbox import Outbox, Settled
 from flink_jobs.prompting import PromptRenderer
@@ -165,10 +166,7 @@ class ShopperSessions(KeyedProcessFunction, _Counted):
         self._open_counters(runtime_context, self._config)
         self._tally = Tally(INFER_COUNTS, INFER_TIMINGS)
         self._tally.register(self._metrics)
-        # httpx and httpcore log every request (INFO, DEBUG); in thread mode PEMJA hands
-        # every record to Java, whatever the level Java then filters at.
-        for chatty in ("httpx", "httpcore"):
-            logging.getLogger(chatty).setLevel(logging.WARNING)
+        quiet_http_logs()
         runner = (CallProcess if self._config.llm.call_process else PromptRunner)(self._config)
         self._outbox = Outbox(
             runner, self._config.llm.capacity, self._config.llm.max_concurrency, runner.aclose
