@@ -246,6 +246,63 @@ def _descendants(root: int) -> list[int]:
     return out
 
 
+def our_processes(root: int) -> list[tuple[int, str]]:
+    """``root`` (as ``bench_driver``) and its descendants that are part of the stack."""
+    found = [(root, "bench_driver")]
+    for pid in _descendants(root):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        kind = classify_process(cmd)
+        if kind is not None:
+            found.append((pid, kind))
+    return found
+
+
+def read_cpu_s(pid: int) -> float | None:
+    """User plus system CPU time one process has used, in seconds; None if it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class CpuClock:
+    """CPU seconds per part of the stack between two points of a run.
+
+    On a shared host, events per second move with the neighbours' load; the CPU time the
+    stack spends per event moves much less, so an A/B run on a noisy machine reads it
+    beside the rate. ``sample()`` keeps each live process's latest reading (a process that
+    exits between samples keeps its last one); ``since(mark)`` gives, per kind, the CPU
+    seconds used after ``mark`` (a ``mark()`` taken earlier), counting a process that
+    started after it from zero.
+    """
+
+    def __init__(self, root: int | None = None) -> None:
+        self.root = root or os.getpid()
+        self.latest: dict[int, tuple[str, float]] = {}
+
+    def sample(self) -> None:
+        for pid, kind in our_processes(self.root):
+            cpu = read_cpu_s(pid)
+            if cpu is not None:
+                self.latest[pid] = (kind, cpu)
+
+    def mark(self) -> dict[int, tuple[str, float]]:
+        self.sample()
+        return dict(self.latest)
+
+    def since(self, mark: Mapping[int, tuple[str, float]]) -> dict[str, float]:
+        self.sample()
+        out: dict[str, float] = {}
+        for pid, (kind, cpu) in self.latest.items():
+            before = mark.get(pid, (kind, 0.0))[1]
+            out[kind] = out.get(kind, 0.0) + cpu - before
+        return dict(sorted(out.items()))
+
+
 class PeakMemory:
     """Peak RSS per part of the stack, from ``VmHWM`` of every descendant of ``root``.
 
@@ -261,14 +318,9 @@ class PeakMemory:
         self.peaks: dict[int, tuple[str, int]] = {}
 
     def sample(self) -> None:
-        for pid in [self.root, *_descendants(self.root)]:
-            try:
-                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-            except OSError:
-                continue
-            kind = "bench_driver" if pid == self.root else classify_process(cmd)
+        for pid, kind in our_processes(self.root):
             hwm = read_hwm_kib(pid)
-            if kind is None or hwm is None:
+            if hwm is None:
                 continue
             previous = self.peaks.get(pid, (kind, 0))[1]
             self.peaks[pid] = (kind, max(previous, hwm))

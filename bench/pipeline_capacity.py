@@ -54,6 +54,7 @@ import redis
 
 from bench._common import (
     RESULTS_DIR,
+    CpuClock,
     PeakMemory,
     percentile,
     ratio,
@@ -303,10 +304,10 @@ def poll_until(client, prefix, done, timeout_s, memory: PeakMemory, on_poll=None
 
 
 def python_workers(root: int) -> list[int]:
-    """PIDs where PyFlink runs the job's Python code: in thread mode the Flink JVM (an
-    interpreter embedded in it), in process mode ``root`` itself (a local mini-cluster runs
-    the Python workers in loopback mode, as threads of the submitting process) and any
-    separate worker process under it."""
+    """PIDs where the job's Python code runs: in thread mode the Flink JVM (an interpreter
+    embedded in it), in process mode ``root`` itself (a local mini-cluster runs the Python
+    workers in loopback mode, as threads of the submitting process) and any separate worker
+    process under it; and the LLM call processes (``flink_jobs.call_process``)."""
     from bench._common import _descendants
 
     found = [root]
@@ -316,7 +317,8 @@ def python_workers(root: int) -> list[int]:
         except OSError:
             continue
         beam_worker = "pyflink.fn_execution" in cmd and "beam_boot" not in cmd
-        if beam_worker or cmd.startswith("java ") or "/bin/java " in cmd:
+        call_process = "flink_jobs.call_process" in cmd
+        if beam_worker or call_process or cmd.startswith("java ") or "/bin/java " in cmd:
             found.append(pid)
     return found
 
@@ -375,8 +377,14 @@ def run_drain(
     profilers: list[subprocess.Popen] = []
     profile_path = out_dir / f"{BENCHMARK}.pyspy.txt"
 
-    def maybe_profile(series) -> None:
+    cpu = CpuClock(memory.root)
+    cpu_from: dict[str, Any] = {}
+
+    def on_poll(series) -> None:
         counted = events_accounted(series[-1][1])
+        cpu.sample()
+        if not cpu_from and counted >= 0.1 * len(records):
+            cpu_from.update(mark=cpu.mark(), events=counted)
         if args.profile_s and "pids" not in profile and counted >= 0.1 * len(records):
             pids = python_workers(memory.root)
             profile["pids"] = pids
@@ -394,8 +402,9 @@ def run_drain(
             lambda s: events_accounted(s) >= len(records),
             args.timeout_s,
             memory,
-            maybe_profile,
+            on_poll,
         )
+        cpu_s = cpu.since(cpu_from["mark"]) if cpu_from else {}
         for proc in profilers:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=args.profile_s + 30)
@@ -432,11 +441,20 @@ def run_drain(
         "decoded_events_per_s": rounded(drain_rate(decoded, len(records)), 0),
         "decode_throughput_series": windowed_rates(decoded),
         "stats": final,
+        "cpu_ms_per_event": cpu_per_event(cpu_s, counts[-1][1] - cpu_from.get("events", 0)),
         "prompts_per_event": rounded(
             final.get("prompts_sent", 0) / max(1, final.get("events_accepted", 0))
         ),
         "profile": profile,
     }
+
+
+def cpu_per_event(cpu_s: dict[str, float], events: int) -> dict[str, float]:
+    """CPU milliseconds per event by part of the stack, and ``total`` over them all."""
+    if events <= 0 or not cpu_s:
+        return {}
+    per_event = {kind: rounded(1000 * s / events) for kind, s in cpu_s.items()}
+    return {**per_event, "total": rounded(1000 * sum(cpu_s.values()) / events)}
 
 
 def kept_up(paced: dict[str, Any]) -> bool:
@@ -659,6 +677,11 @@ def table(doc: dict[str, Any]) -> str:
             f" (peak 2 s: {drain['peak_2s_events_per_s']})"
             f"  prompts/event {drain['prompts_per_event']}"
         )
+        if drain.get("cpu_ms_per_event"):
+            lines.append(
+                "drain   CPU ms/event "
+                + ", ".join(f"{k} {v}" for k, v in drain["cpu_ms_per_event"].items())
+            )
     modes = doc["phases"].get("modes")
     if modes:
         lines.append(

@@ -102,6 +102,28 @@ def test_processes_are_classified_by_their_command_line(cmdline, kind):
 # --- pipeline capacity ------------------------------------------------------------------------
 
 
+def test_the_cpu_clock_counts_only_what_was_used_after_the_mark():
+    clock = _common.CpuClock()
+    busy_until = time.process_time() + 0.2
+    while time.process_time() < busy_until:
+        pass
+    mark = clock.mark()
+    busy_until = time.process_time() + 0.3
+    while time.process_time() < busy_until:
+        pass
+    used = clock.since(mark)["bench_driver"]
+    assert 0.25 <= used < 1.0
+
+
+def test_cpu_per_event_is_milliseconds_by_kind_and_in_total():
+    per_event = pipeline_capacity.cpu_per_event({"flink_jvm": 1.5, "redis": 0.5}, 1000)
+    assert per_event == {"flink_jvm": 1.5, "redis": 0.5, "total": 2.0}
+
+
+def test_no_cpu_figures_without_events_counted():
+    assert pipeline_capacity.cpu_per_event({"flink_jvm": 1.5}, 0) == {}
+
+
 def test_the_drain_rate_is_taken_between_10_and_90_percent():
     series = [(0.0, 0), (10.0, 0), (11.0, 100), (12.0, 900), (13.0, 1000)]
     # 10% (100 events) at 11.0 s, 90% (900) at 12.0 s: 800 events in 1 s.
