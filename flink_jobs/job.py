@@ -183,32 +183,41 @@ def event_time_watermarks(config: AppConfig) -> WatermarkStrategy:
 
 
 def build_pipeline(env: StreamExecutionEnvironment, config: AppConfig) -> None:
+    """Each operator's uid is its name. Flink matches a snapshot's state to operators by
+    uid, so the Kafka offsets and shopper sessions survive an update that changes the
+    graph (Managed Flink restores an update from a snapshot)."""
     records = env.from_source(
         kafka_source(config), event_time_watermarks(config), "kafka-shopper-events"
-    )
-
-    decoded = records.process(DecodeEvents(config), output_type=Types.PICKLED_BYTE_ARRAY()).name(
-        "decode-events"
+    ).uid("kafka-shopper-events")
+    decoded = (
+        records.process(DecodeEvents(config), output_type=Types.PICKLED_BYTE_ARRAY())
+        .name("decode-events")
+        .uid("decode-events")
     )
     sessions = (
         decoded.key_by(lambda e: e.shopper_id, key_type=Types.STRING())
         .process(ShopperSessions(config), output_type=Types.STRING())
         .name("shopper-sessions")
+        .uid("shopper-sessions")
     )
     dead_letters = decoded.get_side_output(DEAD_LETTERS).union(
         sessions.get_side_output(DEAD_LETTERS)
     )
-    dead_letters.sink_to(topic_sink(config, config.kafka.dead_letter_topic)).name(
-        "dead-letter-topic"
-    )
+    sinks = [(dead_letters, "dead-letter-topic", config.kafka.dead_letter_topic)]
     if config.kafka.late_events_topic:
-        sessions.get_side_output(LATE_EVENTS).sink_to(
-            topic_sink(config, config.kafka.late_events_topic)
-        ).name("late-events-topic")
+        sinks.append(
+            (
+                sessions.get_side_output(LATE_EVENTS),
+                "late-events-topic",
+                config.kafka.late_events_topic,
+            )
+        )
     if config.kafka.prompts_topic:
-        sessions.get_side_output(PROMPTS).sink_to(
-            topic_sink(config, config.kafka.prompts_topic)
-        ).name("prompts-topic")
+        sinks.append(
+            (sessions.get_side_output(PROMPTS), "prompts-topic", config.kafka.prompts_topic)
+        )
+    for stream, name, topic in sinks:
+        stream.sink_to(topic_sink(config, topic)).name(name).uid(name)
 
 
 def create_job(config: AppConfig) -> StreamExecutionEnvironment:

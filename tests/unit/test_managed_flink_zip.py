@@ -21,6 +21,7 @@ from deploy.main import FAT_JAR, PY_FOLDERS, choose_jars
 from flink_jobs.config import load_config, read_property_groups
 
 REPO = Path(__file__).resolve().parents[2]
+JOB_JAVA_SOURCES = sorted((REPO / "flink_jobs" / "java" / "shopperintents").glob("*.java"))
 
 
 def make_jar(path: Path, entries: dict[str, bytes]) -> Path:
@@ -212,8 +213,8 @@ class TestZipLayout:
             "org/apache/flink/connector/kafka/source/KafkaSource.class",
             "org/apache/kafka/clients/consumer/KafkaConsumer.class",
             "com/github/luben/zstd/Zstd.class",
-            "shopperintents/KafkaRecordWithMetadata.class",
             "META-INF/services/org.apache.flink.table.factories.Factory",
+            *(f"shopperintents/{java.stem}.class" for java in JOB_JAVA_SOURCES),
         ):
             assert cls in classes
 
