@@ -82,6 +82,14 @@ def key_figures(name: str, doc: dict[str, Any]) -> list[tuple[str, Any]]:
         drain = doc["phases"].get("drain", {})
         paced = doc["phases"].get("paced", {})
         rows = [("drain events/s", drain.get("events_per_s"))]
+        cpu = drain.get("cpu_ms_per_event")
+        if cpu:
+            rows.append(
+                (
+                    "drain CPU ms/event: total (Flink JVM, call process)",
+                    f"{cpu['total']} ({cpu.get('flink_jvm')}, {cpu.get('llm_call_process')})",
+                )
+            )
         if paced:
             lat = paced["event_to_redis_s"]
             rows.append(
