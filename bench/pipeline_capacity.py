@@ -56,6 +56,7 @@ from bench._common import (
     RESULTS_DIR,
     CpuClock,
     PeakMemory,
+    our_processes,
     percentile,
     ratio,
     result_doc,
@@ -303,24 +304,15 @@ def poll_until(client, prefix, done, timeout_s, memory: PeakMemory, on_poll=None
 # --- profiling ---------------------------------------------------------------------------------
 
 
+PYTHON_KINDS = {"bench_driver", "flink_jvm", "python_udf_worker", "llm_call_process"}
+
+
 def python_workers(root: int) -> list[int]:
     """PIDs where the job's Python code runs: in thread mode the Flink JVM (an interpreter
     embedded in it), in process mode ``root`` itself (a local mini-cluster runs the Python
     workers in loopback mode, as threads of the submitting process) and any separate worker
     process under it; and the LLM call processes (``flink_jobs.call_process``)."""
-    from bench._common import _descendants
-
-    found = [root]
-    for pid in _descendants(root):
-        try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:
-            continue
-        beam_worker = "pyflink.fn_execution" in cmd and "beam_boot" not in cmd
-        call_process = "flink_jobs.call_process" in cmd
-        if beam_worker or call_process or cmd.startswith("java ") or "/bin/java " in cmd:
-            found.append(pid)
-    return found
+    return [pid for pid, kind in our_processes(root) if kind in PYTHON_KINDS]
 
 
 def py_spy() -> str | None:
