@@ -303,7 +303,13 @@ def run(args) -> dict[str, Any]:
             producer = threading.Thread(
                 target=lambda: result.setdefault(
                     "replay",
-                    replay_records(config.kafka.bootstrap_servers, topics[0], recorded, speed=1.0),
+                    replay_records(
+                        config.kafka.bootstrap_servers,
+                        topics[0],
+                        recorded,
+                        speed=1.0,
+                        start_at_ms=t0,
+                    ),
                 ),
                 daemon=True,
             )

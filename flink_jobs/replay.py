@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import contextlib
 import csv
 import functools
 import heapq
@@ -580,6 +581,7 @@ def replay_records(
     flush_timeout_s: float = 30.0,
     extra_config: Mapping[str, Any] | None = None,
     metrics: ReplayMetrics | None = None,
+    start_at_ms: int | None = None,
 ) -> ReplaySummary:
     """Send ``records`` to ``topic`` as planned by :func:`plan_replay`; never raises on
     delivery errors (they are counted in the summary, and in ``metrics`` when given).
@@ -588,15 +590,26 @@ def replay_records(
     "send" makes each event's time its send time (with ``speed`` or ``rate``); see
     :func:`plan_replay`. With "first" and a speed above 1 (or rate, or no pacing), later
     events are stamped ahead of the wall clock.
+
+    ``start_at_ms``: the wall-clock time at which the first record is due (default: when
+    sending starts; with "send", the time the records were stamped with), for records
+    already stamped with the times they should be sent at.
     """
     from confluent_kafka import KafkaException, Producer
 
     anchor: RebaseAnchor = rebase_time if isinstance(rebase_time, str) else "first"
+    producer = Producer(producer_config(bootstrap, extra_config))
+    if anchor == "send" or start_at_ms is not None:
+        # Connect and learn the topic's leaders first: the first sends would otherwise
+        # wait up to a second for them, and be that much later than their stamps.
+        with contextlib.suppress(KafkaException):
+            producer.list_topics(topic, timeout=10)
     now_ms = int(time.time() * 1000) if rebase_time else None
     plan = plan_replay(
         list(records), speed=speed, rate=rate, rebase_to_ms=now_ms, rebase_anchor=anchor
     )
-    producer = Producer(producer_config(bootstrap, extra_config))
+    if anchor == "send" and now_ms is not None:
+        start_at_ms = now_ms
     if metrics is not None:
         metrics.planned.set(len(plan))
 
@@ -625,6 +638,10 @@ def replay_records(
             first_error = first_error or str(err)
 
     start = time.monotonic()
+    if start_at_ms is not None:
+        # Due times count from the instant the records were stamped for, not from after
+        # the planning; records already due go out at once.
+        start -= time.time() - start_at_ms / 1000
     last_report = start
 
     def report(force: bool = False) -> None:

@@ -119,3 +119,55 @@ def test_cli_rate_paces_the_replay(kafka_bootstrap: str, unique_name: str, tmp_p
     )
     assert code == 0
     assert [r.value for r in read_records(out)] == [r.value for r in read_records(path)]
+
+
+def test_events_stamped_with_their_send_time_arrive_at_that_time(
+    kafka_bootstrap: str, unique_name: str
+):
+    """Paced benchmarks measure latency from these stamps: a record sent later than its
+    stamp (say, after the planning of a large replay) would count that delay against the
+    pipeline."""
+    import statistics
+    import threading
+
+    import orjson
+    from confluent_kafka import Consumer, TopicPartition
+
+    from flink_jobs.replay import event_time_ms
+
+    topic = f"{unique_name}-stamped"
+    create_topics(kafka_bootstrap, [topic], partitions=1)
+    records = read_records(SAMPLE)
+    consumer = Consumer(
+        {"bootstrap.servers": kafka_bootstrap, "group.id": topic, "fetch.wait.max.ms": 20}
+    )
+    consumer.assign([TopicPartition(topic, 0, 0)])
+    lags_s: list[float] = []
+    stop = threading.Event()
+
+    def consume() -> None:
+        while not stop.is_set():
+            message = consumer.poll(0.05)
+            if message is None or message.error():
+                continue
+            try:  # the sample's deliberately broken records keep their bytes
+                stamp = event_time_ms(orjson.loads(message.value())["event_time"])
+            except (orjson.JSONDecodeError, KeyError, TypeError):
+                continue
+            if stamp is not None:
+                lags_s.append(time.time() - stamp / 1000)
+
+    reader = threading.Thread(target=consume, daemon=True)
+    reader.start()
+    try:
+        time.sleep(1.0)  # the consumer's first fetch is in
+        summary = replay_records(kafka_bootstrap, topic, records, rate=500, rebase_time="send")
+        time.sleep(1.0)
+    finally:
+        stop.set()
+        reader.join(5)
+        consumer.close()
+
+    assert summary.ok, summary.describe(topic)
+    assert len(lags_s) > len(records) // 2
+    assert statistics.median(lags_s) < 0.06, f"median {statistics.median(lags_s):.3f} s late"
