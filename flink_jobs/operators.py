@@ -239,6 +239,11 @@ class ShopperSessions(KeyedProcessFunction, _Counted):
         if replaced is not None and not self._outbox.tracks(task.shopper_id, replaced.seq):
             # Sent before a restart and not yet sent again: this newer prompt replaces it.
             yield from self._record(Settled(replaced, TaskResult("superseded"), _now_ms()))
+        # The job's own share of the freshness (Kafka, watermark, trigger, rendering); the
+        # rest of event_to_intent_ms is the outbox's queue, the LLM call and the upsert.
+        waited_ms = _now_ms() - task.event_time_ms
+        self._stats.sample("event_to_prompt_ms", waited_ms)
+        self._tally.observe("event_to_prompt_ms", waited_ms)
         self._pending.update(task)
         self._outbox.submit(task)
         self._stats.sample("outbox_in_system", self._outbox.in_system)
@@ -313,4 +318,4 @@ _OUTCOME_COUNTERS = {
 }
 #: The inference outcomes' Flink metrics (gauges, see metric_tally): counts, then timings in ms.
 INFER_COUNTS = (*_OUTCOME_COUNTERS.values(), "llm_retries", "llm_prompt_tokens")
-INFER_TIMINGS = ("llm_latency_ms", "event_to_intent_ms")
+INFER_TIMINGS = ("llm_latency_ms", "event_to_intent_ms", "event_to_prompt_ms")

@@ -59,3 +59,13 @@ def test_only_stateless_maps_of_pyflinks_own_go_without_a_uid(
     """``key_by`` and each side output add a map the job cannot name; none holds state."""
     without = {name for name, uid in stream_nodes.items() if not uid}
     assert without <= {"_stream_key_by_map_operator", "Map"}
+
+
+def test_the_environment_flushes_buffers_and_watermarks_for_latency() -> None:
+    """Every prompt waits for the watermark and crosses a network buffer on the way."""
+    from flink_jobs.job import build_environment
+
+    config = load_config(environ={})
+    env = build_environment(config, jars=[])
+    assert env.get_config().get_auto_watermark_interval() == config.job.watermark_interval_ms
+    assert env.get_buffer_timeout() == config.job.buffer_timeout_ms == 10

@@ -11,6 +11,7 @@ dead-letter topic. The run's figures are written to ``<cache>/reports/pipeline_e
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -54,6 +55,7 @@ class PipelineRun:
     prefix_cache: PrefixCacheStats
     llm_latency_ms: list[int]
     event_to_intent_ms: list[int]
+    event_to_prompt_ms: list[int]
     replay_s: float
     elapsed_s: float
 
@@ -113,6 +115,7 @@ def pipeline_run(kafka_bootstrap: str, redis_url: str, llm_tier) -> PipelineRun:
         prefix_cache=read_prefix_cache(llm_tier.worker_urls),
         llm_latency_ms=read_samples(client, config.redis.key_prefix, "llm_latency_ms"),
         event_to_intent_ms=read_samples(client, config.redis.key_prefix, "event_to_intent_ms"),
+        event_to_prompt_ms=read_samples(client, config.redis.key_prefix, "event_to_prompt_ms"),
         replay_s=replay_s,
         elapsed_s=elapsed_s,
     )
@@ -180,6 +183,13 @@ class TestAccounting:
             + s.get("dead_letter_inference", 0)
         )
         assert finished == s["prompts_sent"] > 0
+
+    def test_every_prompt_sent_records_the_jobs_share_of_its_freshness(
+        self, pipeline_run: PipelineRun
+    ):
+        in_job, in_all = pipeline_run.event_to_prompt_ms, pipeline_run.event_to_intent_ms
+        assert len(in_job) == pipeline_run.stats["prompts_sent"]
+        assert 0 <= statistics.median(in_job) < statistics.median(in_all)
 
 
 class TestDeadLetters:

@@ -190,6 +190,7 @@ class TestBadValues:
             ("llm", "max_concurrency", "-1"),
             ("redis", "intent_ttl_s", "0"),
             ("job", "parallelism", "0"),
+            ("job", "watermark_interval_ms", "0"),
             ("prompt", "max_prompt_tokens", "0"),
         ],
     )
@@ -198,6 +199,11 @@ class TestBadValues:
     ) -> None:
         with pytest.raises(ConfigError, match=rf"{group}\.{key} must be > 0"):
             load_config(overrides={group: {key: value}}, environ={})
+
+    def test_a_negative_buffer_timeout_is_refused(self) -> None:
+        """Flink reads -1 as "send a buffer only when full": fine for a batch, not here."""
+        with pytest.raises(ConfigError, match=r"job\.buffer_timeout_ms must be >= 0"):
+            load_config(overrides={"job": {"buffer_timeout_ms": "-1"}}, environ={})
 
     def test_starting_offsets_must_be_a_known_mode(self) -> None:
         with pytest.raises(ConfigError, match=r"kafka\.starting_offsets must be one of"):
