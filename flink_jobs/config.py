@@ -226,8 +226,9 @@ class JobConfig:
     python_bundle_time_ms: int = 50
     # How often the source emits its watermark, and how long a network buffer may wait to
     # fill before it is sent: both add to every prompt's wait while traffic flows. Flink's
-    # defaults (200 and 100 ms) cost bench/pipeline_capacity.py's paced run about 0.35 s of
-    # event-to-Redis p50; these cost no measurable throughput in its drains.
+    # defaults (200 and 100 ms), with the Kafka client's 500 ms fetch wait, cost
+    # bench/pipeline_capacity.py's paced run 0.25 s of event-to-Redis p50 at 300 events/s;
+    # these cost no measurable throughput in its drains (bench/README.md).
     watermark_interval_ms: int = 50
     buffer_timeout_ms: int = 10
     stats_flush_s: float = 1.0

@@ -3,15 +3,20 @@ keys, same timestamps, same order within a partition; a recording replays to the
 
 from __future__ import annotations
 
+import statistics
+import threading
 import time
 from collections import defaultdict
 from pathlib import Path
 
+import orjson
 import pytest
+from confluent_kafka import Consumer, TopicPartition
 
 from flink_jobs.local_services import create_topics
 from flink_jobs.replay import (
     ReplayProgress,
+    event_time_ms,
     main,
     plan_replay,
     read_records,
@@ -127,14 +132,6 @@ def test_events_stamped_with_their_send_time_arrive_at_that_time(
     """Paced benchmarks measure latency from these stamps: a record sent later than its
     stamp (say, after the planning of a large replay) would count that delay against the
     pipeline."""
-    import statistics
-    import threading
-
-    import orjson
-    from confluent_kafka import Consumer, TopicPartition
-
-    from flink_jobs.replay import event_time_ms
-
     topic = f"{unique_name}-stamped"
     create_topics(kafka_bootstrap, [topic], partitions=1)
     records = read_records(SAMPLE)
