@@ -608,8 +608,7 @@ def replay_records(
     plan = plan_replay(
         list(records), speed=speed, rate=rate, rebase_to_ms=now_ms, rebase_anchor=anchor
     )
-    if anchor == "send" and now_ms is not None:
-        start_at_ms = now_ms
+    due_from_ms = now_ms if anchor == "send" else start_at_ms
     if metrics is not None:
         metrics.planned.set(len(plan))
 
@@ -638,10 +637,10 @@ def replay_records(
             first_error = first_error or str(err)
 
     start = time.monotonic()
-    if start_at_ms is not None:
+    if due_from_ms is not None:
         # Due times count from the instant the records were stamped for, not from after
         # the planning; records already due go out at once.
-        start -= time.time() - start_at_ms / 1000
+        start -= time.time() - due_from_ms / 1000
     last_report = start
 
     def report(force: bool = False) -> None:
