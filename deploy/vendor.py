@@ -44,7 +44,15 @@ from packaging.requirements import Requirement
 log = logging.getLogger(__name__)
 
 #: Distributions the Flink job imports (``flink_jobs.job`` and the modules it loads).
-JOB_DISTRIBUTIONS = ("httpx", "redis", "orjson", "jinja2", "fastjsonschema")
+JOB_DISTRIBUTIONS = (
+    "httpx",
+    "httpx-aiohttp",
+    "aiohttp",
+    "redis",
+    "orjson",
+    "jinja2",
+    "fastjsonschema",
+)
 #: Provided by the runtime: PyFlink and everything it requires.
 RUNTIME_DISTRIBUTION = "apache-flink"
 

@@ -1,13 +1,15 @@
 """The LLM client over httpx's transport seam: what it sends, and how it retries. Timeouts,
 connection errors, 429, 5xx and unreadable bodies are retried with backoff (or after the
 server's Retry-After); any other status fails at once. Failure for good is an ``LlmError``
-carrying the reason, the status and how many attempts were made."""
+carrying the reason, the status and how many attempts were made. The job's own transport
+(aiohttp's, under httpx's API) is checked against a loopback server for the same reasons."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+import socket
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import httpx
@@ -191,6 +193,96 @@ class TestAnswer:
         payload = orjson.dumps({"choices": [{"message": {"content": None}}], "usage": None})
 
         assert read_answer(payload) == Completion("")
+
+
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+async def read_request(reader: asyncio.StreamReader) -> bytes:
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = next(
+        int(line.split(b":", 1)[1])
+        for line in head.split(b"\r\n")
+        if line.lower().startswith(b"content-length:")
+    )
+    return await reader.readexactly(length)
+
+
+async def ask_loopback(port: int, **config: Any) -> LlmAnswer:
+    """The client as the job builds it (its default transport), at a loopback port."""
+    client = LlmClient(replace(CONFIG, base_url=f"http://127.0.0.1:{port}/v1", **config))
+    try:
+        return await client.complete(PROMPT, SHOPPER)
+    finally:
+        await client.aclose()
+
+
+def over_the_network(handle: Handler, **config: Any) -> LlmAnswer:
+    """Against a loopback server speaking raw HTTP/1.1."""
+
+    async def run() -> LlmAnswer:
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        try:
+            return await ask_loopback(server.sockets[0].getsockname()[1], **config)
+        finally:
+            server.close()
+
+    return asyncio.run(run())
+
+
+class TestOverTheNetwork:
+    """The default transport's failures get the same reasons as the scripted ones above."""
+
+    def test_an_answer_is_read_over_http(self) -> None:
+        seen: list[bytes] = []
+
+        async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            seen.append(await read_request(reader))
+            body = completion().content
+            writer.write(
+                b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                + f"Content-Length: {len(body)}\r\n\r\n".encode()
+                + body
+            )
+            await writer.drain()
+            writer.close()
+
+        answer_ = over_the_network(answer)
+
+        assert answer_.text == INTENT_TEXT
+        assert orjson.loads(seen[0])["user"] == SHOPPER
+
+    def test_a_refused_connection_is_a_connection_error(self) -> None:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+
+        with pytest.raises(LlmError) as caught:
+            asyncio.run(ask_loopback(port, max_attempts=1))
+
+        assert (caught.value.reason, caught.value.attempts) == ("connection_error", 1)
+
+    def test_a_server_hanging_up_is_a_connection_error(self) -> None:
+        async def hang_up(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await read_request(reader)
+            writer.close()
+
+        with pytest.raises(LlmError) as caught:
+            over_the_network(hang_up, max_attempts=1)
+
+        assert caught.value.reason == "connection_error"
+        assert "Disconnected" in caught.value.detail
+
+    def test_a_server_that_never_answers_is_a_timeout(self) -> None:
+        async def say_nothing(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await read_request(reader)
+            await reader.read()  # until the client gives up and closes
+            writer.close()
+
+        with pytest.raises(LlmError) as caught:
+            over_the_network(say_nothing, max_attempts=1, request_timeout_s=0.2)
+
+        assert caught.value.reason == "timeout", caught.value.detail
 
 
 class TestRetries:

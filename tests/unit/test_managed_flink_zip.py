@@ -187,12 +187,26 @@ class TestZipLayout:
 
     def test_dependencies_vendored_not_pyflink(self, names: set[str], built):
         tops = {n.split("/")[1] for n in names if n.startswith("site-packages/")}
-        for package in ("httpx", "redis", "jinja2", "orjson", "fastjsonschema", "markupsafe"):
+        for package in (
+            "httpx",
+            "httpx_aiohttp",
+            "aiohttp",
+            "multidict",
+            "yarl",
+            "redis",
+            "jinja2",
+            "orjson",
+            "fastjsonschema",
+            "markupsafe",
+        ):
             assert package in tops
         assert not tops & {"pyflink", "apache_beam", "pytest", "confluent_kafka", "bin"}
-        assert any(n.startswith("site-packages/orjson/") and n.endswith(".so") for n in names)
+        for compiled in ("orjson", "aiohttp"):
+            assert any(
+                n.startswith(f"site-packages/{compiled}/") and n.endswith(".so") for n in names
+            )
         vendored = {p.split("==")[0].lower() for p in built.info["vendored"]}
-        assert {"httpx", "redis", "jinja2", "orjson", "fastjsonschema"} <= vendored
+        assert {"httpx", "httpx-aiohttp", "aiohttp", "redis", "jinja2", "orjson"} <= vendored
 
     def test_run_options_point_into_the_zip(self, names: set[str], built):
         options = built.info["run_options"]
