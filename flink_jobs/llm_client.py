@@ -36,9 +36,9 @@ from flink_jobs.prompting import RenderedPrompt
 
 
 def quiet_http_logs() -> None:
-    """Keep httpx and httpcore to warnings: they log every request (INFO, DEBUG), and in
-    thread mode PEMJA hands every record to Java, whatever level Java then filters at
-    (the call process forwards each to the job the same way)."""
+    """Keep the HTTP clients' loggers to warnings: httpx and httpcore log every request
+    (INFO, DEBUG), and in thread mode PEMJA hands every record to Java, whatever level
+    Java then filters at (the call process forwards each to the job the same way)."""
     for name in ("httpx", "httpcore", "aiohttp"):
         logging.getLogger(name).setLevel(logging.WARNING)
 

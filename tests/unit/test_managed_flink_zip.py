@@ -205,8 +205,8 @@ class TestZipLayout:
             assert any(
                 n.startswith(f"site-packages/{compiled}/") and n.endswith(".so") for n in names
             )
-        vendored = {p.split("==")[0].lower() for p in built.info["vendored"]}
-        assert {"httpx", "httpx-aiohttp", "aiohttp", "redis", "jinja2", "orjson"} <= vendored
+        vendored = {vendor.canonical_name(p.split("==")[0]) for p in built.info["vendored"]}
+        assert {vendor.canonical_name(n) for n in vendor.JOB_DISTRIBUTIONS} <= vendored
 
     def test_run_options_point_into_the_zip(self, names: set[str], built):
         options = built.info["run_options"]
