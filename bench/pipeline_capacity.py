@@ -22,9 +22,9 @@ Three phases, each on a fresh job (own topic, group, key prefix):
    and 0.2 s out-of-orderness. Event-to-Redis is the job's own ``event_to_intent_ms``
    samples: from the event time the trigger fired at to the intent written, so the
    pipeline's latency (the watermark's hold included). Rates of 0.8, 0.6, 0.5, 0.4, 0.3
-   and 0.25 times the drain rate are tried in turn (or ``--paced-rate`` alone) until one keeps up:
-   p99 <= 1 s and every event done within ``MAX_LAG_S`` of the last one sent. That rate
-   is the sustained capacity.
+   and 0.25 times the drain rate are tried in turn (or ``--paced-rate`` alone) until one
+   keeps up: p99 <= 1 s and every event done within ``MAX_LAG_S`` of the last one sent.
+   That rate is the sustained capacity.
 3. **modes**: the same smaller drain (``--modes-events``) in PyFlink's thread and process
    execution modes, and in thread mode with the LLM calls made in the job's own
    interpreter (``llm.call_process=false``), back to back: the effect of each, as ratios.
