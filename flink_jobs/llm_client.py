@@ -165,7 +165,10 @@ class LlmClient:
 
     The pool holds as many connections as calls may run at once, not one per queued
     prompt: with httpcore, a pool sized for the queue (hundreds) cost more CPU per call
-    than the call itself (measured with ``bench.standin_llm``)."""
+    than the call itself (measured with ``bench.standin_llm``).
+
+    ``HTTP_PROXY``/``HTTPS_PROXY`` are not read: httpx reads them only for its own
+    transport, and the aiohttp session is made without ``trust_env``."""
 
     def __init__(
         self, config: LlmConfig, transport: httpx.AsyncBaseTransport | None = None
@@ -180,7 +183,6 @@ class LlmClient:
         self._client = httpx.AsyncClient(
             transport=transport or AiohttpTransport(limits=limits),
             timeout=httpx.Timeout(config.request_timeout_s, connect=5.0),
-            limits=limits,
         )
 
     async def complete(self, prompt: RenderedPrompt, shopper_id: str) -> LlmAnswer:
