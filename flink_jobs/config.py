@@ -125,12 +125,15 @@ class LlmConfig:
     # interpreter (call_process.py) instead of the job's, which they would share with
     # every event in thread mode.
     call_process: bool = True
+    # The HTTP proxy the calls go through; empty: HTTP_PROXY / HTTPS_PROXY / NO_PROXY from
+    # the environment, as other HTTP clients read them. May carry credentials.
+    proxy_url: str = field(default="", repr=False)
 
     def validate(self) -> None:
-        if not self.base_url.startswith(("http://", "https://")):
-            raise ConfigError(
-                f"llm.base_url must be an http(s) URL (got {redact_url(self.base_url)!r})"
-            )
+        for name in ("base_url", "proxy_url"):
+            url = getattr(self, name)
+            if (url or name == "base_url") and not url.startswith(("http://", "https://")):
+                raise ConfigError(f"llm.{name} must be an http(s) URL (got {redact_url(url)!r})")
         _require(self.model, "llm", "model")
         for name in (
             "max_tokens",

@@ -18,9 +18,11 @@ tests still script the server with ``httpx.MockTransport``.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import random
 import time
+import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -30,9 +32,11 @@ import httpx
 import orjson
 from httpx_aiohttp import AiohttpTransport
 
-from flink_jobs.config import LlmConfig
+from flink_jobs.config import LlmConfig, redact_url
 from flink_jobs.intents import intent_response_format
 from flink_jobs.prompting import RenderedPrompt
+
+log = logging.getLogger(__name__)
 
 
 def quiet_http_logs() -> None:
@@ -159,16 +163,39 @@ def transport_failure(exc: Exception) -> _RetryableError:
     return _RetryableError("connection_error", f"{type(failure).__name__}: {failure}", None)
 
 
+def proxy_for(url: httpx.URL, proxy_url: str = "") -> httpx.Proxy | None:
+    """The proxy to reach ``url`` through: ``proxy_url`` when set, else the one the
+    environment names for its scheme (or ``ALL_PROXY``) unless ``NO_PROXY`` exempts its
+    host or the host is this machine's (a proxy elsewhere cannot reach its loopback).
+    httpx's own transport looks this up itself; the aiohttp one must be told."""
+    if proxy_url:
+        return httpx.Proxy(proxy_url)
+    proxies = urllib.request.getproxies_environment()
+    chosen = proxies.get(url.scheme) or proxies.get("all")
+    host = f"{url.host}:{url.port}" if url.port else url.host
+    if (
+        not chosen
+        or _is_loopback(url.host)
+        or urllib.request.proxy_bypass_environment(host, proxies)
+    ):
+        return None
+    return httpx.Proxy(chosen)
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
 class LlmClient:
     """One per operator instance; created on the outbox's event loop (the aiohttp session
     binds to it on the first request).
 
     The pool holds as many connections as calls may run at once, not one per queued
     prompt: with httpcore, a pool sized for the queue (hundreds) cost more CPU per call
-    than the call itself (measured with ``bench.standin_llm``).
-
-    ``HTTP_PROXY``/``HTTPS_PROXY`` are not read: httpx reads them only for its own
-    transport, and the aiohttp session is made without ``trust_env``."""
+    than the call itself (measured with ``bench.standin_llm``)."""
 
     def __init__(
         self, config: LlmConfig, transport: httpx.AsyncBaseTransport | None = None
@@ -180,8 +207,17 @@ class LlmClient:
         )
         # An absolute URL, parsed once: httpx re-parses and merges a relative one per request.
         self._endpoint = httpx.URL(config.base_url.rstrip("/") + "/chat/completions")
+        if transport is None:
+            proxy = proxy_for(self._endpoint, config.proxy_url)
+            if proxy is not None:
+                log.info(
+                    "LLM calls to %s go through the proxy %s",
+                    self._endpoint.host,
+                    redact_url(str(proxy.url)),
+                )
+            transport = AiohttpTransport(limits=limits, proxy=proxy)
         self._client = httpx.AsyncClient(
-            transport=transport or AiohttpTransport(limits=limits),
+            transport=transport,
             timeout=httpx.Timeout(config.request_timeout_s, connect=5.0),
         )
 

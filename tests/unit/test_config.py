@@ -221,6 +221,16 @@ class TestBadValues:
         with pytest.raises(ConfigError, match=r"llm\.base_url"):
             load_config(environ={"SI_LLM_BASE_URL": "127.0.0.1:8000/v1"})
 
+    def test_llm_proxy_url_must_be_http(self) -> None:
+        with pytest.raises(ConfigError, match=r"llm\.proxy_url"):
+            load_config(environ={"SI_LLM_PROXY_URL": "proxy.corp:3128"})
+
+    def test_a_refused_llm_proxy_url_is_shown_without_its_password(self) -> None:
+        with pytest.raises(ConfigError, match=r"llm\.proxy_url") as caught:
+            load_config(environ={"SI_LLM_PROXY_URL": "socks5://u:hunter2@proxy.corp:1080"})
+
+        assert "hunter2" not in str(caught.value)
+
     def test_max_wait_shorter_than_quiet_period_raises(self) -> None:
         with pytest.raises(ConfigError, match=r"trigger\.max_wait_s must be >= trigger\.quiet_s"):
             load_config(overrides={"trigger": {"quiet_s": 10, "max_wait_s": 5}}, environ={})

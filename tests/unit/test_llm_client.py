@@ -27,6 +27,7 @@ from flink_jobs.llm_client import (
     backoff_delay,
     is_retryable_status,
     parse_retry_after,
+    proxy_for,
     read_answer,
 )
 from flink_jobs.prompting import RenderedPrompt
@@ -198,14 +199,28 @@ class TestAnswer:
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
 
-async def read_request(reader: asyncio.StreamReader) -> bytes:
+async def read_request(reader: asyncio.StreamReader, heads: list[bytes] | None = None) -> bytes:
+    """The request's body; its head is added to ``heads`` when given."""
     head = await reader.readuntil(b"\r\n\r\n")
+    if heads is not None:
+        heads.append(head)
     length = next(
         int(line.split(b":", 1)[1])
         for line in head.split(b"\r\n")
         if line.lower().startswith(b"content-length:")
     )
     return await reader.readexactly(length)
+
+
+async def write_answer(writer: asyncio.StreamWriter) -> None:
+    body = completion().content
+    writer.write(
+        b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+        + f"Content-Length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
+    await writer.drain()
+    writer.close()
 
 
 async def ask_loopback(port: int, **config: Any) -> LlmAnswer:
@@ -238,14 +253,7 @@ class TestOverTheNetwork:
 
         async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             seen.append(await read_request(reader))
-            body = completion().content
-            writer.write(
-                b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
-                + f"Content-Length: {len(body)}\r\n\r\n".encode()
-                + body
-            )
-            await writer.drain()
-            writer.close()
+            await write_answer(writer)
 
         answer_ = over_the_network(answer)
 
@@ -283,6 +291,88 @@ class TestOverTheNetwork:
             over_the_network(say_nothing, max_attempts=1, request_timeout_s=0.2)
 
         assert caught.value.reason == "timeout", caught.value.detail
+
+
+PROXY_VARIABLES = ("http_proxy", "https_proxy", "all_proxy", "no_proxy")
+
+
+@pytest.fixture
+def proxy_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    """An environment with no proxy variables but those a test sets."""
+    for name in PROXY_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+        monkeypatch.delenv(name.upper(), raising=False)
+    return monkeypatch
+
+
+class TestProxy:
+    """The calls honour the proxy a user names, in ``llm.proxy_url`` or the environment."""
+
+    def test_without_proxy_variables_the_endpoint_is_reached_directly(
+        self, proxy_env: pytest.MonkeyPatch
+    ) -> None:
+        assert proxy_for(httpx.URL("http://router.internal:8000/v1")) is None
+
+    def test_the_proxy_named_for_the_scheme_is_used(self, proxy_env: pytest.MonkeyPatch) -> None:
+        proxy_env.setenv("HTTP_PROXY", "http://proxy.corp:3128")
+        proxy_env.setenv("HTTPS_PROXY", "http://tls-proxy.corp:3128")
+
+        proxy = proxy_for(httpx.URL("https://llm.example.com/v1"))
+
+        assert proxy is not None and proxy.url == httpx.URL("http://tls-proxy.corp:3128")
+
+    def test_no_proxy_exempts_its_hosts(self, proxy_env: pytest.MonkeyPatch) -> None:
+        proxy_env.setenv("HTTP_PROXY", "http://proxy.corp:3128")
+        proxy_env.setenv("NO_PROXY", ".internal,10.0.0.0")
+
+        assert proxy_for(httpx.URL("http://router.internal:8000/v1")) is None
+
+    def test_loopback_endpoints_never_go_through_an_environment_proxy(
+        self, proxy_env: pytest.MonkeyPatch
+    ) -> None:
+        proxy_env.setenv("ALL_PROXY", "http://proxy.corp:3128")
+
+        assert [
+            proxy_for(httpx.URL(url))
+            for url in ("http://127.0.0.1:8000/v1", "http://[::1]:8000/v1", "http://localhost/v1")
+        ] == [None, None, None]
+
+    def test_the_configured_proxy_wins_and_keeps_its_credentials_apart(
+        self, proxy_env: pytest.MonkeyPatch
+    ) -> None:
+        proxy_env.setenv("HTTP_PROXY", "http://other.corp:3128")
+
+        proxy = proxy_for(httpx.URL("http://router:8000/v1"), "http://svc:hunter2@proxy.corp:3128")
+
+        assert proxy is not None
+        assert (proxy.url, proxy.auth) == (httpx.URL("http://proxy.corp:3128"), ("svc", "hunter2"))
+
+    def test_a_call_goes_through_the_environment_proxy(self, proxy_env: pytest.MonkeyPatch) -> None:
+        """A loopback server plays the proxy: it sees the request in the absolute form a
+        client sends a proxy, for a host that no resolver knows, and answers it."""
+        heads: list[bytes] = []
+
+        async def proxy(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await read_request(reader, heads)
+            await write_answer(writer)
+
+        async def run() -> LlmAnswer:
+            server = await asyncio.start_server(proxy, "127.0.0.1", 0)
+            port = server.sockets[0].getsockname()[1]
+            proxy_env.setenv("HTTP_PROXY", f"http://127.0.0.1:{port}")
+            client = LlmClient(replace(CONFIG, base_url="http://llm.invalid:8000/v1"))
+            try:
+                return await client.complete(PROMPT, SHOPPER)
+            finally:
+                await client.aclose()
+                server.close()
+
+        answer = asyncio.run(run())
+
+        assert answer.text == INTENT_TEXT
+        assert [head.split(b"\r\n", 1)[0] for head in heads] == [
+            b"POST http://llm.invalid:8000/v1/chat/completions HTTP/1.1"
+        ]
 
 
 class TestRetries:
