@@ -11,9 +11,12 @@ job catching up a backlog), PyFlink fires every timer it passed before the Pytho
 registered the wake-up timers those firings ask for, so timers arrive out of order. Hence
 :func:`on_timer` replays the shopper's timeline itself: every held event due and every
 trigger wake-up (kept in ``SessionState.wake_at_ms``) up to the timer's time, in
-event-time order. A timer whose time was already replayed does nothing.
+event-time order. A timer whose time was already replayed does nothing. The same
+replay lets a held event wait past its own time for a timer at the first time it could
+make the trigger fire (:func:`release_at`).
 
-An event that arrives behind the watermark is applied at once. ``session.apply_event``
+An event that arrives behind the watermark is applied at once, after the held events the
+watermark has passed. ``session.apply_event``
 then judges it against the shopper's newest event: folded into the context if within
 ``session.max_lateness_s`` (a late click is still signal), else dropped and dead-lettered.
 
@@ -87,11 +90,11 @@ def on_event(
     render: Renderer,
 ) -> Step:
     if is_held(event, watermark_ms):
-        step = Step(state, hold(held, event), timers=[event.event_time_ms])
+        step = Step(state, hold(held, event), timers=[release_at(event, config)])
         step.count("events_held")
         return step
-    step = Step(state, held)
-    _wake(step, watermark_ms, config, render)
+    # Held events the watermark has passed may wait for a later timer (release_at).
+    step = on_timer(state, held, watermark_ms, config, render)
     _apply(step, (event,), config, behind_watermark=True)
     _evaluate(step, watermark_ms, event.event_time_ms, config, render)
     return step
@@ -112,7 +115,20 @@ def on_timer(
         assert step.state is not None
         _evaluate(step, at_ms, step.state.newest_event_ms, config, render)
     _wake(step, timestamp_ms, config, render)
+    # Wake-ups due by now ran above; Flink would only fire them again for nothing.
+    step.timers = [t for t in step.timers if t > timestamp_ms]
     return step
+
+
+def release_at(event: ShopperEvent, config: AppConfig) -> int:
+    """The event time by which a held event must be applied: its own for a high-signal
+    event (the trigger may fire at once), else the end of its quiet period. Nothing it
+    brings can fire earlier, and a timer replays every held event due in event-time order
+    (:func:`on_timer`), so the prompts are those of a timer at every event's own time,
+    at one firing per browsing event instead of two."""
+    if event.event_type in config.trigger.high_signal_types:
+        return event.event_time_ms
+    return event.event_time_ms + int(config.trigger.quiet_s * 1000)
 
 
 def _wake(step: Step, until_ms: int, config: AppConfig, render: Renderer) -> None:

@@ -45,8 +45,11 @@ class FlinkKey:
     when the watermark jumps: the Python side registers the timers a firing asks for only
     after the JVM has fired the others it passed."""
 
-    def __init__(self, fire_order: random.Random | None = None) -> None:
+    def __init__(
+        self, fire_order: random.Random | None = None, timer_per_event: bool = False
+    ) -> None:
         self.fire_order = fire_order
+        self.timer_per_event = timer_per_event
         self.state = None
         self.held: tuple[ShopperEvent, ...] = ()
         self.timers: set[int] = set()
@@ -55,6 +58,8 @@ class FlinkKey:
         self.steps: list[Step] = []
 
     def arrive(self, e: ShopperEvent) -> Step:
+        if self.timer_per_event and e.event_time_ms > self.watermark:
+            self.timers.add(e.event_time_ms)
         return self._take(on_event(self.state, self.held, e, self.watermark, CONFIG, RENDER))
 
     def advance(self, watermark: int) -> None:
@@ -77,15 +82,37 @@ class FlinkKey:
         return step
 
 
-def test_an_event_ahead_of_the_watermark_waits_with_a_timer_at_its_event_time() -> None:
+def test_a_browsing_event_ahead_of_the_watermark_waits_for_the_end_of_its_quiet_period() -> None:
     e = event("view", at_s=1)
 
     step = on_event(None, (), e, at(0), CONFIG, RENDER)
 
     assert step.held == (e,)
-    assert step.timers == [e.event_time_ms]
+    assert step.timers == [at(1 + CONFIG.trigger.quiet_s)]
     assert step.state is None
     assert step.counts == {"events_held": 1}
+
+
+def test_a_high_signal_event_ahead_of_the_watermark_waits_for_its_own_time() -> None:
+    cart = event("add_to_cart", at_s=1)
+
+    step = on_event(None, (), cart, at(0), CONFIG, RENDER)
+
+    assert step.timers == [cart.event_time_ms]
+
+
+def test_an_event_behind_the_watermark_comes_after_the_held_events_the_watermark_passed() -> None:
+    key = FlinkKey()
+    browsed = event("view", at_s=10)
+    key.arrive(browsed)
+    key.advance(at(11))  # passes the view, but its timer is at the end of its quiet period
+    straggler = event("view", at_s=9, product=EARBUDS)
+
+    step = key.arrive(straggler)
+
+    assert step.state.events == (straggler, browsed)
+    assert step.late_events == [(straggler, Outcome.LATE_FOLDED)]
+    assert step.held == ()
 
 
 def test_held_events_are_kept_in_event_time_order() -> None:
@@ -171,10 +198,11 @@ def _prompts_of(
     watermark_points: list[int],
     bound_ms: int,
     fire_order: random.Random | None = None,
+    timer_per_event: bool = False,
 ):
     """Feed ``arrivals`` in order, emitting a bounded-out-of-orderness watermark after the
     arrivals listed in ``watermark_points``, then let the watermark run past everything."""
-    key = FlinkKey(fire_order)
+    key = FlinkKey(fire_order, timer_per_event)
     newest = NO_WATERMARK
     for i, e in enumerate(arrivals):
         key.arrive(e)
@@ -241,6 +269,24 @@ def test_a_catching_up_job_renders_the_same_prompts_when_timers_fire_out_of_orde
     jumping = _prompts_of(events, watermark_points, bound_ms, random.Random(seed))
 
     assert jumping == in_order
+
+
+@settings(max_examples=60, deadline=None)
+@given(watermark_points=st.lists(st.integers(0, len(SESSION) - 1), max_size=len(SESSION)))
+def test_held_events_render_the_prompts_of_a_timer_at_every_event_time(
+    watermark_points: list[int],
+) -> None:
+    bound_ms = int(CONFIG.job.out_of_orderness_s * 1000)
+    events = [
+        ShopperEvent(f"ev-{i}", SHOPPER, kind, T0 + int(s * 1000), **product)
+        for i, (kind, s, product) in enumerate(SESSION)
+    ]
+
+    deferred = _prompts_of(events, watermark_points, bound_ms)
+    every_event = _prompts_of(events, watermark_points, bound_ms, timer_per_event=True)
+
+    assert len(deferred) >= 3
+    assert deferred == every_event
 
 
 def test_a_timer_whose_time_was_already_replayed_does_nothing() -> None:
