@@ -123,11 +123,12 @@ def apply_event(
 
 
 def mark_prompted(state: SessionState, now_ms: int, fingerprint: int) -> SessionState:
-    """Record that a prompt covering every event so far was sent."""
+    """Record that a prompt covering every event so far was sent (so no wake-up is owed)."""
     return replace(
         state,
         pending_since_ms=None,
         pending_high_signal=False,
+        wake_at_ms=None,
         last_prompt_ms=now_ms,
         last_prompt_fingerprint=fingerprint,
         prompt_seq=state.prompt_seq + 1,
@@ -135,8 +136,9 @@ def mark_prompted(state: SessionState, now_ms: int, fingerprint: int) -> Session
 
 
 def clear_pending(state: SessionState) -> SessionState:
-    """Forget pending events that changed nothing material (no prompt is owed for them)."""
-    return replace(state, pending_since_ms=None, pending_high_signal=False)
+    """Forget pending events that changed nothing material (no prompt or wake-up is owed
+    for them)."""
+    return replace(state, pending_since_ms=None, pending_high_signal=False, wake_at_ms=None)
 
 
 def _close_session(state: SessionState) -> SessionState:

@@ -139,7 +139,6 @@ def _wake(step: Step, until_ms: int, config: AppConfig, render: Renderer) -> Non
         and step.state.wake_at_ms <= until_ms
     ):
         at_ms = step.state.wake_at_ms
-        step.state = replace(step.state, wake_at_ms=None)
         _evaluate(step, at_ms, at_ms, config, render)
 
 
@@ -172,8 +171,10 @@ def _apply(
 def _evaluate(
     step: Step, now_ms: int, trigger_event_ms: int, config: AppConfig, render: Renderer
 ) -> None:
-    assert step.state is not None
-    state = step.state = replace(step.state, wake_at_ms=None)
+    """Run the trigger at ``now_ms``; whatever it decides replaces the wake-up the state
+    asked for (prompting and clearing leave none)."""
+    state = step.state
+    assert state is not None
     decision = decide(state, now_ms, config.trigger)
     if decision.verdict is Verdict.FIRE:
         try:
@@ -198,5 +199,8 @@ def _evaluate(
         step.state = clear_pending(state)
     elif decision.verdict is Verdict.WAIT:
         assert decision.wake_at_ms is not None
-        step.state = replace(state, wake_at_ms=decision.wake_at_ms)
+        if state.wake_at_ms != decision.wake_at_ms:
+            step.state = replace(state, wake_at_ms=decision.wake_at_ms)
         step.timers.append(decision.wake_at_ms)
+    elif state.wake_at_ms is not None:
+        step.state = replace(state, wake_at_ms=None)
