@@ -125,15 +125,14 @@ class LlmConfig:
     # interpreter (call_process.py) instead of the job's, which they would share with
     # every event in thread mode.
     call_process: bool = True
-    # The HTTP proxy the calls go through; empty: HTTP_PROXY / HTTPS_PROXY / NO_PROXY from
-    # the environment, as other HTTP clients read them. May carry credentials.
+    # The HTTP proxy the calls go through; empty: the one the environment names, as
+    # other HTTP clients read it (llm_client.proxy_for). May carry credentials.
     proxy_url: str = field(default="", repr=False)
 
     def validate(self) -> None:
-        for name in ("base_url", "proxy_url"):
-            url = getattr(self, name)
-            if (url or name == "base_url") and not url.startswith(("http://", "https://")):
-                raise ConfigError(f"llm.{name} must be an http(s) URL (got {redact_url(url)!r})")
+        _http_url(self.base_url, "llm", "base_url")
+        if self.proxy_url:
+            _http_url(self.proxy_url, "llm", "proxy_url")
         _require(self.model, "llm", "model")
         for name in (
             "max_tokens",
@@ -448,6 +447,11 @@ def _require(value: str, group: str, name: str) -> None:
         raise ConfigError(
             f"{group}.{name} must be set (env {ENV_PREFIX}{group.upper()}_{name.upper()})"
         )
+
+
+def _http_url(url: str, group: str, name: str) -> None:
+    if not url.startswith(("http://", "https://")):
+        raise ConfigError(f"{group}.{name} must be an http(s) URL (got {redact_url(url)!r})")
 
 
 def _positive(value: float, group: str, name: str) -> None:

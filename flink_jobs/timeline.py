@@ -16,9 +16,9 @@ replay lets a held event wait past its own time for a timer at the first time it
 make the trigger fire (:func:`release_at`).
 
 An event that arrives behind the watermark is applied at once, after the held events the
-watermark has passed. ``session.apply_event``
-then judges it against the shopper's newest event: folded into the context if within
-``session.max_lateness_s`` (a late click is still signal), else dropped and dead-lettered.
+watermark has passed. ``session.apply_event`` then judges it against the shopper's newest
+event: folded into the context if within ``session.max_lateness_s`` (a late click is
+still signal), else dropped and dead-lettered.
 
 :func:`on_event` and :func:`on_timer` are pure: ``operators.ShopperSessions`` stores the
 :class:`Step` they return, registers its timers and emits its prompt and dead letters.
@@ -125,7 +125,7 @@ def release_at(event: ShopperEvent, config: AppConfig) -> int:
     event (the trigger may fire at once), else the end of its quiet period. Nothing it
     brings can fire earlier, and a timer replays every held event due in event-time order
     (:func:`on_timer`), so the prompts are those of a timer at every event's own time,
-    at one firing per browsing event instead of two."""
+    and a browsing event the trigger waits after costs one firing, not two."""
     if event.event_type in config.trigger.high_signal_types:
         return event.event_time_ms
     return event.event_time_ms + int(config.trigger.quiet_s * 1000)

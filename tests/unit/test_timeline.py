@@ -55,6 +55,7 @@ class FlinkKey:
         self.timers: set[int] = set()
         self.watermark = NO_WATERMARK
         self.prompts: list = []
+        self.emitted_at: list[int] = []  # the watermark each prompt was emitted at
         self.steps: list[Step] = []
 
     def arrive(self, e: ShopperEvent) -> Step:
@@ -78,6 +79,7 @@ class FlinkKey:
         self.state, self.held = step.state, step.held
         self.timers.update(step.timers)
         self.prompts.extend(step.prompts)
+        self.emitted_at.extend(self.watermark for _ in step.prompts)
         self.steps.append(step)
         return step
 
@@ -198,11 +200,16 @@ def _prompts_of(
     watermark_points: list[int],
     bound_ms: int,
     fire_order: random.Random | None = None,
-    timer_per_event: bool = False,
 ):
     """Feed ``arrivals`` in order, emitting a bounded-out-of-orderness watermark after the
     arrivals listed in ``watermark_points``, then let the watermark run past everything."""
-    key = FlinkKey(fire_order, timer_per_event)
+    key = _fed(arrivals, watermark_points, bound_ms, FlinkKey(fire_order))
+    return [(p.seq, p.version_ts, p.prompt.messages) for p in key.prompts]
+
+
+def _fed(
+    arrivals: list[ShopperEvent], watermark_points: list[int], bound_ms: int, key: FlinkKey
+) -> FlinkKey:
     newest = NO_WATERMARK
     for i, e in enumerate(arrivals):
         key.arrive(e)
@@ -210,7 +217,7 @@ def _prompts_of(
         if i in watermark_points:
             key.advance(newest - bound_ms - 1)
     key.advance(newest + 3_600_000)
-    return [(p.seq, p.version_ts, p.prompt.messages) for p in key.prompts]
+    return key
 
 
 SESSION = [
@@ -282,11 +289,14 @@ def test_held_events_render_the_prompts_of_a_timer_at_every_event_time(
         for i, (kind, s, product) in enumerate(SESSION)
     ]
 
-    deferred = _prompts_of(events, watermark_points, bound_ms)
-    every_event = _prompts_of(events, watermark_points, bound_ms, timer_per_event=True)
+    deferred = _fed(events, watermark_points, bound_ms, FlinkKey())
+    every_event = _fed(events, watermark_points, bound_ms, FlinkKey(timer_per_event=True))
 
-    assert len(deferred) >= 3
-    assert deferred == every_event
+    assert len(deferred.prompts) >= 3
+    assert [(p.seq, p.version_ts, p.prompt.messages) for p in deferred.prompts] == [
+        (p.seq, p.version_ts, p.prompt.messages) for p in every_event.prompts
+    ]
+    assert deferred.emitted_at == every_event.emitted_at  # and as soon
 
 
 def test_a_timer_whose_time_was_already_replayed_does_nothing() -> None:
