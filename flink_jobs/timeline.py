@@ -13,7 +13,8 @@ registered the wake-up timers those firings ask for, so timers arrive out of ord
 trigger wake-up (kept in ``SessionState.wake_at_ms``) up to the timer's time, in
 event-time order. A timer whose time was already replayed does nothing. The same
 replay lets a held event wait past its own time for a timer at the first time it could
-make the trigger fire (:func:`release_at`).
+make the trigger fire (``trigger.earliest_fire_ms``): the prompts are those of a timer at
+every event's own time.
 
 An event that arrives behind the watermark is applied at once, after the held events the
 watermark has passed. ``session.apply_event`` then judges it against the shopper's newest
@@ -43,7 +44,7 @@ from flink_jobs.session import (
     mark_prompted,
     new_session_state,
 )
-from flink_jobs.trigger import Verdict, decide
+from flink_jobs.trigger import Verdict, decide, earliest_fire_ms
 
 Renderer = Callable[[SessionState], RenderedPrompt]
 
@@ -90,10 +91,10 @@ def on_event(
     render: Renderer,
 ) -> Step:
     if is_held(event, watermark_ms):
-        step = Step(state, hold(held, event), timers=[release_at(event, config)])
+        step = Step(state, hold(held, event), timers=[earliest_fire_ms(event, config.trigger)])
         step.count("events_held")
         return step
-    # Held events the watermark has passed may wait for a later timer (release_at).
+    # Held events the watermark has passed may wait for a later timer (earliest_fire_ms).
     step = on_timer(state, held, watermark_ms, config, render)
     _apply(step, (event,), config, behind_watermark=True)
     _evaluate(step, watermark_ms, event.event_time_ms, config, render)
@@ -118,17 +119,6 @@ def on_timer(
     # Wake-ups due by now ran above; Flink would only fire them again for nothing.
     step.timers = [t for t in step.timers if t > timestamp_ms]
     return step
-
-
-def release_at(event: ShopperEvent, config: AppConfig) -> int:
-    """The event time by which a held event must be applied: its own for a high-signal
-    event (the trigger may fire at once), else the end of its quiet period. Nothing it
-    brings can fire earlier, and a timer replays every held event due in event-time order
-    (:func:`on_timer`), so the prompts are those of a timer at every event's own time,
-    and a browsing event the trigger waits after costs one firing, not two."""
-    if event.event_type in config.trigger.high_signal_types:
-        return event.event_time_ms
-    return event.event_time_ms + int(config.trigger.quiet_s * 1000)
 
 
 def _wake(step: Step, until_ms: int, config: AppConfig, render: Renderer) -> None:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from flink_jobs.config import TriggerConfig
+from flink_jobs.events import ShopperEvent
 from flink_jobs.session import SessionState
 
 
@@ -72,7 +73,7 @@ def decide(state: SessionState, now_ms: int, config: TriggerConfig) -> Decision:
     if state.pending_high_signal:
         due, reason = now_ms, "high-signal event"
     else:
-        quiet_due = state.newest_event_ms + int(config.quiet_s * 1000)
+        quiet_due = _quiet_ends_ms(state.newest_event_ms, config)
         max_wait_due = state.pending_since_ms + int(config.max_wait_s * 1000)
         due, reason = (
             (quiet_due, "quiet period") if quiet_due <= max_wait_due else (max_wait_due, "max wait")
@@ -81,3 +82,17 @@ def decide(state: SessionState, now_ms: int, config: TriggerConfig) -> Decision:
     if now_ms >= due:
         return Decision(Verdict.FIRE, reason, fingerprint=fingerprint)
     return Decision(Verdict.WAIT, reason, wake_at_ms=due, fingerprint=fingerprint)
+
+
+def earliest_fire_ms(event: ShopperEvent, config: TriggerConfig) -> int:
+    """The earliest event time at which ``event`` can be what makes :func:`decide` fire:
+    its own for a high-signal event, else the end of its quiet period. A held event
+    needs applying no sooner (``timeline.on_event``), which saves a browsing event the
+    trigger then waits after one of its two timer firings."""
+    if event.event_type in config.high_signal_types:
+        return event.event_time_ms
+    return _quiet_ends_ms(event.event_time_ms, config)
+
+
+def _quiet_ends_ms(newest_event_ms: int, config: TriggerConfig) -> int:
+    return newest_event_ms + int(config.quiet_s * 1000)

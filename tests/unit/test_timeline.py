@@ -203,7 +203,10 @@ def _prompts_of(
 ):
     """Feed ``arrivals`` in order, emitting a bounded-out-of-orderness watermark after the
     arrivals listed in ``watermark_points``, then let the watermark run past everything."""
-    key = _fed(arrivals, watermark_points, bound_ms, FlinkKey(fire_order))
+    return _rendered(_fed(arrivals, watermark_points, bound_ms, FlinkKey(fire_order)))
+
+
+def _rendered(key: FlinkKey):
     return [(p.seq, p.version_ts, p.prompt.messages) for p in key.prompts]
 
 
@@ -293,9 +296,7 @@ def test_held_events_render_the_prompts_of_a_timer_at_every_event_time(
     every_event = _fed(events, watermark_points, bound_ms, FlinkKey(timer_per_event=True))
 
     assert len(deferred.prompts) >= 3
-    assert [(p.seq, p.version_ts, p.prompt.messages) for p in deferred.prompts] == [
-        (p.seq, p.version_ts, p.prompt.messages) for p in every_event.prompts
-    ]
+    assert _rendered(deferred) == _rendered(every_event)
     assert deferred.emitted_at == every_event.emitted_at  # and as soon
 
 
