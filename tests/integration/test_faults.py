@@ -5,9 +5,10 @@ runs on a private stack, because it breaks it: a persistent Redis, a Tansu broke
 vLLM workers on the CPU, the router in front of them, and a fault proxy
 (``fault_proxy.py``) between the router and the second worker. 36 shoppers' sessions
 (six minutes of event time, bad and duplicate records mixed in) are replayed at 2.5x,
-event times rebased to the send time. One fault at a time, each bounded in count and
-time, the first once the router has a request in flight, and when each happened is
-recorded:
+event times rebased to the send time, but the last records trickle at 1x while faults
+remain: each fault finds prompts flowing however long the ones before it took. One fault
+at a time, each bounded in count and time, the first once the router has a request in
+flight, and when each happened is recorded:
 
 while all but the last 30 records are sent
     the proxied worker answers slowly (6 s late), then with prose instead of an intent,
@@ -63,7 +64,7 @@ from flink_jobs.local_services import (
     start_redis,
     start_tansu,
 )
-from flink_jobs.replay import replay_records
+from flink_jobs.replay import ReplaySummary, replay_records
 from flink_jobs.run_report import (
     EVENT_OUTCOMES,
     IntentRow,
@@ -81,10 +82,17 @@ pytestmark = pytest.mark.timeout(15 * 60)
 SHOPPERS = 36
 SEED = 23
 # Prompts must still flow when the last fault needs them, and often enough that each
-# proxy fault ends before its window: 24 shoppers over four minutes, and then over six,
-# each once left a kill with nothing in flight.
+# proxy fault ends before its window. A replay at one speed was too short for the faults
+# on a slow host however it was sized (24 shoppers over four minutes, then 36 over six,
+# each left the last faults with nothing in flight), and a longer one swamps the one
+# worker left after the kill (a CPU worker prefills ~70 tokens/s). So the replay is paced
+# by the faults: SPEED, but while they run the last RESERVE records trickle at
+# TRICKLE_SPEED (about 100 s more traffic), sent in chunks of CHUNK records.
 DURATION_S = 360.0
 SPEED = 2.5
+TRICKLE_SPEED = 1.0
+RESERVE = 80
+CHUNK = 20
 TAIL = 30  # the last records, sent after the broker restart
 # Sent after the broker restart too, so dead letters are written through the restarted
 # broker: a record that is not JSON and one that is not an event.
@@ -301,6 +309,8 @@ class Scenario:
     dead_letters: list[dict]
     job_statuses: list[tuple[float, str]]  # (epoch s, status) at each change
     redis_retry_log: list[str]  # the job's "Redis write failed ... retrying" warnings
+    trickled: int  # records sent at TRICKLE_SPEED, waiting for the faults
+    faults_lasted_s: float  # from the job's start to the last fault before the broker's
     elapsed_s: float
 
     def restarts_between(self, start: float, end: float) -> int:
@@ -368,12 +378,32 @@ class Injector:
         self._thread = threading.Thread(target=run, name=name, daemon=True)
         self._thread.start()
 
+    @property
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
     def join(self, timeout_s: float) -> None:
         self._thread.join(timeout_s)
         if self._thread.is_alive():
             raise TimeoutError(f"{self._thread.name} still running after {timeout_s:.0f} s")
         if self.error is not None:
             raise self.error
+
+
+def replay_paced_by_faults(
+    bootstrap: str, topic: str, records: list, faults: Injector
+) -> tuple[list[ReplaySummary], int]:
+    """Send ``records`` at SPEED, but the last RESERVE at TRICKLE_SPEED while ``faults``
+    runs. Returns each chunk's summary and how many records trickled."""
+    summaries: list[ReplaySummary] = []
+    trickled = 0
+    for start in range(0, len(records), CHUNK):
+        chunk = records[start : start + CHUNK]
+        trickle = len(records) - start <= RESERVE and not faults.done
+        speed = TRICKLE_SPEED if trickle else SPEED
+        summaries.append(replay_records(bootstrap, topic, chunk, speed=speed, rebase_time="send"))
+        trickled += len(chunk) if trickle else 0
+    return summaries, trickled
 
 
 @pytest.fixture(scope="module")
@@ -536,11 +566,13 @@ def scenario() -> Iterator[Scenario]:
         try:
             started = time.monotonic()
             injector = Injector("faults", inject_faults)
-            sent = replay_records(
-                broker.bootstrap, config.kafka.events_topic, main, speed=SPEED, rebase_time="send"
+            chunks, trickled = replay_paced_by_faults(
+                broker.bootstrap, config.kafka.events_topic, main, injector
             )
-            assert sent.ok, sent.describe(config.kafka.events_topic)
+            for sent in chunks:
+                assert sent.ok, sent.describe(config.kafka.events_topic)
             injector.join(6 * 60)
+            faults_lasted_s = time.monotonic() - started
             for mode, window in _windows_by_mode(proxy.windows).items():
                 faults[mode] = Fault(mode, window.started_at, window.ended_at)
             stats_before_broker, settled_before_broker = _wait_until_settled(
@@ -609,6 +641,8 @@ def scenario() -> Iterator[Scenario]:
             dead_letters=dead_letters,
             job_statuses=list(watcher.statuses),
             redis_retry_log=_job_log_lines(REDIS_RETRY_LOG),
+            trickled=trickled,
+            faults_lasted_s=faults_lasted_s,
             elapsed_s=elapsed_s,
         )
         _write_report(run)
@@ -677,6 +711,8 @@ def _write_report(run: Scenario) -> None:
     report = {
         "shoppers": SHOPPERS,
         "records": run.produced,
+        "records_trickled": run.trickled,
+        "faults_lasted_s": round(run.faults_lasted_s, 1),
         "elapsed_s": round(run.elapsed_s, 1),
         "settled_before_broker": run.settled_before_broker,
         "settled": run.settled,
