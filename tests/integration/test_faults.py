@@ -310,7 +310,7 @@ class Scenario:
     job_statuses: list[tuple[float, str]]  # (epoch s, status) at each change
     redis_retry_log: list[str]  # the job's "Redis write failed ... retrying" warnings
     trickled: int  # records sent at TRICKLE_SPEED, waiting for the faults
-    faults_lasted_s: float  # from the job's start to the last fault before the broker's
+    faults_lasted_s: float  # from the job's submission to the kill, the last fault
     elapsed_s: float
 
     def restarts_between(self, start: float, end: float) -> int:
@@ -368,19 +368,22 @@ class Injector:
 
     def __init__(self, name: str, steps: Callable[[], None]) -> None:
         self.error: BaseException | None = None
+        self.ended_at: float | None = None  # time.monotonic()
 
         def run() -> None:
             try:
                 steps()
             except BaseException as exc:  # handed to join()
                 self.error = exc
+            finally:
+                self.ended_at = time.monotonic()
 
         self._thread = threading.Thread(target=run, name=name, daemon=True)
         self._thread.start()
 
     @property
     def done(self) -> bool:
-        return not self._thread.is_alive()
+        return self.ended_at is not None
 
     def join(self, timeout_s: float) -> None:
         self._thread.join(timeout_s)
@@ -572,7 +575,7 @@ def scenario() -> Iterator[Scenario]:
             for sent in chunks:
                 assert sent.ok, sent.describe(config.kafka.events_topic)
             injector.join(6 * 60)
-            faults_lasted_s = time.monotonic() - started
+            faults_lasted_s = injector.ended_at - started
             for mode, window in _windows_by_mode(proxy.windows).items():
                 faults[mode] = Fault(mode, window.started_at, window.ended_at)
             stats_before_broker, settled_before_broker = _wait_until_settled(
