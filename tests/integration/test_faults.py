@@ -11,8 +11,8 @@ at a time, each bounded in count and time, the first once the router has a reque
 flight, and when each happened is recorded:
 
 while all but the last 30 records are sent
-    the proxied worker answers slowly (6 s late), then with prose instead of an intent,
-    then with 503s, then with cut-off JSON; Redis is stopped with answers on their way
+    the proxied worker answers with prose instead of an intent, then with 503s, then with
+    cut-off JSON, then slowly (6 s late); Redis is stopped with answers on their way
     and started again once one has reached the job (same port, append-only file kept);
     the router is killed with requests in flight and started again on the same port; the
     direct worker is killed with requests in flight. Then the job settles, and its counts
@@ -97,13 +97,16 @@ TAIL = 30  # the last records, sent after the broker restart
 # Sent after the broker restart too, so dead letters are written through the restarted
 # broker: a record that is not JSON and one that is not an event.
 AFTER_BROKER_BAD_RECORDS = [b"{not json", b'{"shopper_id": "shopper-00001"}']
-# (mode, faulty answers, extra arguments); each fault lasts at most PROXY_FAULT_MAX_S.
+# (mode, faulty answers, extra arguments); each fault lasts at most PROXY_FAULT_MAX_S and
+# starts once a request is in flight to the proxied worker (at most IN_FLIGHT_WAIT_S).
 PROXY_FAULTS: list[tuple[str, int, dict]] = [
-    # Two: the router steers new shoppers away from a slow worker, so more came too rarely.
-    ("slow", 2, {"delay_s": 6.0}),
     ("bad_intent", 6, {}),
     ("5xx", 3, {}),
     ("invalid_json", 3, {}),
+    # Last, and two: the router steers new shoppers away from a worker that answered
+    # slowly (for up to a minute), so more came too rarely, and a fault after it once
+    # saw no request at all in its 25 s.
+    ("slow", 2, {"delay_s": 6.0}),
 ]
 PROXY_FAULT_MAX_S = 25.0
 # Redis stays down until an answer has reached the job and the job has failed to write it
@@ -508,6 +511,7 @@ def scenario() -> Iterator[Scenario]:
         def inject_faults() -> None:
             _wait_for(in_flight(), FIRST_REQUEST_WAIT_S)
             for mode, count, extra in PROXY_FAULTS:
+                _wait_for(in_flight(worker=proxy.url), IN_FLIGHT_WAIT_S)
                 began(mode)
                 proxy.inject(mode, count, PROXY_FAULT_MAX_S, **extra)
                 proxy.wait_done(PROXY_FAULT_MAX_S + 5)
