@@ -57,6 +57,7 @@ from bench._common import (
 from flink_jobs.local_services import stop_on_sigterm
 
 BENCHMARK = "freshness"
+POLICY_BENCHMARK = "trigger_policy"
 MAX_CALLS_PER_EVENT = 0.25
 MAX_STALENESS_S = 5.0
 FRESHNESS_SLACK_S = 1.0
@@ -515,8 +516,75 @@ def table(doc: dict[str, Any]) -> str:
     )
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    stop_on_sigterm()
+#: Trigger timings (quiet_s, max_wait_s, min_interval_s) ``--policy-only`` compares by default:
+#: the defaults before 2026-11-25 afternoon, and the current ones.
+POLICY_TIMINGS = ((3.0, 5.0, 2.0), (0.5, 2.0, 1.0))
+#: The bundled sample's shape (``data/sample_sessions.jsonl``: 300 shoppers over an hour).
+LONG_SAMPLE = (300, 3600.0)
+
+
+def policy_timings(args) -> dict[str, Any]:
+    """The trigger policy alone, replayed offline (no LLM, no Flink) for each timing in
+    ``args.policy_timing``: over the run's sample and its ``--policy-seeds`` siblings, and
+    over a sample of the bundled one's shape. What a longer quiet period saves in calls
+    and what it costs in delay, side by side."""
+    from flink_jobs.config import load_config
+    from flink_jobs.prompting import PromptRenderer
+
+    seeds = [args.seed, *args.policy_seeds]
+    rows = []
+    for quiet_s, max_wait_s, min_interval_s in args.policy_timing:
+        config = load_config(
+            overrides={
+                "trigger": {
+                    "quiet_s": quiet_s,
+                    "max_wait_s": max_wait_s,
+                    "min_interval_s": min_interval_s,
+                }
+            }
+        )
+        render = PromptRenderer(config.prompt).render
+        short = policy_across_samples(seeds, args.shoppers, args.duration_s, config, render)
+        [long] = policy_across_samples([args.seed], *LONG_SAMPLE, config, render)
+        prompts = sum(r["prompts"] for r in short)
+        accepted = sum(r["accepted_events"] for r in short)
+        rows.append(
+            {
+                "trigger": {
+                    "quiet_s": quiet_s,
+                    "max_wait_s": max_wait_s,
+                    "min_interval_s": min_interval_s,
+                },
+                "samples": short,
+                "prompts_per_event_pooled": rounded(ratio(prompts, accepted)),
+                "delay_to_prompt_max_s": max(r["delay_to_prompt_max_s"] for r in short),
+                "long_sample": {"shoppers": LONG_SAMPLE[0], "duration_s": LONG_SAMPLE[1], **long},
+            }
+        )
+    return {
+        "workload": {"shoppers": args.shoppers, "duration_s": args.duration_s, "seeds": seeds},
+        "timings": rows,
+    }
+
+
+def policy_table(doc: dict[str, Any]) -> str:
+    lines = ["quiet / max wait / min interval (s)   prompts per event (pooled; long)   max delay"]
+    for row in doc["timings"]:
+        t, long = row["trigger"], row["long_sample"]
+        lines.append(
+            f"{t['quiet_s']:>5} / {t['max_wait_s']:>4} / {t['min_interval_s']:>4}"
+            f"{'':18}{row['prompts_per_event_pooled']:>6}; {long['prompts_per_event']:<6}"
+            f"{'':14}{row['delay_to_prompt_max_s']} s; {long['delay_to_prompt_max_s']} s"
+        )
+    return "\n".join(lines)
+
+
+def _timing(text: str) -> tuple[float, float, float]:
+    quiet_s, max_wait_s, min_interval_s = (float(v) for v in text.split(","))
+    return quiet_s, max_wait_s, min_interval_s
+
+
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m bench.freshness", description=__doc__.split("\n")[0]
     )
@@ -533,7 +601,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--job-start-s", type=float, default=20.0, help="wait after submitting")
     p.add_argument("--timeout-s", type=float, default=120.0, help="after the replay, to settle")
     p.add_argument("--out", type=Path, default=RESULTS_DIR)
-    args = p.parse_args(argv)
+    p.add_argument(
+        "--policy-only",
+        action="store_true",
+        help="replay the trigger policy offline for each --policy-timing and stop (no LLM)",
+    )
+    p.add_argument(
+        "--policy-timing",
+        type=_timing,
+        action="append",
+        help="QUIET_S,MAX_WAIT_S,MIN_INTERVAL_S for --policy-only (repeatable; "
+        f"default {' and '.join(','.join(map(str, t)) for t in POLICY_TIMINGS)})",
+    )
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    stop_on_sigterm()
+    args = build_parser().parse_args(argv)
+    if args.policy_only:
+        started = time.monotonic()
+        args.policy_timing = args.policy_timing or list(POLICY_TIMINGS)
+        doc = result_doc(POLICY_BENCHMARK, started, [], [], **policy_timings(args))
+        print(policy_table(doc))
+        print(f"written {write_result(doc, args.out)}")
+        return 0
     doc = run(args)
     print(table(doc))
     print(f"written {write_result(doc, args.out)}")

@@ -162,12 +162,14 @@ class SessionConfig:
 @dataclass(frozen=True)
 class TriggerConfig:
     high_signal_types: tuple[str, ...] = ("add_to_cart", "purchase", "remove_from_cart")
-    # With the sample's shoppers (median 9 s between a shopper's events) these keep every
-    # qualifying event covered by a prompt within max_wait_s, at 0.25-0.39 prompts per
-    # event over five samples (bench/freshness.py measures both).
-    quiet_s: float = 3.0
-    max_wait_s: float = 5.0
-    min_interval_s: float = 2.0
+    # Short waits: a shopper's material changes rarely come in bursts, so a long quiet
+    # period buys few calls and costs freshness. Replayed over the samples (seven of 30
+    # shoppers for 4 min, one of 300 for an hour), 3 s / 5 s / 2 s sent 2-4% fewer prompts
+    # than these and left a qualifying event up to 5.0 s without a prompt; these, at most
+    # 1.0 s (bench/README.md, "Trigger policy").
+    quiet_s: float = 0.5
+    max_wait_s: float = 2.0
+    min_interval_s: float = 1.0
 
     def validate(self) -> None:
         for name in ("quiet_s", "max_wait_s"):

@@ -268,6 +268,26 @@ def test_the_policy_is_replayed_over_each_further_sample_seed():
         assert row["delay_to_prompt_max_s"] <= config.trigger.max_wait_s
 
 
+def test_policy_only_replays_each_timing_over_the_seeds_and_a_long_sample(monkeypatch):
+    monkeypatch.setattr(freshness, "LONG_SAMPLE", (6, 300.0))
+    workload = ["--shoppers", "4", "--duration-s", "90", "--policy-seeds", "3"]
+    timings = ["--policy-timing", "3,5,2", "--policy-timing", "0.5,2,1"]
+    args = freshness.build_parser().parse_args(["--policy-only", *workload, *timings])
+
+    doc = freshness.policy_timings(args)
+
+    assert doc["workload"]["seeds"] == [7, 3]
+    assert [row["trigger"]["quiet_s"] for row in doc["timings"]] == [3.0, 0.5]
+    for row in doc["timings"]:
+        assert [r["seed"] for r in row["samples"]] == [7, 3]
+        assert row["long_sample"]["shoppers"] == 6
+        assert (
+            row["delay_to_prompt_max_s"]
+            <= row["trigger"]["max_wait_s"] + (row["trigger"]["min_interval_s"])
+        )
+    assert "0.5 /  2.0 /  1.0" in freshness.policy_table(doc)
+
+
 def test_the_baseline_has_one_prompt_per_accepted_event():
     config = AppConfig()
     events = [_event(0, "a"), _event(1, "b"), _event(1, "b")]  # the last one a duplicate

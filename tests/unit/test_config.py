@@ -48,13 +48,13 @@ class TestEnvironment:
         config = load_config(
             environ={
                 "SI_LLM_MAX_TOKENS": "128",
-                "SI_TRIGGER_QUIET_S": "2.5",
+                "SI_TRIGGER_QUIET_S": "1.5",
                 "SI_LLM_GUIDED_JSON": "off",
             }
         )
 
         assert config.llm.max_tokens == 128
-        assert config.trigger.quiet_s == 2.5
+        assert config.trigger.quiet_s == 1.5
         assert config.llm.guided_json is False
 
     def test_unknown_key_of_a_known_group_raises(self) -> None:

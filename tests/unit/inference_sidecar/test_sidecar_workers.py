@@ -269,13 +269,29 @@ def test_prune_older_than(tmp_path: Path) -> None:
 
 EPYC_AVX2 = "processor\t: 0\nflags\t\t: fpu sse2 avx fma avx2 bmi2\n"
 XEON_AMX = "processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512bw avx512_bf16 amx_bf16\n"
+EPYC_BF16 = "processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512bw avx512_bf16\n"
+XEON_AVX512_NO_BF16 = "processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512bw avx512_vnni\n"
 ARM = "processor\t: 0\nFeatures\t: fp asimd bf16\n"
 
 
 @pytest.mark.parametrize(
     ("cpuinfo", "dtype"),
-    [(EPYC_AVX2, "float32"), (XEON_AMX, "bfloat16"), (ARM, "auto"), ("", "auto")],
-    ids=["avx2-only-computes-in-float32", "avx512-keeps-bf16", "arm-keeps-the-model's", "unknown"],
+    [
+        (EPYC_AVX2, "float32"),
+        (XEON_AVX512_NO_BF16, "float32"),
+        (XEON_AMX, "bfloat16"),
+        (EPYC_BF16, "bfloat16"),
+        (ARM, "auto"),
+        ("", "auto"),
+    ],
+    ids=[
+        "avx2-only-computes-in-float32",
+        "avx512-without-bf16-instructions-computes-in-float32",
+        "amx-keeps-bf16",
+        "avx512-bf16-keeps-bf16",
+        "arm-keeps-the-model's",
+        "unknown",
+    ],
 )
 def test_cpu_dtype_follows_the_cpus_bf16_kernels(cpuinfo: str, dtype: str) -> None:
     assert cpu_dtype(cpuinfo) == dtype
