@@ -17,11 +17,13 @@ restarted operator starts a new child.
 
 The protocol, over a socket pair: frames of a 4-byte big-endian length and a pickle (both
 ends are this module, started together). The parent sends the ``AppConfig`` once, then
-``(call id, PromptTask)``; the child answers ``("answer", call id, True, TaskResult)`` or
-``("answer", call id, False, exception)``, and sends its log records as ``("log", level,
-logger, text)``, which the parent logs again: in thread mode the job's Python logging goes
-to the TaskManager's log (CloudWatch on Managed Flink), where the child's stderr does not.
-The child stops when the parent closes its end, or dies.
+``("call", call id, PromptTask)`` per prompt and ``("supersede", shopper id, seq)`` to stop
+a call still waiting for the LLM (``PromptRunner.supersede``); the child answers
+``("answer", call id, True, TaskResult)`` or ``("answer", call id, False, exception)``, and
+sends its log records as ``("log", level, logger, text)``, which the parent logs again:
+in thread mode the job's Python logging goes to the TaskManager's log (CloudWatch on
+Managed Flink), where the child's stderr does not. The child stops when the parent closes
+its end, or dies.
 """
 
 from __future__ import annotations
@@ -107,13 +109,18 @@ class CallProcess:
         answer = asyncio.get_running_loop().create_future()
         self._pending[call_id] = answer
         try:
-            self._writer.write(_frame((call_id, task)))
+            self._writer.write(_frame(("call", call_id, task)))
             await self._writer.drain()
             return await answer
         except (ConnectionError, OSError) as exc:
             raise self._exited or CallProcessExited(f"the LLM call process is gone: {exc}") from exc
         finally:
             self._pending.pop(call_id, None)
+
+    def supersede(self, shopper_id: str, seq: int) -> None:
+        """``PromptRunner.supersede`` in the child; the call then answers ``superseded``."""
+        if self._writer is not None and self._exited is None:
+            self._writer.write(_frame(("supersede", shopper_id, seq)))
 
     async def _start(self) -> None:
         parent, child = socket.socketpair()
@@ -209,9 +216,13 @@ async def _serve(sock: socket.socket) -> None:
     try:
         while True:
             try:
-                call_id, task = await _read_frame(reader)
+                kind, *message = await _read_frame(reader)
             except (asyncio.IncompleteReadError, ConnectionError):
                 return
+            if kind == "supersede":
+                runner.supersede(*message)
+                continue
+            call_id, task = message
             call = asyncio.create_task(answer(call_id, task))
             calls.add(call)
             call.add_done_callback(calls.discard)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import orjson
@@ -20,7 +21,7 @@ import redis
 from flink_jobs.config import AppConfig
 from flink_jobs.events import DeadLetter, pickled_by_fields
 from flink_jobs.intent_store import AsyncIntentStore, IntentRecord, StoreUnavailableError
-from flink_jobs.intents import IntentError, parse_intent
+from flink_jobs.intents import Intent, IntentError, parse_intent
 from flink_jobs.llm_client import LlmClient, LlmError
 from flink_jobs.prompting import RenderedPrompt
 
@@ -84,14 +85,22 @@ def _dead_letter(task: PromptTask, stage: str, reason: str, detail: str, **conte
     )
 
 
-async def run_task(
-    task: PromptTask,
-    llm: LlmClient,
-    store: AsyncIntentStore,
-    model: str,
-    redis_retry_budget_s: float,
-    invalid_answer_retries: int = 1,
-) -> TaskResult:
+@dataclass(frozen=True, slots=True)
+class Answered:
+    """The LLM's valid answer to a prompt, and what asking cost over every call it took."""
+
+    intent: Intent
+    model: str
+    attempts: int
+    llm_latency_s: float
+    prompt_tokens: int
+
+
+async def ask(
+    task: PromptTask, llm: LlmClient, invalid_answer_retries: int = 1
+) -> Answered | TaskResult:
+    """The LLM step of :func:`run_task`: a valid intent, or the dead letter saying why not.
+    It writes nothing, so it can be abandoned at any point (``PromptRunner.supersede``)."""
     # A re-asked prompt cost every call it took: freshness is judged against the LLM time
     # and tokens summed over them, not against the last call's alone.
     attempts = 0
@@ -115,43 +124,67 @@ async def run_task(
         prompt_tokens += answer.completion.prompt_tokens
         parsed = parse_intent(answer.text)
         if not isinstance(parsed, IntentError):
-            break
+            return Answered(parsed, answer.completion.model, attempts, latency_s, prompt_tokens)
         if answer.completion.finish_reason == "length":
             parsed = IntentError(
                 "truncated",
                 f"the answer was cut at llm.max_tokens ({answer.completion.completion_tokens} "
                 f"tokens) before it was complete: raise llm.max_tokens ({parsed.detail})",
             )
-    else:
-        # Guided decoding should make this rare; a second draw usually fixes what a
-        # preempted or badly batched generation broke, a third would not be cheaper.
-        return TaskResult(
-            "dead_letter",
-            _dead_letter(task, "intent", parsed.reason, parsed.detail, answer=answer.text[:2000]),
-            attempts=attempts,
-            llm_latency_s=latency_s,
-            prompt_tokens=prompt_tokens,
-        )
-    record = IntentRecord(
-        shopper_id=task.shopper_id,
-        version_ts=task.version_ts,
-        version_seq=task.seq,
-        intent_json=parsed.to_json().decode(),
-        top_label=parsed.top_label,
-        top_confidence=parsed.top_confidence,
-        summary=parsed.summary,
-        event_time_ms=task.event_time_ms,
-        template=task.prompt.template,
-        template_hash=task.prompt.template_hash,
-        model=answer.completion.model or model,
-    )
-    written = await upsert_with_retry(store, record, redis_retry_budget_s)
+    # Guided decoding should make this rare; a second draw usually fixes what a preempted
+    # or badly batched generation broke, a third would not be cheaper.
     return TaskResult(
-        "written" if written else "stale",
+        "dead_letter",
+        _dead_letter(task, "intent", parsed.reason, parsed.detail, answer=answer.text[:2000]),
         attempts=attempts,
         llm_latency_s=latency_s,
         prompt_tokens=prompt_tokens,
     )
+
+
+async def write(
+    task: PromptTask,
+    answered: Answered,
+    store: AsyncIntentStore,
+    model: str,
+    redis_retry_budget_s: float,
+) -> TaskResult:
+    """The Redis step of :func:`run_task`: the versioned upsert of the answered intent."""
+    intent = answered.intent
+    record = IntentRecord(
+        shopper_id=task.shopper_id,
+        version_ts=task.version_ts,
+        version_seq=task.seq,
+        intent_json=intent.to_json().decode(),
+        top_label=intent.top_label,
+        top_confidence=intent.top_confidence,
+        summary=intent.summary,
+        event_time_ms=task.event_time_ms,
+        template=task.prompt.template,
+        template_hash=task.prompt.template_hash,
+        model=answered.model or model,
+    )
+    written = await upsert_with_retry(store, record, redis_retry_budget_s)
+    return TaskResult(
+        "written" if written else "stale",
+        attempts=answered.attempts,
+        llm_latency_s=answered.llm_latency_s,
+        prompt_tokens=answered.prompt_tokens,
+    )
+
+
+async def run_task(
+    task: PromptTask,
+    llm: LlmClient,
+    store: AsyncIntentStore,
+    model: str,
+    redis_retry_budget_s: float,
+    invalid_answer_retries: int = 1,
+) -> TaskResult:
+    answered = await ask(task, llm, invalid_answer_retries)
+    if isinstance(answered, TaskResult):
+        return answered
+    return await write(task, answered, store, model, redis_retry_budget_s)
 
 
 async def upsert_with_retry(store: AsyncIntentStore, record: IntentRecord, budget_s: float) -> bool:
@@ -172,17 +205,24 @@ async def upsert_with_retry(store: AsyncIntentStore, record: IntentRecord, budge
             delay = min(delay * 2, 5.0)
 
 
-class PromptRunner:
-    """:func:`run_task` with the job's LLM client and intent store, made from the
-    configuration on first use, on the event loop that runs the calls (their connection
-    pools belong to it)."""
+Clients = Callable[[], tuple[LlmClient, AsyncIntentStore]]
 
-    def __init__(self, config: AppConfig) -> None:
+
+class PromptRunner:
+    """:func:`run_task` with the job's LLM client and intent store, made on first use, on
+    the event loop that runs the calls (their connection pools belong to it): from the
+    configuration, or by ``make_clients`` (tests)."""
+
+    def __init__(self, config: AppConfig, make_clients: Clients | None = None) -> None:
         self._config = config
+        self._make_clients = make_clients
         self._llm: LlmClient | None = None
         self._store: AsyncIntentStore | None = None
+        self._asking: dict[str, tuple[int, asyncio.Future]] = {}  # shopper -> (seq, LLM step)
 
     def clients(self) -> tuple[LlmClient, AsyncIntentStore]:
+        if (self._llm is None or self._store is None) and self._make_clients is not None:
+            self._llm, self._store = self._make_clients()
         if self._llm is None or self._store is None:
             import redis.asyncio
 
@@ -199,14 +239,36 @@ class PromptRunner:
 
     async def __call__(self, task: PromptTask) -> TaskResult:
         llm, store = self.clients()
-        return await run_task(
+        asking = asyncio.ensure_future(ask(task, llm, self._config.llm.invalid_answer_retries))
+        self._asking[task.shopper_id] = (task.seq, asking)
+        try:
+            answered = await asking
+        except asyncio.CancelledError:
+            if asyncio.current_task().cancelling():  # the runner itself is stopping
+                raise
+            return TaskResult("superseded")
+        finally:
+            if self._asking.get(task.shopper_id, (None, None))[1] is asking:
+                del self._asking[task.shopper_id]
+        if isinstance(answered, TaskResult):
+            return answered
+        return await write(
             task,
-            llm,
+            answered,
             store,
             self._config.llm.model,
             self._config.redis.write_retry_budget_s,
-            self._config.llm.invalid_answer_retries,
         )
+
+    def supersede(self, shopper_id: str, seq: int) -> None:
+        """Abandon prompt ``seq`` of the shopper if it is still waiting for the LLM: a newer
+        prompt of the shopper is queued, whose intent would replace this one's anyway. The
+        call then settles as ``superseded`` and its HTTP request is closed, which makes the
+        router and vLLM stop computing it. Once the answer is in, its write goes ahead (an
+        intent is either written or not, never half)."""
+        entry = self._asking.get(shopper_id)
+        if entry is not None and entry[0] == seq:
+            entry[1].cancel()
 
     async def aclose(self) -> None:
         if self._llm is not None:

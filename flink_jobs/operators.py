@@ -169,7 +169,11 @@ class ShopperSessions(KeyedProcessFunction, _Counted):
         quiet_http_logs()
         runner = (CallProcess if self._config.llm.call_process else PromptRunner)(self._config)
         self._outbox = Outbox(
-            runner, self._config.llm.capacity, self._config.llm.max_concurrency, runner.aclose
+            runner,
+            self._config.llm.capacity,
+            self._config.llm.max_concurrency,
+            runner.aclose,
+            runner.supersede,
         ).start()
         self._poll_ms = int(self._config.llm.poll_interval_s * 1000)
 

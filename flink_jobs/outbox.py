@@ -16,7 +16,12 @@ event loop:
   blocks beyond that, which back-pressures the job into Kafka;
 - **latest context wins**: a queued prompt that a newer one of the same shopper replaces
   is never sent (its outcome is ``superseded``), and takes no extra place; one call per
-  shopper runs at a time, so a shopper's next prompt finds its prefix in the worker's cache;
+  shopper runs at a time, so a shopper's next prompt finds its prefix in the worker's cache.
+  A newer prompt also stops the shopper's running call if that call is still waiting for
+  the LLM (``supersede_run``; outcome ``superseded``), so it starts at once instead of
+  after a whole call whose intent it would replace. A call that follows a stopped one is
+  never stopped itself: a shopper who keeps changing course still gets an intent at
+  least every second call;
 - **nothing lost**: outcomes wait in the outbox until the operator collects them in the
   shopper's key context (:meth:`Outbox.collect`); the operator keeps the shopper's newest
   prompt in keyed state until then, so a prompt whose outcome a restart lost is sent again
@@ -60,17 +65,21 @@ class Outbox:
         capacity: int,
         max_concurrency: int,
         close_run: Callable[[], Awaitable[None]] | None = None,
+        supersede_run: Callable[[str, int], None] | None = None,
     ) -> None:
         if capacity < 1 or max_concurrency < 1:
             raise ValueError("capacity and max_concurrency must be >= 1")
         self._run = run
         self._close_run = close_run
+        self._supersede_run = supersede_run
         self._capacity = capacity
         self._max_concurrency = max_concurrency
         self._cond = threading.Condition()
         self._queued: dict[str, PromptTask] = {}  # in arrival order
         self._running: dict[str, PromptTask] = {}
         self._settled: dict[str, list[Settled]] = {}
+        self._stopping: set[str] = set()  # shoppers whose running call was asked to stop
+        self._protected: set[str] = set()  # ... and whose running call followed such a one
         self._tasks: set[asyncio.Task] = set()
         self._error: BaseException | None = None
         self._loop = asyncio.new_event_loop()
@@ -96,7 +105,13 @@ class Outbox:
                 self._cond.wait(1.0)
                 self._raise_if_failed()
             self._queued[task.shopper_id] = task
+            running = self._running.get(task.shopper_id)
+            stop = running is not None and self._may_stop(task.shopper_id)
+            if stop:
+                self._stopping.add(task.shopper_id)
         self._loop.call_soon_threadsafe(self._dispatch)
+        if stop:
+            self._loop.call_soon_threadsafe(self._stop, running)
 
     def collect(self, shopper_id: str) -> list[Settled]:
         """The outcomes of ``shopper_id``'s prompts that settled since the last collect."""
@@ -150,6 +165,9 @@ class Outbox:
                     return
                 del self._queued[task.shopper_id]
                 self._running[task.shopper_id] = task
+                if task.shopper_id in self._stopping:
+                    self._stopping.discard(task.shopper_id)
+                    self._protected.add(task.shopper_id)
                 call = self._loop.create_task(self._call(task))
                 self._tasks.add(call)
                 call.add_done_callback(self._tasks.discard)
@@ -163,13 +181,19 @@ class Outbox:
             log.error("prompt %d of %s failed: %r", task.seq, task.shopper_id, exc)
             with self._cond:
                 self._error = exc
-                self._running.pop(task.shopper_id, None)
+                self._end(task)
                 self._cond.notify_all()
             return
         with self._cond:
-            self._running.pop(task.shopper_id, None)
+            self._end(task)
             self._settle(task, result)
         self._dispatch()
+
+    def _stop(self, task: PromptTask) -> None:
+        try:
+            self._supersede_run(task.shopper_id, task.seq)
+        except Exception as exc:  # the call then just runs to its end
+            log.warning("could not stop prompt %d of %s: %r", task.seq, task.shopper_id, exc)
 
     async def _shutdown(self) -> None:
         for call in list(self._tasks):
@@ -184,6 +208,17 @@ class Outbox:
         settled = Settled(task, result, int(time.time() * 1000))
         self._settled.setdefault(task.shopper_id, []).append(settled)
         self._cond.notify_all()
+
+    def _may_stop(self, shopper_id: str) -> bool:
+        return (
+            self._supersede_run is not None
+            and shopper_id not in self._stopping
+            and shopper_id not in self._protected
+        )
+
+    def _end(self, task: PromptTask) -> None:
+        self._running.pop(task.shopper_id, None)
+        self._protected.discard(task.shopper_id)
 
     def _tracks_locked(self, shopper_id: str, seq: int) -> bool:
         for waiting in (self._queued, self._running):

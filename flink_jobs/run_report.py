@@ -7,8 +7,8 @@ The accounting identity every run must satisfy (see ``stats.py`` for the counter
               + events_late_dropped + dead_letter_decode
 
 and every prompt sent ends as exactly one of: an intent written, a stale write skipped
-(a newer intent was already there), superseded by a newer prompt before it was sent, or
-a dead letter.
+(a newer intent was already there), superseded by a newer prompt (before it was sent,
+or while it waited for the LLM), or a dead letter.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -511,13 +511,12 @@ class Router:
             path = f"/v1/{endpoint}"
             streaming = body.get("stream") is True
             if self.config.mode == "aggregated":
-                response = await self._aggregated(
-                    key, path, raw, headers, streaming, endpoint, received
-                )
+                answer = self._aggregated(key, path, raw, headers, streaming, endpoint, received)
             else:
-                response = await self._disaggregated(
+                answer = self._disaggregated(
                     key, path, body, headers, streaming, endpoint, received
                 )
+            response = await _unless_disconnected(request, answer)
         except RequestError as exc:
             response = error_response(
                 exc.status, exc.message, exc.error_type, param=exc.param, code=exc.code
@@ -655,6 +654,31 @@ class Router:
 
     async def metrics_endpoint(self, request: Request) -> Response:
         return Response(self.metrics.render(), media_type="text/plain; version=0.0.4")
+
+
+async def _unless_disconnected(request: Request, answer: Awaitable[Response]) -> Response:
+    """``answer``, unless the client hangs up first: then it is cancelled, which closes the
+    worker's connection and vLLM aborts the request instead of computing an answer nobody
+    will read (the job drops a call that a newer prompt of the same shopper supersedes).
+    A stream, once it has started, watches for the hang-up itself (``StreamingResponse``)."""
+    work = asyncio.ensure_future(answer)
+    gone = asyncio.ensure_future(_disconnect(request))
+    try:
+        await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if not work.done():
+        work.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await work
+        raise ClientDisconnect()
+    return work.result()
+
+
+async def _disconnect(request: Request) -> None:
+    """Returns when the client disconnects (the body has been read already)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _http_exception(request: Request, exc: Exception) -> Response:

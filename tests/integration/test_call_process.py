@@ -1,6 +1,7 @@
 """The LLM calls in a helper process (``flink_jobs.call_process``): a prompt answered there
 lands in Redis as it would in-process, what the child's call raised is raised in the
-parent, and a child that dies fails its calls loudly instead of leaving them hanging.
+parent, a call that a newer prompt supersedes stops in the child, and a child that dies
+fails its calls loudly instead of leaving them hanging.
 Real vLLM workers behind the router, a real Redis."""
 
 from __future__ import annotations
@@ -117,6 +118,27 @@ def test_a_dead_helper_fails_its_calls_in_flight_and_later_ones():
                 await calls.aclose()
 
         assert asyncio.run(go()) < 10
+
+
+def test_a_superseded_call_is_stopped_in_the_helper_and_answers_superseded():
+    with socket.create_server(("127.0.0.1", 0)) as silent:  # accepts, never answers
+        port = silent.getsockname()[1]
+        calls = CallProcess(config(base_url=f"http://127.0.0.1:{port}/v1", max_attempts=1))
+
+        async def go():
+            try:
+                in_flight = asyncio.ensure_future(calls(prompt_task("shopper-00153")))
+                while calls.pid is None:
+                    await asyncio.sleep(0.05)
+                await asyncio.sleep(1.0)  # the request is out
+                calls.supersede("shopper-00153", 1)
+                return await asyncio.wait_for(in_flight, 10)
+            finally:
+                await calls.aclose()
+
+        result = asyncio.run(go())
+
+    assert result.outcome == "superseded"
 
 
 def test_closing_stops_the_helper():

@@ -5,7 +5,9 @@ an unreachable Redis is retried for the budget and then raised, never swallowed.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from typing import Any
 
 import httpx
@@ -14,8 +16,9 @@ import pytest
 import redis
 import redis.asyncio
 
-from flink_jobs.config import LlmConfig
+from flink_jobs.config import AppConfig, LlmConfig
 from flink_jobs.inference import (
+    PromptRunner,
     PromptTask,
     RedisUnavailable,
     TaskResult,
@@ -325,3 +328,94 @@ class TestRedisUnavailable:
             asyncio.run(main())
 
         assert isinstance(caught.value.__cause__, StoreUnavailableError)
+
+
+class HeldStore:
+    """An intent store whose writes wait until the test lets them through."""
+
+    def __init__(self, store: AsyncIntentStore) -> None:
+        self.store = store
+        self.writing = asyncio.Event()
+        self.go_on = asyncio.Event()
+
+    async def upsert(self, record: IntentRecord) -> bool:
+        self.writing.set()
+        await self.go_on.wait()
+        return await self.store.upsert(record)
+
+
+class TestSupersede:
+    """``PromptRunner.supersede``: a newer prompt of the shopper stops this one's LLM call,
+    never its write."""
+
+    @staticmethod
+    def runner(p: Pipeline, store: Any = None) -> PromptRunner:
+        return PromptRunner(replace(AppConfig(), llm=LLM), lambda: (p.llm, store or p.store))
+
+    def test_a_call_still_waiting_for_the_llm_stops_and_writes_nothing(
+        self, redis_url: str, prefix: str
+    ) -> None:
+        asked, cancelled = asyncio.Event(), asyncio.Event()
+
+        async def never_answers(request: httpx.Request) -> httpx.Response:
+            asked.set()
+            try:
+                await asyncio.sleep(60)
+            except asyncio.CancelledError:
+                cancelled.set()
+                raise
+            raise AssertionError("unreachable")
+
+        async def body(p: Pipeline) -> tuple[TaskResult, bool, StoredIntent | None]:
+            runner = self.runner(p)
+            call = asyncio.create_task(runner(task(seq=3)))
+            await asyncio.wait_for(asked.wait(), 5)
+            runner.supersede("shopper-00146", 2)  # not the running prompt: no effect
+            runner.supersede("shopper-00145", 3)
+            await asyncio.sleep(0.05)
+            assert not call.done()
+
+            runner.supersede("shopper-00146", 3)
+
+            result = await asyncio.wait_for(call, 5)
+            return result, cancelled.is_set(), await p.stored("shopper-00146")
+
+        result, request_cancelled, stored = run_in_pipeline(redis_url, prefix, never_answers, body)
+
+        assert result.outcome == "superseded"
+        assert request_cancelled
+        assert stored is None
+
+    def test_a_call_whose_answer_is_in_is_written(self, redis_url: str, prefix: str) -> None:
+        async def body(p: Pipeline) -> tuple[TaskResult, StoredIntent | None]:
+            held = HeldStore(p.store)
+            runner = self.runner(p, held)
+            call = asyncio.create_task(runner(task(seq=3)))
+            await asyncio.wait_for(held.writing.wait(), 5)
+
+            runner.supersede("shopper-00146", 3)
+            held.go_on.set()
+
+            return await asyncio.wait_for(call, 5), await p.stored("shopper-00146")
+
+        result, stored = run_in_pipeline(redis_url, prefix, answering(), body)
+
+        assert result.outcome == "written"
+        assert stored is not None and stored.version_seq == 3
+
+    def test_stopping_the_runner_cancels_the_call_rather_than_settling_it(
+        self, redis_url: str, prefix: str
+    ) -> None:
+        async def never_answers(request: httpx.Request) -> httpx.Response:
+            await asyncio.sleep(60)
+            raise AssertionError("unreachable")
+
+        async def body(p: Pipeline) -> bool:
+            call = asyncio.create_task(self.runner(p)(task(seq=3)))
+            await asyncio.sleep(0.05)
+            call.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await call
+            return call.cancelled()
+
+        assert run_in_pipeline(redis_url, prefix, never_answers, body)

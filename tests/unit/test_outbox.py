@@ -2,8 +2,8 @@
 time, a queued prompt replaced by the shopper's newer one (latest context wins), outcomes
 kept until collected, and a failure that must restart the job raised, not swallowed.
 
-The calls are the job's own (``run_task``: the LLM client over httpx's MockTransport, the
-intent store over the test Redis), except where a test needs to hold a call open."""
+The calls are the job's own (``PromptRunner``: the LLM client over httpx's MockTransport,
+the intent store over the test Redis), except where a test needs a call that raises."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import asyncio
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 
 import httpx
 import orjson
@@ -18,11 +19,12 @@ import pytest
 import redis
 import redis.asyncio
 
-from flink_jobs.inference import PromptTask, TaskResult, run_task
+from flink_jobs.config import AppConfig
+from flink_jobs.inference import PromptRunner, PromptTask, TaskResult
 from flink_jobs.intent_store import AsyncIntentStore
 from flink_jobs.llm_client import LlmClient
 from flink_jobs.outbox import Outbox, OutboxFailed
-from tests.unit.test_inference import INTENT, LLM, MODEL, completion, task
+from tests.unit.test_inference import INTENT, LLM, completion, task
 
 WAIT_S = 10.0
 
@@ -48,25 +50,14 @@ class HeldLlm:
         return completion(orjson.dumps(INTENT).decode())
 
 
-class JobCalls:
-    """``run_task`` with clients made on the outbox's loop, as ``PromptRunner`` does."""
+def job_runner(redis_url: str, prefix: str, llm: HeldLlm) -> PromptRunner:
+    """The job's runner, its LLM client over ``llm`` and its store over the test Redis."""
 
-    def __init__(self, redis_url: str, prefix: str, llm: HeldLlm) -> None:
-        self._redis_url, self._prefix, self._handler = redis_url, prefix, llm
-        self._clients: tuple[LlmClient, AsyncIntentStore] | None = None
+    def clients() -> tuple[LlmClient, AsyncIntentStore]:
+        store = AsyncIntentStore(redis.asyncio.Redis.from_url(redis_url), prefix)
+        return LlmClient(LLM, transport=httpx.MockTransport(llm)), store
 
-    async def __call__(self, t: PromptTask) -> TaskResult:
-        if self._clients is None:
-            store = AsyncIntentStore(redis.asyncio.Redis.from_url(self._redis_url), self._prefix)
-            llm = LlmClient(LLM, transport=httpx.MockTransport(self._handler))
-            self._clients = (llm, store)
-        llm, store = self._clients
-        return await run_task(t, llm, store, MODEL, redis_retry_budget_s=5.0)
-
-    async def aclose(self) -> None:
-        if self._clients is not None:
-            await self._clients[0].aclose()
-            await self._clients[1].client.aclose()
+    return PromptRunner(replace(AppConfig(), llm=LLM), clients)
 
 
 @pytest.fixture
@@ -76,11 +67,13 @@ def llm() -> HeldLlm:
 
 @pytest.fixture
 def outbox_for(redis_url: str, unique_name: str, llm: HeldLlm) -> Iterator:
+    """Outboxes wired as the job wires them; ``supersede=False`` leaves running calls be."""
     made: list[Outbox] = []
 
-    def make(capacity: int = 8, max_concurrency: int = 1) -> Outbox:
-        calls = JobCalls(redis_url, unique_name, llm)
-        made.append(Outbox(calls, capacity, max_concurrency, calls.aclose).start())
+    def make(capacity: int = 8, max_concurrency: int = 1, supersede: bool = True) -> Outbox:
+        runner = job_runner(redis_url, unique_name, llm)
+        stop = runner.supersede if supersede else None
+        made.append(Outbox(runner, capacity, max_concurrency, runner.aclose, stop).start())
         return made[-1]
 
     yield make
@@ -139,12 +132,46 @@ class TestLatestContextWins:
             assert outcomes(outbox, shopper, 1) == [(1, "written")]
         assert [shopper for shopper, _ in llm.computed] == shoppers
 
+    def test_a_newer_prompt_stops_the_shoppers_call_still_waiting_for_the_llm(
+        self, outbox_for, llm: HeldLlm, redis_client: redis.Redis, unique_name: str
+    ) -> None:
+        outbox = outbox_for(max_concurrency=4)
+        outbox.submit(task("shopper-00146", seq=1))
+        assert llm.started.acquire(timeout=WAIT_S)
+
+        outbox.submit(task("shopper-00146", seq=2, at_s=20))
+
+        assert llm.started.acquire(timeout=WAIT_S)  # at once, not after the first call
+        llm.release()
+        assert outcomes(outbox, "shopper-00146", 2) == [(1, "superseded"), (2, "written")]
+        assert redis_client.hget(f"{unique_name}:intent:shopper-00146", "version_seq") == b"2"
+
+    def test_a_call_that_followed_a_stopped_one_is_not_stopped(
+        self, outbox_for, llm: HeldLlm
+    ) -> None:
+        outbox = outbox_for(max_concurrency=4)
+        outbox.submit(task("shopper-00146", seq=1))
+        assert llm.started.acquire(timeout=WAIT_S)
+        outbox.submit(task("shopper-00146", seq=2, at_s=20))
+        assert llm.started.acquire(timeout=WAIT_S)
+
+        outbox.submit(task("shopper-00146", seq=3, at_s=30))
+
+        assert not llm.started.acquire(timeout=0.3)  # seq 2 goes on; seq 3 waits for it
+        llm.release()
+        assert outcomes(outbox, "shopper-00146", 3) == [
+            (1, "superseded"),
+            (2, "written"),
+            (3, "written"),
+        ]
+        assert [seq for _, seq in llm.computed] == [1, 2, 3]
+
 
 class TestOneCallPerShopper:
     def test_a_shoppers_next_prompt_waits_for_the_running_one(
         self, outbox_for, llm: HeldLlm
     ) -> None:
-        outbox = outbox_for(max_concurrency=4)
+        outbox = outbox_for(max_concurrency=4, supersede=False)
         outbox.submit(task("shopper-00146", seq=1))
         assert llm.started.acquire(timeout=WAIT_S)
         outbox.submit(task("shopper-00146", seq=2))

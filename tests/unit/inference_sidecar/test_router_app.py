@@ -416,6 +416,42 @@ class TestStreaming:
         assert router.pools["worker"].in_flight == {A: 0, B: 0}
 
 
+class TestClientGone:
+    async def test_a_client_hanging_up_cancels_its_request_to_the_worker(self, fake) -> None:
+        fake.behaviour = {A: "hang", B: "hang"}
+        router = make_router(fake)
+        body = orjson.dumps(BODY)
+        hung_up = asyncio.Event()
+        sent: list[dict[str, Any]] = []
+
+        async def receive() -> dict[str, Any]:
+            if not hung_up.is_set():
+                hung_up.set()
+                return {"type": "http.request", "body": body, "more_body": False}
+            await asyncio.sleep(0.2)  # the worker has the request by then
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict[str, Any]) -> None:
+            sent.append(message)
+
+        scope = {
+            "type": "http",
+            "method": "POST",
+            "path": CHAT,
+            "headers": [(b"content-type", b"application/json"), (b"x-session-id", b"s1")],
+            "query_string": b"",
+        }
+        try:
+            await asyncio.wait_for(build_app(router)(scope, receive, send), timeout=5)
+        finally:
+            await router.aclose()
+
+        assert len(fake.received) == 1
+        assert fake.in_flight == {fake.received[0].worker: 0}  # its handler was cancelled
+        assert router.pools["worker"].in_flight == {A: 0, B: 0}
+        assert sent[0]["status"] == 400
+
+
 class TestDisaggregated:
     async def test_prefill_then_decode_with_kv_params(self, fake, client_for) -> None:
         client, _ = client_for(workers=(), prefill=(A,), decode=(B,))
