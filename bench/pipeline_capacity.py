@@ -21,8 +21,8 @@ Three phases, each on a fresh job (own topic, group, key prefix):
    (quiet 0.2 s, max wait 0.5 s, no minimum interval; high-signal events fire at once)
    and 0.2 s out-of-orderness. Event-to-Redis is the job's own ``event_to_intent_ms``
    samples: from the event time the trigger fired at to the intent written, so the
-   pipeline's latency (the watermark's hold included). Rates of 0.8, 0.6, 0.5, 0.4, 0.3
-   and 0.25 times the drain rate are tried in turn (or ``--paced-rate`` alone) until one
+   pipeline's latency (the watermark's hold included). Rates of 1.0, 0.8, 0.6, 0.5, 0.4,
+   0.3 and 0.25 times the drain rate are tried in turn (or ``--paced-rate`` alone) until one
    keeps up: p99 <= 1 s and every event done within ``MAX_LAG_S`` of the last one sent.
    That rate is the sustained capacity.
 3. **modes**: the same smaller drain (``--modes-events``) in PyFlink's thread and process
@@ -85,7 +85,7 @@ POLL_S = 0.5
 #: stats hash is flushed every second. Measured 1.9 s at a rate with p99 0.97 s.
 MAX_LAG_S = 3.0
 #: Paced rates tried, as fractions of the drain rate, until one keeps up within the target.
-PACED_FRACTIONS = (0.8, 0.6, 0.5, 0.4, 0.3, 0.25)
+PACED_FRACTIONS = (1.0, 0.8, 0.6, 0.5, 0.4, 0.3, 0.25)
 #: The job's timing samples the paced phase reads, cleared after the warm-up.
 PACED_TIMINGS = ("event_to_intent_ms", "event_to_prompt_ms", "llm_latency_ms")
 LATENCY_TRIGGER = {"quiet_s": "0.2", "max_wait_s": "0.5", "min_interval_s": "0"}
