@@ -403,6 +403,7 @@ def run(args) -> dict[str, Any]:
             "accepted_events": accepted,
             "prompts_sent": prompts,
             "llm_calls": calls,
+            "llm_calls_stopped": stats.get("llm_calls_stopped", 0),
             "prompts_per_event": rounded(ratio(prompts, accepted)),
             "llm_calls_per_event": rounded(ratio(calls, accepted)),
             "prompt_tokens": tokens,
@@ -473,6 +474,8 @@ def run(args) -> dict[str, Any]:
         "it is in Redis, so it holds the policy's wait (at most max_wait_s), the job's and the "
         "LLM call's time; with CPU workers taking seconds per call it cannot stay under 5 s.",
         "The baseline is computed, not run: one prompt per accepted event, tokenized by vLLM.",
+        "LLM calls include those stopped while the model computed them, because a newer "
+        "prompt of the shopper came (calls.llm_calls_stopped).",
         "Calls per event depend on the sample: the policy sends about one prompt per "
         "qualifying event, and every shopper's first event qualifies; policy.across_samples "
         "replays the policy offline over other seeds of the same size.",

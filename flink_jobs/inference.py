@@ -246,7 +246,7 @@ class PromptRunner:
         except asyncio.CancelledError:
             if asyncio.current_task().cancelling():  # the runner itself is stopping
                 raise
-            return TaskResult("superseded")
+            return TaskResult("superseded", attempts=1)  # its request was out
         finally:
             if self._asking.get(task.shopper_id, (None, None))[1] is asking:
                 del self._asking[task.shopper_id]

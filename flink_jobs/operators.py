@@ -308,6 +308,11 @@ class ShopperSessions(KeyedProcessFunction, _Counted):
             self._stats.add("llm_calls")
             self._stats.sample("llm_latency_ms", int(result.llm_latency_s * 1000))
             self._tally.observe("llm_latency_ms", result.llm_latency_s * 1000)
+        elif result.outcome == "superseded" and result.attempts:
+            # Stopped while the LLM computed it: a call made, with no latency to report.
+            self._stats.add("llm_calls")
+            self._stats.add("llm_calls_stopped")
+            self._tally.add("llm_calls_stopped")
         if result.outcome == "written":
             freshness_ms = settled.settled_at_ms - task.event_time_ms
             self._stats.sample("event_to_intent_ms", freshness_ms)
@@ -321,5 +326,10 @@ _OUTCOME_COUNTERS = {
     "dead_letter": "dead_letter_inference",
 }
 #: The inference outcomes' Flink metrics (gauges, see metric_tally): counts, then timings in ms.
-INFER_COUNTS = (*_OUTCOME_COUNTERS.values(), "llm_retries", "llm_prompt_tokens")
+INFER_COUNTS = (
+    *_OUTCOME_COUNTERS.values(),
+    "llm_retries",
+    "llm_prompt_tokens",
+    "llm_calls_stopped",
+)
 INFER_TIMINGS = ("llm_latency_ms", "event_to_intent_ms", "event_to_prompt_ms")

@@ -7,9 +7,11 @@ Real vLLM workers behind the router, a real Redis."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
 import time
+from collections.abc import Iterator
 
 import psutil
 import pytest
@@ -95,17 +97,28 @@ def test_an_unreachable_redis_is_raised_in_the_parent_and_the_retries_logged_the
     assert retries and all(r.name == "flink_jobs.inference" for r in retries)
 
 
-def test_a_dead_helper_fails_its_calls_in_flight_and_later_ones():
+@contextlib.contextmanager
+def calls_to_a_silent_llm() -> Iterator[CallProcess]:
     with socket.create_server(("127.0.0.1", 0)) as silent:  # accepts, never answers
         port = silent.getsockname()[1]
-        calls = CallProcess(config(base_url=f"http://127.0.0.1:{port}/v1", max_attempts=1))
+        yield CallProcess(config(base_url=f"http://127.0.0.1:{port}/v1", max_attempts=1))
+
+
+async def call_under_way(calls: CallProcess, shopper_id: str) -> asyncio.Future:
+    """A call of the shopper whose request is out."""
+    in_flight = asyncio.ensure_future(calls(prompt_task(shopper_id)))
+    while calls.pid is None:
+        await asyncio.sleep(0.05)
+    await asyncio.sleep(1.0)
+    return in_flight
+
+
+def test_a_dead_helper_fails_its_calls_in_flight_and_later_ones():
+    with calls_to_a_silent_llm() as calls:
 
         async def go():
             try:
-                in_flight = asyncio.ensure_future(calls(prompt_task("shopper-00148")))
-                while calls.pid is None:
-                    await asyncio.sleep(0.05)
-                await asyncio.sleep(1.0)
+                in_flight = await call_under_way(calls, "shopper-00148")
                 psutil.Process(calls.pid).kill()
                 started = time.monotonic()
                 with pytest.raises(CallProcessExited, match="exited"):
@@ -121,16 +134,11 @@ def test_a_dead_helper_fails_its_calls_in_flight_and_later_ones():
 
 
 def test_a_superseded_call_is_stopped_in_the_helper_and_answers_superseded():
-    with socket.create_server(("127.0.0.1", 0)) as silent:  # accepts, never answers
-        port = silent.getsockname()[1]
-        calls = CallProcess(config(base_url=f"http://127.0.0.1:{port}/v1", max_attempts=1))
+    with calls_to_a_silent_llm() as calls:
 
         async def go():
             try:
-                in_flight = asyncio.ensure_future(calls(prompt_task("shopper-00153")))
-                while calls.pid is None:
-                    await asyncio.sleep(0.05)
-                await asyncio.sleep(1.0)  # the request is out
+                in_flight = await call_under_way(calls, "shopper-00153")
                 calls.supersede("shopper-00153", 1)
                 return await asyncio.wait_for(in_flight, 10)
             finally:
