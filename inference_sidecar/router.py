@@ -665,12 +665,13 @@ async def _unless_disconnected(request: Request, answer: Awaitable[Response]) ->
     gone = asyncio.ensure_future(_disconnect(request))
     try:
         await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
-    finally:
+    finally:  # also when this handler is cancelled: nothing is left running
         gone.cancel()
-    if not work.done():
-        work.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await work
+        if not work.done():
+            work.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await work
+    if work.cancelled():
         raise ClientDisconnect()
     return work.result()
 

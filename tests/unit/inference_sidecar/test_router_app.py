@@ -451,6 +451,33 @@ class TestClientGone:
         assert router.pools["worker"].in_flight == {A: 0, B: 0}
         assert sent[0]["status"] == 400
 
+    async def test_a_cancelled_handler_leaves_no_request_running(self) -> None:
+        from starlette.requests import Request
+
+        from inference_sidecar.router import _unless_disconnected
+
+        async def receive() -> dict[str, Any]:
+            await asyncio.sleep(60)  # the client stays
+            return {"type": "http.disconnect"}
+
+        worker_call_cancelled = asyncio.Event()
+
+        async def answer() -> Any:
+            try:
+                await asyncio.sleep(60)
+            finally:
+                worker_call_cancelled.set()
+
+        handler = asyncio.create_task(
+            _unless_disconnected(Request({"type": "http", "method": "POST"}, receive), answer())
+        )
+        await asyncio.sleep(0.05)
+        handler.cancel()
+
+        with pytest.raises(asyncio.CancelledError):
+            await handler
+        assert worker_call_cancelled.is_set()
+
 
 class TestDisaggregated:
     async def test_prefill_then_decode_with_kv_params(self, fake, client_for) -> None:
