@@ -537,15 +537,8 @@ def policy_timings(args) -> dict[str, Any]:
     seeds = [args.seed, *args.policy_seeds]
     rows = []
     for quiet_s, max_wait_s, min_interval_s in args.policy_timing:
-        config = load_config(
-            overrides={
-                "trigger": {
-                    "quiet_s": quiet_s,
-                    "max_wait_s": max_wait_s,
-                    "min_interval_s": min_interval_s,
-                }
-            }
-        )
+        trigger = {"quiet_s": quiet_s, "max_wait_s": max_wait_s, "min_interval_s": min_interval_s}
+        config = load_config(overrides={"trigger": trigger})
         render = PromptRenderer(config.prompt).render
         short = policy_across_samples(seeds, args.shoppers, args.duration_s, config, render)
         [long] = policy_across_samples([args.seed], *LONG_SAMPLE, config, render)
@@ -553,11 +546,7 @@ def policy_timings(args) -> dict[str, Any]:
         accepted = sum(r["accepted_events"] for r in short)
         rows.append(
             {
-                "trigger": {
-                    "quiet_s": quiet_s,
-                    "max_wait_s": max_wait_s,
-                    "min_interval_s": min_interval_s,
-                },
+                "trigger": trigger,
                 "samples": short,
                 "prompts_per_event_pooled": rounded(ratio(prompts, accepted)),
                 "delay_to_prompt_max_s": max(r["delay_to_prompt_max_s"] for r in short),
