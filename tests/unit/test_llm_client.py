@@ -350,29 +350,50 @@ class TestProxy:
     def test_a_call_goes_through_the_environment_proxy(self, proxy_env: pytest.MonkeyPatch) -> None:
         """A loopback server plays the proxy: it sees the request in the absolute form a
         client sends a proxy, for a host that no resolver knows, and answers it."""
-        heads: list[bytes] = []
 
-        async def proxy(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            await read_request(reader, heads)
-            await write_answer(writer)
+        def config(proxy_port: int) -> dict[str, str]:
+            proxy_env.setenv("HTTP_PROXY", f"http://127.0.0.1:{proxy_port}")
+            return {}
 
-        async def run() -> LlmAnswer:
-            server = await asyncio.start_server(proxy, "127.0.0.1", 0)
-            port = server.sockets[0].getsockname()[1]
-            proxy_env.setenv("HTTP_PROXY", f"http://127.0.0.1:{port}")
-            client = LlmClient(replace(CONFIG, base_url="http://llm.invalid:8000/v1"))
-            try:
-                return await client.complete(PROMPT, SHOPPER)
-            finally:
-                await client.aclose()
-                server.close()
-
-        answer = asyncio.run(run())
+        answer, heads = through_a_loopback_proxy(config)
 
         assert answer.text == INTENT_TEXT
         assert [head.split(b"\r\n", 1)[0] for head in heads] == [
             b"POST http://llm.invalid:8000/v1/chat/completions HTTP/1.1"
         ]
+
+    def test_the_configured_proxy_gets_its_credentials(self, proxy_env: pytest.MonkeyPatch) -> None:
+        _, heads = through_a_loopback_proxy(
+            lambda port: {"proxy_url": f"http://svc:hunter2@127.0.0.1:{port}"}
+        )
+
+        lines = heads[0].lower().split(b"\r\n")
+        assert b"proxy-authorization: basic c3zjomh1bnrlcji=" in lines  # svc:hunter2
+
+
+def through_a_loopback_proxy(
+    config_for: Callable[[int], dict[str, str]],
+) -> tuple[LlmAnswer, list[bytes]]:
+    """A call to an unresolvable host, the client configured by ``config_for(proxy
+    port)``; returns the answer and the request heads the proxy saw."""
+    heads: list[bytes] = []
+
+    async def proxy(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader, heads)
+        await write_answer(writer)
+
+    async def run() -> LlmAnswer:
+        server = await asyncio.start_server(proxy, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        config = replace(CONFIG, base_url="http://llm.invalid:8000/v1", **config_for(port))
+        client = LlmClient(config)
+        try:
+            return await client.complete(PROMPT, SHOPPER)
+        finally:
+            await client.aclose()
+            server.close()
+
+    return asyncio.run(run()), heads
 
 
 class TestRetries:
