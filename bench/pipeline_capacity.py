@@ -6,7 +6,7 @@ against the embedded Tansu broker and a redis-server, with the LLM replaced by
 measured is the pipeline's own cost per event: Kafka, the JVM-Python boundary, decoding,
 sessions, the trigger policy, prompt rendering, the async HTTP call and the Redis upsert.
 
-Three phases, each on a fresh job (own topic, group, key prefix):
+Four phases, each on a fresh job (own topic, group, key prefix):
 
 1. **drain** (the capacity): ``--events`` realistic events (``flink_jobs.sample_data``,
    many shoppers at once, event times ending now) are put on the topic *before* the job
@@ -25,7 +25,10 @@ Three phases, each on a fresh job (own topic, group, key prefix):
    0.3 and 0.25 times the drain rate are tried in turn (or ``--paced-rate`` alone) until one
    keeps up: p99 <= 1 s and every event done within ``MAX_LAG_S`` of the last one sent.
    That rate is the sustained capacity.
-3. **modes**: the same smaller drain (``--modes-events``) in PyFlink's thread and process
+3. **floor**: the drain's events through two jobs of the real job's shape that do none of
+   its work (``bench/pyflink_floor.py``): the rate no PyFlink job of that shape beats on
+   the host, beside the job's own (``job_over_floor``).
+4. **modes**: the same smaller drain (``--modes-events``) in PyFlink's thread and process
    execution modes, and in thread mode with the LLM calls made in the job's own
    interpreter (``llm.call_process=false``), back to back: the effect of each, as ratios.
 
@@ -88,6 +91,10 @@ MAX_LAG_S = 3.0
 PACED_FRACTIONS = (1.0, 0.8, 0.6, 0.5, 0.4, 0.3, 0.25)
 #: The job's timing samples the paced phase reads, cleared after the warm-up.
 PACED_TIMINGS = ("event_to_intent_ms", "event_to_prompt_ms", "llm_latency_ms")
+#: The floor jobs' shapes (bench.pyflink_floor.KEYED_OPERATORS) and the drain figures kept of each.
+FLOOR_SHAPES = ("bare", "state_timer")
+FLOOR_KEYS = ("events", "events_per_s", "peak_2s_events_per_s", "wall_s_from_submit")
+FLOOR_KEYS += ("throughput_series", "cpu_ms_per_event")
 LATENCY_TRIGGER = {"quiet_s": "0.2", "max_wait_s": "0.5", "min_interval_s": "0"}
 
 
@@ -274,7 +281,12 @@ def job_config(stack: Stack, name: str, extra: dict[str, dict[str, str]] | None 
     return load_config(overrides=overrides)
 
 
-def submit(config):
+def submit(config, shape: str = ""):
+    """Start the real job, or with ``shape`` the floor job of that shape (bench.pyflink_floor)."""
+    if shape:
+        from bench.pyflink_floor import create_floor_job
+
+        return create_floor_job(config, shape).execute_async(config.job.name)
     from flink_jobs.job import create_job
 
     return create_job(config).execute_async(config.job.name)
@@ -352,6 +364,7 @@ def run_drain(
     out_dir: Path,
     events: int | None = None,
     extra: dict[str, dict[str, str]] | None = None,
+    floor_shape: str = "",
 ) -> dict[str, Any]:
     events = events or args.events
     shoppers = max(1, args.shoppers * events // args.events)
@@ -379,7 +392,8 @@ def run_drain(
         cpu.sample()
         if not cpu_from and counted >= 0.1 * len(records):
             cpu_from.update(mark=cpu.mark(), events=counted)
-        if args.profile_s and "pids" not in profile and counted >= 0.1 * len(records):
+        profiled = args.profile_s and not floor_shape
+        if profiled and "pids" not in profile and counted >= 0.1 * len(records):
             pids = python_workers(memory.root)
             profile["pids"] = pids
             profilers.extend(start_profiler(pids, args.profile_s, profile_path))
@@ -388,7 +402,7 @@ def run_drain(
                 print(f"drain: no profile, {profile['error']}")
 
     started = time.monotonic()
-    job = submit(config)
+    job = submit(config, floor_shape)
     try:
         series = poll_until(
             client,
@@ -441,6 +455,24 @@ def run_drain(
         ),
         "profile": profile,
     }
+
+
+def run_floor(
+    stack: Stack, args, memory: PeakMemory, drain: dict[str, Any] | None
+) -> dict[str, Any]:
+    """The drain's events through the floor jobs (``bench.pyflink_floor``), one per shape,
+    right after the real job's drain: PyFlink's own cost per event, beside the job's."""
+    floor: dict[str, Any] = {}
+    for shape in FLOOR_SHAPES:
+        run = run_drain(stack, args, memory, args.out, floor_shape=shape)
+        floor[shape] = {k: run[k] for k in FLOOR_KEYS}
+        print(f"floor {shape}: {run['events_per_s']} events/s")
+    job_rate = (drain or {}).get("events_per_s")
+    floor["job_over_floor"] = rounded(ratio(job_rate, floor["state_timer"]["events_per_s"]))
+    floor["target_over_floor"] = rounded(
+        ratio(TARGET_EVENTS_PER_S, floor["state_timer"]["events_per_s"])
+    )
+    return floor
 
 
 def cpu_per_event(cpu_s: dict[str, float], events: int) -> dict[str, float]:
@@ -553,6 +585,8 @@ def run(args) -> dict[str, Any]:
         if "drain" in args.phases:
             phases["drain"] = run_drain(stack, args, memory, args.out)
             print(f"drain: {phases['drain']['events_per_s']} events/s")
+        if "floor" in args.phases:
+            phases["floor"] = run_floor(stack, args, memory, phases.get("drain"))
         if "modes" in args.phases:
             # The same smaller drain in each execution mode, and in thread mode with the
             # LLM calls in the job's own interpreter, back to back.
@@ -681,6 +715,22 @@ def table(doc: dict[str, Any]) -> str:
                 "drain   CPU ms/event "
                 + ", ".join(f"{k} {v}" for k, v in drain["cpu_ms_per_event"].items())
             )
+    floor = doc["phases"].get("floor")
+    if floor:
+        for shape in FLOOR_SHAPES:
+            lines.append(
+                f"floor   {floor[shape]['events']:>8,} events  PyFlink alone, {shape}:"
+                f" {floor[shape]['events_per_s']} events/s"
+            )
+            if floor[shape].get("cpu_ms_per_event"):
+                lines.append(
+                    "floor   CPU ms/event "
+                    + ", ".join(f"{k} {v}" for k, v in floor[shape]["cpu_ms_per_event"].items())
+                )
+        lines.append(
+            f"floor   the job's drain over the state_timer floor: {floor['job_over_floor']};"
+            f" the target over it: {floor['target_over_floor']}"
+        )
     modes = doc["phases"].get("modes")
     if modes:
         lines.append(
@@ -725,7 +775,7 @@ def parse_args(argv: Sequence[str] | None):
     p.add_argument("--duration-s", type=float, default=3600.0, help="event-time span generated")
     p.add_argument("--paced-rate", type=float, default=None, help="default: 0.8x the drain rate")
     p.add_argument("--paced-s", type=float, default=40.0)
-    p.add_argument("--phases", default="drain,paced,modes")
+    p.add_argument("--phases", default="drain,floor,paced,modes")
     p.add_argument(
         "--modes-events", type=int, default=10_000, help="events per drain of the modes phase"
     )

@@ -90,6 +90,15 @@ def key_figures(name: str, doc: dict[str, Any]) -> list[tuple[str, Any]]:
                     f"{cpu['total']} ({cpu.get('flink_jvm')}, {cpu.get('llm_call_process')})",
                 )
             )
+        floor = doc["phases"].get("floor")
+        if floor:
+            rows.append(
+                (
+                    "PyFlink floor events/s: bare / state_timer (job over it)",
+                    f"{floor['bare']['events_per_s']} / {floor['state_timer']['events_per_s']}"
+                    f" ({floor['job_over_floor']})",
+                )
+            )
         if paced:
             lat = paced["event_to_redis_s"]
             rows.append(
@@ -172,12 +181,22 @@ def plots(docs: dict[str, dict[str, Any]], out: Path) -> dict[str, list[str]]:
     doc = docs.get("pipeline_capacity")
     if doc:
         fig, ax = plt.subplots(figsize=(7, 3.2))
-        for phase, p in doc["phases"].items():
-            if isinstance(p, dict) and p.get("throughput_series"):
+        curves = {
+            **{phase: p for phase, p in doc["phases"].items() if isinstance(p, dict)},
+            **{
+                f"floor {shape}": p
+                for shape, p in doc["phases"].get("floor", {}).items()
+                if isinstance(p, dict)
+            },
+        }
+        for label, p in curves.items():
+            if p.get("throughput_series"):
                 xs, ys = zip(*p["throughput_series"], strict=True)
-                ax.plot(xs, ys, label=phase)
-        ax.set_xlabel("s since the job was submitted (drain) / the pace started (paced)")
+                ax.plot(xs, ys, label=label)
+        ax.set_xlabel("s since the job was submitted (drain, floor) / the pace started (paced)")
         ax.set_ylabel("events/s (2 s window)")
+        if "floor" in doc["phases"]:
+            ax.set_yscale("log")  # the floor drains several times faster than the job
         ax.legend()
         save(fig, "pipeline_capacity_throughput.png", "pipeline_capacity")
         paced = doc["phases"].get("paced")

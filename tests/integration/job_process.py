@@ -9,7 +9,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -63,13 +63,19 @@ def _inherited_by_accident(name: str) -> bool:
 
 
 class JobProcess:
-    def __init__(self, groups: Mapping[str, Mapping[str, Any]], log_path: Path) -> None:
+    def __init__(
+        self,
+        groups: Mapping[str, Mapping[str, Any]],
+        log_path: Path,
+        command: Sequence[str] = ("-m", "flink_jobs.job"),
+    ) -> None:
+        """``python <command>`` with the job settings ``groups``: the job unless told."""
         self.log_path = log_path
         env = {k: v for k, v in os.environ.items() if not _inherited_by_accident(k)}
         env.update(config_env(groups))
         self._log = log_path.open("wb")
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "flink_jobs.job"],
+            [sys.executable, *command],
             env=env,
             stdout=self._log,
             stderr=subprocess.STDOUT,
@@ -82,6 +88,10 @@ class JobProcess:
 
     def running(self) -> bool:
         return self._proc.poll() is None
+
+    def wait(self, timeout_s: float) -> int:
+        """The exit code of a job that ends by itself (a bounded input)."""
+        return self._proc.wait(timeout=timeout_s)
 
     def log_text(self) -> str:
         return self.log_path.read_text(errors="replace")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -168,6 +169,42 @@ def test_without_py_spy_the_drain_runs_unprofiled(monkeypatch, tmp_path):
     monkeypatch.setattr(pipeline_capacity.sys, "executable", str(tmp_path / "python"))
     assert pipeline_capacity.py_spy() is None
     assert pipeline_capacity.start_profiler([1], 5, tmp_path / "out.txt") == []
+
+
+def test_the_floor_drains_the_drains_events_in_each_shape_and_sets_the_job_beside_it(
+    monkeypatch, tmp_path
+):
+    rates = {"bare": 20_000.0, "state_timer": 16_000.0}
+    drains = []
+
+    def drain(stack, args, memory, out_dir, events=None, extra=None, floor_shape=""):
+        drains.append((floor_shape, events, extra))
+        return {
+            "events": 60_000,
+            "events_per_s": rates[floor_shape],
+            "peak_2s_events_per_s": None,
+            "wall_s_from_submit": 9.0,
+            "throughput_series": [],
+            "cpu_ms_per_event": {},
+        }
+
+    monkeypatch.setattr(pipeline_capacity, "run_drain", drain)
+    args = SimpleNamespace(out=tmp_path)
+    floor = pipeline_capacity.run_floor(None, args, None, {"events_per_s": 2_400.0})
+    assert drains == [("bare", None, None), ("state_timer", None, None)]
+    assert floor["state_timer"]["events_per_s"] == 16_000.0
+    assert floor["job_over_floor"] == 0.15
+    assert floor["target_over_floor"] == 0.312
+
+
+def test_without_a_drain_the_floor_has_no_ratio_to_the_job(monkeypatch, tmp_path):
+    monkeypatch.setattr(
+        pipeline_capacity,
+        "run_drain",
+        lambda *a, floor_shape="", **k: {key: 1.0 for key in pipeline_capacity.FLOOR_KEYS},
+    )
+    floor = pipeline_capacity.run_floor(None, SimpleNamespace(out=tmp_path), None, None)
+    assert floor["job_over_floor"] is None
 
 
 # --- redis upsert -------------------------------------------------------------------------------

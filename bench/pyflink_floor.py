@@ -1,0 +1,139 @@
+"""The floor under pipeline capacity: the job's PyFlink graph with none of the job's work.
+
+The capacity target is a rate for the whole job, but part of each event's cost is
+PyFlink's own: the Kafka source, a record handed into the embedded interpreter and back
+for every Python operator, ``key_by``'s key selector, keyed state and timers reached
+through PEMJA. These jobs keep the real job's source (the same deserializer, watermarks
+and environment, from ``flink_jobs.job``) and its shape, and do nothing else, so the rate
+they drain at is what no Python job of that shape can beat on the host, measured beside
+the real job in ``bench.pipeline_capacity`` (phase ``floor``). The gap between the two is
+what the job's own code costs; the floor's distance from a target is what it does not.
+
+Two shapes, each a measure of its own:
+
+* ``bare``: decode (read the shopper id and event time with orjson), ``key_by``, and a
+  keyed operator that only counts the event;
+* ``state_timer``: the same, and the keyed operator reads and writes one small value in
+  keyed state and registers one event-time timer per event, whose firing reads it again:
+  the least a session operator that holds events until the watermark passes them does.
+
+Each event is counted as ``events_accepted`` in the job's stats hash (``flink_jobs.stats``),
+so the benchmark's drain measures both jobs the same way; a timer's firing as
+``floor_timers_fired``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from collections.abc import Sequence
+
+import orjson
+from pyflink.common import Row, Types
+from pyflink.datastream import (
+    KeyedProcessFunction,
+    ProcessFunction,
+    RuntimeContext,
+    StreamExecutionEnvironment,
+)
+from pyflink.datastream.connectors.base import Sink
+from pyflink.datastream.state import ValueStateDescriptor
+from pyflink.java_gateway import get_gateway
+
+from flink_jobs.config import AppConfig, load_config
+from flink_jobs.job import (
+    build_environment,
+    connector_jars,
+    event_time_watermarks,
+    kafka_source,
+)
+from flink_jobs.stats import StatsReporter
+
+
+class _Reporting:
+    """Counts to the stats hash; first among the bases, so that its ``close`` (the last
+    flush) is the one Flink calls, not the functions' empty one."""
+
+    def _open_stats(self, config: AppConfig) -> None:
+        self._stats = StatsReporter(
+            config.redis.url, config.redis.key_prefix, config.job.stats_flush_s
+        )
+
+    def close(self) -> None:
+        self._stats.close()
+
+
+class DecodeFloor(_Reporting, ProcessFunction):
+    def __init__(self, config: AppConfig) -> None:
+        self._config = config
+
+    def open(self, runtime_context: RuntimeContext) -> None:
+        self._open_stats(self._config)
+
+    def process_element(self, value: Row, ctx: ProcessFunction.Context):
+        self._stats.add("events_in")
+        doc = orjson.loads(bytes(value[4]))
+        yield doc["shopper_id"], value[3]
+
+
+class CountFloor(_Reporting, KeyedProcessFunction):
+    def __init__(self, config: AppConfig) -> None:
+        self._config = config
+
+    def open(self, runtime_context: RuntimeContext) -> None:
+        self._open_stats(self._config)
+
+    def process_element(self, event: tuple[str, int], ctx: KeyedProcessFunction.Context):
+        self._stats.add("events_accepted")
+        return iter(())
+
+
+class StateTimerFloor(CountFloor):
+    def open(self, runtime_context: RuntimeContext) -> None:
+        super().open(runtime_context)
+        descriptor = ValueStateDescriptor("seen", Types.PICKLED_BYTE_ARRAY())
+        self._seen = runtime_context.get_state(descriptor)
+
+    def process_element(self, event: tuple[str, int], ctx: KeyedProcessFunction.Context):
+        self._seen.update((self._seen.value() or 0) + 1)
+        ctx.timer_service().register_event_time_timer(event[1])
+        self._stats.add("events_accepted")
+        return iter(())
+
+    def on_timer(self, timestamp: int, ctx: KeyedProcessFunction.OnTimerContext):
+        self._seen.value()
+        self._stats.add("floor_timers_fired")
+        return iter(())
+
+
+KEYED_OPERATORS = {"bare": CountFloor, "state_timer": StateTimerFloor}
+
+
+def create_floor_job(config: AppConfig, shape: str) -> StreamExecutionEnvironment:
+    """A job of ``shape`` (a key of ``KEYED_OPERATORS``) reading the configured topic."""
+    keyed = KEYED_OPERATORS[shape]
+    env = build_environment(config, connector_jars(config))
+    decoded = env.from_source(
+        kafka_source(config), event_time_watermarks(config), "kafka-shopper-events"
+    ).process(DecodeFloor(config), output_type=Types.PICKLED_BYTE_ARRAY())
+    discard = get_gateway().jvm.org.apache.flink.streaming.api.functions.sink.v2.DiscardingSink()
+    (
+        decoded.key_by(lambda e: e[0], key_type=Types.STRING())
+        .process(keyed(config), output_type=Types.STRING())
+        .sink_to(Sink(discard))
+    )
+    return env
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Run a floor job on the job's configuration (env / file), like ``flink_jobs.job``."""
+    parser = argparse.ArgumentParser(prog="python -m bench.pyflink_floor")
+    parser.add_argument("shape", choices=sorted(KEYED_OPERATORS))
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO)
+    config = load_config()
+    create_floor_job(config, args.shape).execute(config.job.name)
+
+
+if __name__ == "__main__":
+    main()
