@@ -91,8 +91,8 @@ MAX_LAG_S = 3.0
 PACED_FRACTIONS = (1.0, 0.8, 0.6, 0.5, 0.4, 0.3, 0.25)
 #: The job's timing samples the paced phase reads, cleared after the warm-up.
 PACED_TIMINGS = ("event_to_intent_ms", "event_to_prompt_ms", "llm_latency_ms")
-#: The floor jobs' shapes (bench.pyflink_floor.KEYED_OPERATORS) and the drain figures kept of each.
-FLOOR_SHAPES = ("bare", "state_timer")
+#: The floor jobs' shapes (bench.pyflink_floor.SHAPES) and the drain figures kept of each.
+FLOOR_SHAPES = ("bare", "state_timer", "job_decode")
 FLOOR_KEYS = ("events", "events_per_s", "peak_2s_events_per_s", "wall_s_from_submit")
 FLOOR_KEYS += ("throughput_series", "cpu_ms_per_event")
 LATENCY_TRIGGER = {"quiet_s": "0.2", "max_wait_s": "0.5", "min_interval_s": "0"}

@@ -9,13 +9,16 @@ they drain at is what no Python job of that shape can beat on the host, measured
 the real job in ``bench.pipeline_capacity`` (phase ``floor``). The gap between the two is
 what the job's own code costs; the floor's distance from a target is what it does not.
 
-Two shapes, each a measure of its own:
+Three shapes, each a measure of its own:
 
-* ``bare``: decode (read the shopper id and event time with orjson), ``key_by``, and a
-  keyed operator that only counts the event;
+* ``bare``: decode (read the shopper id with orjson), ``key_by``, and a keyed operator
+  that only counts the event;
 * ``state_timer``: the same, and the keyed operator reads and writes one small value in
   keyed state and registers one event-time timer per event, whose firing reads it again:
-  the least a session operator that holds events until the watermark passes them does.
+  the least a session operator that holds events until the watermark passes them does;
+* ``job_decode``: ``state_timer`` behind the job's own decode operator
+  (``flink_jobs.operators.DecodeEvents``: size check, JSON Schema, the ``ShopperEvent``
+  handed on), so the difference from ``state_timer`` is what decoding costs the job.
 
 Each event is counted as ``events_accepted`` in the job's stats hash (``flink_jobs.stats``),
 so the benchmark's drain measures both jobs the same way; a timer's firing as
@@ -41,12 +44,14 @@ from pyflink.datastream.state import ValueStateDescriptor
 from pyflink.java_gateway import get_gateway
 
 from flink_jobs.config import AppConfig, load_config
+from flink_jobs.events import ShopperEvent
 from flink_jobs.job import (
     build_environment,
     connector_jars,
     event_time_watermarks,
     kafka_source,
 )
+from flink_jobs.operators import DEAD_LETTERS, DecodeEvents
 from flink_jobs.stats import StatsReporter
 
 
@@ -72,8 +77,7 @@ class DecodeFloor(_Reporting, ProcessFunction):
 
     def process_element(self, value: Row, ctx: ProcessFunction.Context):
         self._stats.add("events_in")
-        doc = orjson.loads(bytes(value[4]))
-        yield doc["shopper_id"], value[3]
+        yield orjson.loads(bytes(value[4]))["shopper_id"]
 
 
 class CountFloor(_Reporting, KeyedProcessFunction):
@@ -83,7 +87,7 @@ class CountFloor(_Reporting, KeyedProcessFunction):
     def open(self, runtime_context: RuntimeContext) -> None:
         self._open_stats(self._config)
 
-    def process_element(self, event: tuple[str, int], ctx: KeyedProcessFunction.Context):
+    def process_element(self, event: object, ctx: KeyedProcessFunction.Context):
         self._stats.add("events_accepted")
         return iter(())
 
@@ -94,9 +98,9 @@ class StateTimerFloor(CountFloor):
         descriptor = ValueStateDescriptor("seen", Types.PICKLED_BYTE_ARRAY())
         self._seen = runtime_context.get_state(descriptor)
 
-    def process_element(self, event: tuple[str, int], ctx: KeyedProcessFunction.Context):
+    def process_element(self, event: object, ctx: KeyedProcessFunction.Context):
         self._seen.update((self._seen.value() or 0) + 1)
-        ctx.timer_service().register_event_time_timer(event[1])
+        ctx.timer_service().register_event_time_timer(ctx.timestamp())
         self._stats.add("events_accepted")
         return iter(())
 
@@ -106,29 +110,42 @@ class StateTimerFloor(CountFloor):
         return iter(())
 
 
-KEYED_OPERATORS = {"bare": CountFloor, "state_timer": StateTimerFloor}
+SHAPES = {
+    "bare": (DecodeFloor, CountFloor),
+    "state_timer": (DecodeFloor, StateTimerFloor),
+    "job_decode": (DecodeEvents, StateTimerFloor),
+}
+"""Each shape's decode and keyed operators."""
+
+
+def _shopper_id(event: str | ShopperEvent) -> str:
+    return event if isinstance(event, str) else event.shopper_id
 
 
 def create_floor_job(config: AppConfig, shape: str) -> StreamExecutionEnvironment:
-    """A job of ``shape`` (a key of ``KEYED_OPERATORS``) reading the configured topic."""
-    keyed = KEYED_OPERATORS[shape]
+    """A job of ``shape`` (a key of ``SHAPES``) reading the configured topic."""
+    decode, keyed = SHAPES[shape]
     env = build_environment(config, connector_jars(config))
     decoded = env.from_source(
         kafka_source(config), event_time_watermarks(config), "kafka-shopper-events"
-    ).process(DecodeFloor(config), output_type=Types.PICKLED_BYTE_ARRAY())
-    discard = get_gateway().jvm.org.apache.flink.streaming.api.functions.sink.v2.DiscardingSink()
-    (
-        decoded.key_by(lambda e: e[0], key_type=Types.STRING())
-        .process(keyed(config), output_type=Types.STRING())
-        .sink_to(Sink(discard))
+    ).process(decode(config), output_type=Types.PICKLED_BYTE_ARRAY())
+    discard = Sink(
+        get_gateway().jvm.org.apache.flink.streaming.api.functions.sink.v2.DiscardingSink()
     )
+    (
+        decoded.key_by(_shopper_id, key_type=Types.STRING())
+        .process(keyed(config), output_type=Types.STRING())
+        .sink_to(discard)
+    )
+    if decode is DecodeEvents:  # its dead letters need a consumer (an unconsumed tag fails)
+        decoded.get_side_output(DEAD_LETTERS).sink_to(discard)
     return env
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Run a floor job on the job's configuration (env / file), like ``flink_jobs.job``."""
     parser = argparse.ArgumentParser(prog="python -m bench.pyflink_floor")
-    parser.add_argument("shape", choices=sorted(KEYED_OPERATORS))
+    parser.add_argument("shape", choices=sorted(SHAPES))
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
     config = load_config()

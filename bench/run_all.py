@@ -94,9 +94,13 @@ def key_figures(name: str, doc: dict[str, Any]) -> list[tuple[str, Any]]:
         if floor:
             rows.append(
                 (
-                    "PyFlink floor events/s: bare / state_timer (job over it)",
-                    f"{floor['bare']['events_per_s']} / {floor['state_timer']['events_per_s']}"
-                    f" ({floor['job_over_floor']})",
+                    "PyFlink floor events/s: bare / state_timer / job_decode (job over it)",
+                    " / ".join(
+                        str(floor[shape]["events_per_s"])
+                        for shape in ("bare", "state_timer", "job_decode")
+                        if shape in floor
+                    )
+                    + f" ({floor['job_over_floor']})",
                 )
             )
         if paced:
