@@ -44,14 +44,14 @@ from pyflink.datastream.state import ValueStateDescriptor
 from pyflink.java_gateway import get_gateway
 
 from flink_jobs.config import AppConfig, load_config
-from flink_jobs.events import ShopperEvent
+from flink_jobs.events import DeadLetter, ShopperEvent
 from flink_jobs.job import (
     build_environment,
     connector_jars,
     event_time_watermarks,
     kafka_source,
 )
-from flink_jobs.operators import DEAD_LETTERS, DecodeEvents
+from flink_jobs.operators import DecodeEvents, record_key
 from flink_jobs.stats import StatsReporter
 
 
@@ -118,8 +118,8 @@ SHAPES = {
 """Each shape's decode and keyed operators."""
 
 
-def _shopper_id(event: str | ShopperEvent) -> str:
-    return event if isinstance(event, str) else event.shopper_id
+def _shopper_id(record: str | ShopperEvent | DeadLetter) -> str:
+    return record if isinstance(record, str) else record_key(record)
 
 
 def create_floor_job(config: AppConfig, shape: str) -> StreamExecutionEnvironment:
@@ -129,16 +129,12 @@ def create_floor_job(config: AppConfig, shape: str) -> StreamExecutionEnvironmen
     decoded = env.from_source(
         kafka_source(config), event_time_watermarks(config), "kafka-shopper-events"
     ).process(decode(config), output_type=Types.PICKLED_BYTE_ARRAY())
-    discard = Sink(
-        get_gateway().jvm.org.apache.flink.streaming.api.functions.sink.v2.DiscardingSink()
-    )
+    discard = get_gateway().jvm.org.apache.flink.streaming.api.functions.sink.v2.DiscardingSink()
     (
         decoded.key_by(_shopper_id, key_type=Types.STRING())
         .process(keyed(config), output_type=Types.STRING())
-        .sink_to(discard)
+        .sink_to(Sink(discard))
     )
-    if decode is DecodeEvents:  # its dead letters need a consumer (an unconsumed tag fails)
-        decoded.get_side_output(DEAD_LETTERS).sink_to(discard)
     return env
 
 

@@ -46,6 +46,7 @@ from flink_jobs.operators import (
     PROMPTS,
     DecodeEvents,
     ShopperSessions,
+    record_key,
 )
 
 log = logging.getLogger(__name__)
@@ -203,14 +204,12 @@ def build_pipeline(env: StreamExecutionEnvironment, config: AppConfig) -> None:
         .uid("decode-events")
     )
     sessions = (
-        decoded.key_by(lambda e: e.shopper_id, key_type=Types.STRING())
+        decoded.key_by(record_key, key_type=Types.STRING())
         .process(ShopperSessions(config), output_type=Types.STRING())
         .name("shopper-sessions")
         .uid("shopper-sessions")
     )
-    dead_letters = decoded.get_side_output(DEAD_LETTERS).union(
-        sessions.get_side_output(DEAD_LETTERS)
-    )
+    dead_letters = sessions.get_side_output(DEAD_LETTERS)
     sinks = [(dead_letters, "dead-letter-topic", config.kafka.dead_letter_topic)]
     if config.kafka.late_events_topic:
         sinks.append(

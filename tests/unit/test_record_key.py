@@ -1,0 +1,50 @@
+"""How decoded records are keyed: an event by its shopper, and a decode dead letter too, so
+that it reaches the keyed operator, which writes every dead letter of the job."""
+
+from __future__ import annotations
+
+import time
+
+import orjson
+
+from flink_jobs.events import DeadLetter, ShopperEvent, decode_event
+from flink_jobs.operators import UNKEYED_DEAD_LETTERS, record_key
+
+NOW_MS = int(time.time() * 1000)
+
+
+def _decoded(raw: bytes) -> ShopperEvent | DeadLetter:
+    return decode_event(raw, None, NOW_MS, 16 * 1024)
+
+
+def _view(**fields) -> bytes:
+    event = {
+        "event_id": "ev-1",
+        "shopper_id": "shopper-00001",
+        "event_type": "view",
+        "event_time": "2026-11-26T09:00:00Z",
+        "product": {"product_id": "sku-737145", "title": "Trail running shoes"},
+    }
+    return orjson.dumps({**event, **fields})
+
+
+def test_an_event_is_keyed_by_its_shopper() -> None:
+    assert record_key(_decoded(_view())) == "shopper-00001"
+
+
+def test_a_dead_letter_that_names_its_shopper_is_keyed_by_that_shopper() -> None:
+    refused = _decoded(_view(event_type="teleport"))
+    assert isinstance(refused, DeadLetter)
+    assert record_key(refused) == "shopper-00001"
+
+
+def test_a_dead_letter_without_a_shopper_gets_the_shared_key() -> None:
+    refused = _decoded(b"{not json")
+    assert isinstance(refused, DeadLetter)
+    assert record_key(refused) == UNKEYED_DEAD_LETTERS
+
+
+def test_no_event_can_carry_the_shared_key_as_its_shopper() -> None:
+    refused = _decoded(_view(shopper_id=UNKEYED_DEAD_LETTERS))
+    assert isinstance(refused, DeadLetter)
+    assert refused.reason == "schema_violation"
