@@ -56,10 +56,14 @@ from flink_jobs.stats import StatsReporter
 
 
 class _Reporting:
-    """Counts to the stats hash; first among the bases, so that its ``close`` (the last
-    flush) is the one Flink calls, not the functions' empty one."""
+    """Counts to the stats hash; first among the bases, so that its ``open`` and ``close``
+    (the last flush) are the ones Flink calls, not the functions' empty ones."""
 
-    def _open_stats(self, config: AppConfig) -> None:
+    def __init__(self, config: AppConfig) -> None:
+        self._config = config
+
+    def open(self, runtime_context: RuntimeContext) -> None:
+        config = self._config
         self._stats = StatsReporter(
             config.redis.url, config.redis.key_prefix, config.job.stats_flush_s
         )
@@ -69,24 +73,12 @@ class _Reporting:
 
 
 class DecodeFloor(_Reporting, ProcessFunction):
-    def __init__(self, config: AppConfig) -> None:
-        self._config = config
-
-    def open(self, runtime_context: RuntimeContext) -> None:
-        self._open_stats(self._config)
-
     def process_element(self, value: Row, ctx: ProcessFunction.Context):
         self._stats.add("events_in")
         yield orjson.loads(bytes(value[4]))["shopper_id"]
 
 
 class CountFloor(_Reporting, KeyedProcessFunction):
-    def __init__(self, config: AppConfig) -> None:
-        self._config = config
-
-    def open(self, runtime_context: RuntimeContext) -> None:
-        self._open_stats(self._config)
-
     def process_element(self, event: object, ctx: KeyedProcessFunction.Context):
         self._stats.add("events_accepted")
         return iter(())
