@@ -25,9 +25,9 @@ Four phases, each on a fresh job (own topic, group, key prefix):
    0.3 and 0.25 times the drain rate are tried in turn (or ``--paced-rate`` alone) until one
    keeps up: p99 <= 1 s and every event done within ``MAX_LAG_S`` of the last one sent.
    That rate is the sustained capacity.
-3. **floor**: the drain's events through two jobs of the real job's shape that do none of
-   its work (``bench/pyflink_floor.py``): the rate no PyFlink job of that shape beats on
-   the host, beside the job's own (``job_over_floor``).
+3. **floor**: the drain's events through jobs of the real job's shape that do none of its
+   work (``bench/pyflink_floor.py``, three shapes): the rate no PyFlink job of that shape
+   beats on the host, beside the job's own (``job_over_floor``).
 4. **modes**: the same smaller drain (``--modes-events``) in PyFlink's thread and process
    execution modes, and in thread mode with the LLM calls made in the job's own
    interpreter (``llm.call_process=false``), back to back: the effect of each, as ratios.
