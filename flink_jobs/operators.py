@@ -78,14 +78,23 @@ class _Counted:
             self._stats = None
 
 
-#: The key of decode dead letters that name no shopper: they pass through the keyed
+#: The key prefix of decode dead letters that name no shopper: they pass through the keyed
 #: operator like events (NUL is not in any shopper id the event schema admits).
 UNKEYED_DEAD_LETTERS = "\x00dead-letters"
 
 
 def record_key(record: ShopperEvent | DeadLetter) -> str:
-    """The shopper a decoded record belongs to, for ``key_by``."""
-    return record.shopper_id or UNKEYED_DEAD_LETTERS
+    """The shopper a decoded record belongs to, for ``key_by``.
+
+    A dead letter that names no shopper is keyed by its Kafka position, so a flood of
+    unreadable records spreads over the keyed operator's subtasks instead of landing on
+    one (they write no state, so a key each costs nothing)."""
+    if record.shopper_id:
+        return record.shopper_id
+    source = record.source if isinstance(record, DeadLetter) else None
+    if source is None:
+        return UNKEYED_DEAD_LETTERS
+    return f"{UNKEYED_DEAD_LETTERS}:{source.topic}:{source.partition}:{source.offset}"
 
 
 class DecodeEvents(ProcessFunction, _Counted):

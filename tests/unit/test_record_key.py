@@ -7,14 +7,14 @@ import time
 
 import orjson
 
-from flink_jobs.events import DeadLetter, ShopperEvent, decode_event
+from flink_jobs.events import DeadLetter, ShopperEvent, SourcePosition, decode_event
 from flink_jobs.operators import UNKEYED_DEAD_LETTERS, record_key
 
 NOW_MS = int(time.time() * 1000)
 
 
-def _decoded(raw: bytes) -> ShopperEvent | DeadLetter:
-    return decode_event(raw, None, NOW_MS, 16 * 1024)
+def _decoded(raw: bytes, offset: int = 7) -> ShopperEvent | DeadLetter:
+    return decode_event(raw, SourcePosition("shopper-events", 2, offset, NOW_MS), NOW_MS, 16_384)
 
 
 def _view(**fields) -> bytes:
@@ -38,13 +38,14 @@ def test_a_dead_letter_that_names_its_shopper_is_keyed_by_that_shopper() -> None
     assert record_key(refused) == "shopper-00001"
 
 
-def test_a_dead_letter_without_a_shopper_gets_the_shared_key() -> None:
-    refused = _decoded(b"{not json")
-    assert isinstance(refused, DeadLetter)
-    assert record_key(refused) == UNKEYED_DEAD_LETTERS
+def test_dead_letters_without_a_shopper_are_keyed_apart_by_their_kafka_position() -> None:
+    """So a flood of unreadable records spreads over the keyed operator's subtasks."""
+    keys = {record_key(_decoded(b"{not json", offset)) for offset in range(100)}
+    assert len(keys) == 100
+    assert all(key.startswith(UNKEYED_DEAD_LETTERS) for key in keys)
 
 
-def test_no_event_can_carry_the_shared_key_as_its_shopper() -> None:
-    refused = _decoded(_view(shopper_id=UNKEYED_DEAD_LETTERS))
+def test_no_event_can_carry_a_dead_letter_key_as_its_shopper() -> None:
+    refused = _decoded(_view(shopper_id=f"{UNKEYED_DEAD_LETTERS}:shopper-events:2:7"))
     assert isinstance(refused, DeadLetter)
     assert refused.reason == "schema_violation"
