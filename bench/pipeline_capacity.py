@@ -93,8 +93,10 @@ PACED_FRACTIONS = (1.0, 0.8, 0.6, 0.5, 0.4, 0.3, 0.25)
 PACED_TIMINGS = ("event_to_intent_ms", "event_to_prompt_ms", "llm_latency_ms")
 #: The floor jobs' shapes (bench.pyflink_floor.SHAPES) and the drain figures kept of each.
 FLOOR_SHAPES = ("bare", "state_timer", "job_decode")
-FLOOR_KEYS = ("events", "events_per_s", "peak_2s_events_per_s", "wall_s_from_submit")
-FLOOR_KEYS += ("throughput_series", "cpu_ms_per_event")
+FLOOR_KEYS = (
+    *("events", "events_per_s", "peak_2s_events_per_s", "wall_s_from_submit"),
+    *("throughput_series", "cpu_ms_per_event"),
+)
 LATENCY_TRIGGER = {"quiet_s": "0.2", "max_wait_s": "0.5", "min_interval_s": "0"}
 
 
@@ -386,13 +388,13 @@ def run_drain(
 
     cpu = CpuClock(memory.root)
     cpu_from: dict[str, Any] = {}
+    profiled = args.profile_s and not floor_shape
 
     def on_poll(series) -> None:
         counted = events_accounted(series[-1][1])
         cpu.sample()
         if not cpu_from and counted >= 0.1 * len(records):
             cpu_from.update(mark=cpu.mark(), events=counted)
-        profiled = args.profile_s and not floor_shape
         if profiled and "pids" not in profile and counted >= 0.1 * len(records):
             pids = python_workers(memory.root)
             profile["pids"] = pids
@@ -701,6 +703,13 @@ def run(args) -> dict[str, Any]:
     )
 
 
+def _cpu_lines(label: str, run: dict[str, Any]) -> list[str]:
+    cpu = run.get("cpu_ms_per_event")
+    if not cpu:
+        return []
+    return [f"{label:<8}CPU ms/event " + ", ".join(f"{k} {v}" for k, v in cpu.items())]
+
+
 def table(doc: dict[str, Any]) -> str:
     lines = []
     drain = doc["phases"].get("drain")
@@ -710,11 +719,7 @@ def table(doc: dict[str, Any]) -> str:
             f" (peak 2 s: {drain['peak_2s_events_per_s']})"
             f"  prompts/event {drain['prompts_per_event']}"
         )
-        if drain.get("cpu_ms_per_event"):
-            lines.append(
-                "drain   CPU ms/event "
-                + ", ".join(f"{k} {v}" for k, v in drain["cpu_ms_per_event"].items())
-            )
+        lines += _cpu_lines("drain", drain)
     floor = doc["phases"].get("floor")
     if floor:
         for shape in FLOOR_SHAPES:
@@ -722,11 +727,7 @@ def table(doc: dict[str, Any]) -> str:
                 f"floor   {floor[shape]['events']:>8,} events  PyFlink alone, {shape}:"
                 f" {floor[shape]['events_per_s']} events/s"
             )
-            if floor[shape].get("cpu_ms_per_event"):
-                lines.append(
-                    "floor   CPU ms/event "
-                    + ", ".join(f"{k} {v}" for k, v in floor[shape]["cpu_ms_per_event"].items())
-                )
+            lines += _cpu_lines("floor", floor[shape])
         lines.append(
             f"floor   the job's drain over the state_timer floor: {floor['job_over_floor']};"
             f" the target over it: {floor['target_over_floor']}"
