@@ -81,6 +81,7 @@ class Outbox:
         self._stopping: set[str] = set()  # shoppers whose running call was asked to stop
         self._protected: set[str] = set()  # ... and whose running call followed such a one
         self._tasks: set[asyncio.Task] = set()
+        self._dispatch_due = False  # a wake-up of the loop to dispatch is already on its way
         self._error: BaseException | None = None
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="outbox", daemon=True)
@@ -109,7 +110,13 @@ class Outbox:
             stop = running is not None and self._may_stop(task.shopper_id)
             if stop:
                 self._stopping.add(task.shopper_id)
-        self._loop.call_soon_threadsafe(self._dispatch)
+            # Each wake-up writes to the loop's self-pipe (a syscall and a context switch).
+            # None is needed while one is on its way or every slot is busy: the end of a
+            # running call dispatches what is queued.
+            wake = not self._dispatch_due and len(self._running) < self._max_concurrency
+            self._dispatch_due |= wake
+        if wake:
+            self._loop.call_soon_threadsafe(self._dispatch)
         if stop:
             self._loop.call_soon_threadsafe(self._stop, running)
 
@@ -159,6 +166,7 @@ class Outbox:
 
     def _dispatch(self) -> None:
         with self._cond:
+            self._dispatch_due = False
             while len(self._running) < self._max_concurrency:
                 task = next((t for s, t in self._queued.items() if s not in self._running), None)
                 if task is None:

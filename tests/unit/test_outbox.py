@@ -211,6 +211,29 @@ class TestBounded:
         assert outbox.in_system == 2
 
 
+class TestWakeUps:
+    def test_prompts_queued_while_every_slot_is_busy_do_not_wake_the_loop_yet_are_all_sent(
+        self, outbox_for, llm: HeldLlm, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        outbox = outbox_for(capacity=64, max_concurrency=2)
+        for shopper in ("shopper-00043", "shopper-00146"):
+            outbox.submit(task(shopper, seq=1))
+            assert llm.started.acquire(timeout=WAIT_S)
+        loop = outbox._loop
+        wake_ups: list[object] = []
+        wake = loop.call_soon_threadsafe
+        monkeypatch.setattr(loop, "call_soon_threadsafe", lambda *a: wake_ups.append(a) or wake(*a))
+        queued = [f"shopper-{n:05d}" for n in range(300, 320)]
+
+        for shopper in queued:
+            outbox.submit(task(shopper, seq=1))
+        assert wake_ups == []
+        llm.release()
+
+        for shopper in queued:
+            assert outcomes(outbox, shopper, 1) == [(1, "written")]
+
+
 class TestBookkeeping:
     def test_outcomes_wait_until_collected_then_are_gone(self, outbox_for, llm: HeldLlm) -> None:
         outbox = outbox_for()
