@@ -182,10 +182,12 @@ class TestStickiness:
         policy = router.pools["worker"].policy
         newcomer = "newcomer-0"
         assert policy.home(newcomer, (A, B)) == policy.home("s1", (A, B))  # same rendezvous home
-        fake.delay_s = 0.2
+        fake.delay_s = 1.0
         long_body = {**BODY, "messages": [{"role": "user", "content": "e" * 12_000}]}
         first = asyncio.create_task(client.post(CHAT, json=long_body, headers=session("s1")))
-        await asyncio.sleep(0.05)
+        async with asyncio.timeout(10):
+            while not fake.received:  # in flight from here for the fake's delay
+                await asyncio.sleep(0.01)
         busy = fake.received[0].worker
         second = await client.post(CHAT, json=BODY, headers=session(newcomer))
         assert second.headers[WORKER_HEADER] != busy

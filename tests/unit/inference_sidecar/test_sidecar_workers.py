@@ -235,7 +235,7 @@ class TestWorkerPool:
 
     def test_silent_worker_is_restarted_once(self, tmp_path: Path, fake_python: Path) -> None:
         cfg = self.config(tmp_path, fake_python, env={"FAKE_HANG_ONCE": str(tmp_path / "hung")})
-        pool = WorkerPool(cfg, ready_timeout_s=30, stall_timeout_s=1.0)
+        pool = WorkerPool(cfg, ready_timeout_s=30, stall_timeout_s=5.0)
         with pool:
             # the marker is shared: only the worker that started first hung
             assert sum(pool.restarts.values()) == 1
