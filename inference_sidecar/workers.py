@@ -398,6 +398,8 @@ class WorkerPool:
         self.specs = plan_workers(self.config, self.kv_dir)
         self._procs: dict[str, subprocess.Popen[bytes]] = {}
         self._logs: dict[str, IO[bytes]] = {}
+        self._own_output_from: dict[str, int] = {}
+        """Log offset where each worker's own output starts (after our header line)."""
         self._janitor_stop = threading.Event()
         self._janitor: threading.Thread | None = None
 
@@ -456,6 +458,7 @@ class WorkerPool:
         log.write((" ".join(spec.argv) + "\n").encode())
         log.flush()
         self._logs[spec.name] = log
+        self._own_output_from[spec.name] = log.tell()
         self._procs[spec.name] = subprocess.Popen(
             spec.argv,
             env={**os.environ, **spec.env},
@@ -479,7 +482,10 @@ class WorkerPool:
         when the deadline passes. A worker whose log has not grown for
         ``stall_timeout_s`` is killed and started again (at most ``max_restarts``
         times): on a crowded machine vLLM's start-up was seen to hang for good right
-        after binding its OpenMP threads, while a second start went through.
+        after binding its OpenMP threads, while a second start went through. Silence
+        before a worker's first line is not a stall: that is Python importing vLLM,
+        which took 3 minutes on a host with heavy CPU steal, so only the deadline
+        bounds it.
         """
         deadline = time.monotonic() + (timeout_s if timeout_s is not None else self.ready_timeout_s)
         pending = {s.name: s for s in self.specs}
@@ -518,10 +524,12 @@ class WorkerPool:
         if self.restarts.get(spec.name, 0) >= self.max_restarts:
             return False
         try:
-            silent_for = time.time() - spec.log_path.stat().st_mtime
+            log = spec.log_path.stat()
         except OSError:
             return False
-        return silent_for > self.stall_timeout_s
+        if log.st_size <= self._own_output_from.get(spec.name, 0):
+            return False
+        return time.time() - log.st_mtime > self.stall_timeout_s
 
     def _restart(self, spec: WorkerSpec) -> None:
         logger.warning(

@@ -174,7 +174,8 @@ FAKE_VLLM = textwrap.dedent(
     """\
     #!{python}
     # Stands in for vLLM: serves /health on --port, or exits at once if FAKE_EXIT is set.
-    import http.server, os, sys
+    import http.server, os, sys, time
+    time.sleep(float(os.environ.get("FAKE_SILENT_IMPORT_S", "0")))
     print("fake vllm starting", sys.argv[1:], flush=True)
     if os.environ.get("FAKE_EXIT"):
         print("boom: engine failed", flush=True)
@@ -182,7 +183,6 @@ FAKE_VLLM = textwrap.dedent(
     marker = os.environ.get("FAKE_HANG_ONCE")
     if marker and not os.path.exists(marker):
         open(marker, "w").close()
-        import time
         time.sleep(600)  # hangs silently, the first time only
     port = int(sys.argv[sys.argv.index("--port") + 1])
     class H(http.server.BaseHTTPRequestHandler):
@@ -239,6 +239,13 @@ class TestWorkerPool:
         with pool:
             # the marker is shared: only the worker that started first hung
             assert sum(pool.restarts.values()) == 1
+
+    def test_silence_before_the_first_line_is_not_a_stall(
+        self, tmp_path: Path, fake_python: Path
+    ) -> None:
+        cfg = self.config(tmp_path, fake_python, env={"FAKE_SILENT_IMPORT_S": "4"})
+        with WorkerPool(cfg, ready_timeout_s=30, stall_timeout_s=1.0) as pool:
+            assert pool.restarts == {}
 
     def test_busy_port_is_reported(self, tmp_path: Path, fake_python: Path) -> None:
         cfg = self.config(tmp_path, fake_python)
