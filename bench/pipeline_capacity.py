@@ -29,7 +29,7 @@ Four phases, each on a fresh job (own topic, group, key prefix):
    keeps up: p99 <= 1 s and every event done within ``MAX_LAG_S`` of the last one sent.
    That rate is the sustained capacity.
 3. **floor**: the drain's events through jobs of the real job's shape that do none of its
-   work (``bench/pyflink_floor.py``, three shapes): the rate no PyFlink job of that shape
+   work (``bench/pyflink_floor.py``, four shapes): the rate no PyFlink job of that shape
    beats on the host, beside the job's own (``job_over_floor``).
 4. **modes**: the same smaller drain (``--modes-events``) in PyFlink's thread and process
    execution modes, and in thread mode with the LLM calls made in the job's own
@@ -95,7 +95,7 @@ PACED_FRACTIONS = (1.0, 0.8, 0.6, 0.5, 0.4, 0.3, 0.25)
 #: The job's timing samples the paced phase reads, cleared after the warm-up.
 PACED_TIMINGS = ("event_to_intent_ms", "event_to_prompt_ms", "llm_latency_ms")
 #: The floor jobs' shapes (bench.pyflink_floor.SHAPES) and the drain figures kept of each.
-FLOOR_SHAPES = ("bare", "state_timer", "job_decode")
+FLOOR_SHAPES = ("bare", "state_timer", "job_decode", "job_state")
 FLOOR_KEYS = (
     *("events", "events_per_s", "peak_2s_events_per_s", "wall_s_from_submit"),
     *("throughput_series", "cpu_ms_per_event"),

@@ -9,7 +9,7 @@ they drain at is what no Python job of that shape can beat on the host, measured
 the real job in ``bench.pipeline_capacity`` (phase ``floor``). The gap between the two is
 what the job's own code costs; the floor's distance from a target is what it does not.
 
-Three shapes, each a measure of its own:
+Four shapes, each a measure of its own:
 
 * ``bare``: decode (read the shopper id with orjson), ``key_by``, and a keyed operator
   that only counts the event;
@@ -18,7 +18,11 @@ Three shapes, each a measure of its own:
   the least a session operator that holds events until the watermark passes them does;
 * ``job_decode``: ``state_timer`` behind the job's own decode operator
   (``flink_jobs.operators.DecodeEvents``: size check, JSON Schema, the ``ShopperEvent``
-  handed on), so the difference from ``state_timer`` is what decoding costs the job.
+  handed on), so the difference from ``state_timer`` is what decoding costs the job;
+* ``job_state``: ``job_decode`` with the session operator's own keyed state (three
+  ``ValueState``s with TTL, a session of up to 40 events pickled on every write, the
+  event held until its timer), so the difference from ``job_decode`` is what the job's
+  state costs, apart from its logic, prompts and calls.
 
 Each event is counted as ``events_accepted`` in the job's stats hash (``flink_jobs.stats``),
 so the benchmark's drain measures both jobs the same way; a timer's firing as
@@ -51,7 +55,7 @@ from flink_jobs.job import (
     event_time_watermarks,
     kafka_source,
 )
-from flink_jobs.operators import DecodeEvents, record_key
+from flink_jobs.operators import DecodeEvents, record_key, session_states
 from flink_jobs.stats import StatsReporter
 
 
@@ -102,10 +106,41 @@ class StateTimerFloor(CountFloor):
         return iter(())
 
 
+class JobStateFloor(CountFloor):
+    """The session operator's keyed state without its logic: the same three TTL'd states,
+    and per event the reads, writes and timer the operator makes for an event that only
+    joins the session: the last ``session.max_events`` events written back (and kept as
+    objects, read from state only when not kept, as the operator does), the event held
+    until the watermark passes it, whose timer releases it."""
+
+    def open(self, runtime_context: RuntimeContext) -> None:
+        super().open(runtime_context)
+        self._session, self._held, self._pending = session_states(runtime_context, self._config)
+        self._keep = self._config.session.max_events
+        self._recent: dict[str, tuple[ShopperEvent, ...]] = {}
+
+    def process_element(self, event: ShopperEvent, ctx: KeyedProcessFunction.Context):
+        shopper_id = ctx.get_current_key()
+        session = self._recent.get(shopper_id) or self._session.value() or ()
+        session = self._recent[shopper_id] = (*session, event)[-self._keep :]
+        self._session.update(session)
+        self._held.update((*(self._held.value() or ()), event))
+        ctx.timer_service().register_event_time_timer(ctx.timestamp())
+        self._stats.add("events_accepted")
+        return iter(())
+
+    def on_timer(self, timestamp: int, ctx: KeyedProcessFunction.OnTimerContext):
+        self._held.value()
+        self._held.clear()
+        self._stats.add("floor_timers_fired")
+        return iter(())
+
+
 SHAPES = {
     "bare": (DecodeFloor, CountFloor),
     "state_timer": (DecodeFloor, StateTimerFloor),
     "job_decode": (DecodeEvents, StateTimerFloor),
+    "job_state": (DecodeEvents, JobStateFloor),
 }
 """Each shape's decode and keyed operators."""
 

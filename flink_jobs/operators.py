@@ -21,7 +21,7 @@ from pyflink.common import Row, Time
 from pyflink.common.typeinfo import Types
 from pyflink.datastream import OutputTag, RuntimeContext, TimeDomain
 from pyflink.datastream.functions import KeyedProcessFunction, ProcessFunction
-from pyflink.datastream.state import StateTtlConfig, ValueStateDescriptor
+from pyflink.datastream.state import StateTtlConfig, ValueState, ValueStateDescriptor
 
 from flink_jobs.call_process import CallProcess
 from flink_jobs.config import AppConfig
@@ -130,6 +130,24 @@ class DecodeEvents(ProcessFunction, _Counted):
         yield result
 
 
+def session_states(runtime_context: RuntimeContext, config: AppConfig) -> tuple[ValueState, ...]:
+    """The session operator's keyed state: the session, the events held until the watermark
+    passes them, and the prompt in flight; each dropped ``session.state_ttl_s`` after its
+    last write."""
+    ttl = (
+        StateTtlConfig.new_builder(Time.seconds(config.session.state_ttl_s))
+        .set_update_type(StateTtlConfig.UpdateType.OnCreateAndWrite)
+        .set_state_visibility(StateTtlConfig.StateVisibility.NeverReturnExpired)
+        .build()
+    )
+    states = []
+    for name in ("session", "held-events", "pending-prompt"):
+        descriptor = ValueStateDescriptor(name, Types.PICKLED_BYTE_ARRAY())
+        descriptor.enable_time_to_live(ttl)
+        states.append(runtime_context.get_state(descriptor))
+    return tuple(states)
+
+
 class _RecentSessions:
     """The newest session states by shopper, as objects: a read from keyed state unpickles
     the whole session (tens of microseconds for forty events), and the operator is the only
@@ -176,18 +194,7 @@ class ShopperSessions(KeyedProcessFunction, _Counted):
         self._config = config
 
     def open(self, runtime_context: RuntimeContext) -> None:
-        ttl = (
-            StateTtlConfig.new_builder(Time.seconds(self._config.session.state_ttl_s))
-            .set_update_type(StateTtlConfig.UpdateType.OnCreateAndWrite)
-            .set_state_visibility(StateTtlConfig.StateVisibility.NeverReturnExpired)
-            .build()
-        )
-        states = {}
-        for name in ("session", "held-events", "pending-prompt"):
-            descriptor = ValueStateDescriptor(name, Types.PICKLED_BYTE_ARRAY())
-            descriptor.enable_time_to_live(ttl)
-            states[name] = runtime_context.get_state(descriptor)
-        self._session, self._held, self._pending = states.values()
+        self._session, self._held, self._pending = session_states(runtime_context, self._config)
         self._recent = _RecentSessions(self._config.job.session_cache_size)
         self._renderer = PromptRenderer(self._config.prompt)
         self._open_counters(runtime_context, self._config)

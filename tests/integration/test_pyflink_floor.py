@@ -3,8 +3,8 @@
 ``bench.pipeline_capacity`` quotes the floor's drain rate beside the job's as what PyFlink
 alone allows a job of the same shape. That holds only if each of its events really goes
 from the job's Kafka source through a keyed Python operator, keyed state and an
-event-time timer (behind the job's own decoder in ``job_decode``). Run bounded, on the
-real broker, Redis and PyFlink.
+event-time timer (behind the job's own decoder in ``job_decode``, and with the job's own
+state in ``job_state``). Run bounded, on the real broker, Redis and PyFlink.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ EVENTS = 300
 SHOPPERS = 30
 
 
-@pytest.mark.parametrize("shape", ["state_timer", "job_decode"])
+@pytest.mark.parametrize("shape", ["state_timer", "job_decode", "job_state"])
 def test_every_event_passes_keyed_state_and_fires_its_own_timer(
     shape: str, kafka_bootstrap: str, redis_url: str, unique_name: str, tmp_path
 ) -> None:

@@ -174,7 +174,7 @@ def test_without_py_spy_the_drain_runs_unprofiled(monkeypatch, tmp_path):
 def test_the_floor_drains_the_drains_events_in_each_shape_and_sets_the_job_beside_it(
     monkeypatch, tmp_path
 ):
-    rates = {"bare": 20_000.0, "state_timer": 16_000.0, "job_decode": 9_000.0}
+    rates = {"bare": 20_000.0, "state_timer": 16_000.0, "job_decode": 9_000.0, "job_state": 6_000.0}
     drains = []
 
     def drain(stack, args, memory, out_dir, events=None, extra=None, floor_shape=""):
@@ -191,7 +191,9 @@ def test_the_floor_drains_the_drains_events_in_each_shape_and_sets_the_job_besid
     monkeypatch.setattr(pipeline_capacity, "run_drain", drain)
     args = SimpleNamespace(out=tmp_path)
     floor = pipeline_capacity.run_floor(None, args, None, {"events_per_s": 2_400.0})
-    assert drains == [(shape, None, None) for shape in ("bare", "state_timer", "job_decode")]
+    assert drains == [
+        (shape, None, None) for shape in ("bare", "state_timer", "job_decode", "job_state")
+    ]
     assert floor["state_timer"]["events_per_s"] == 16_000.0
     assert floor["job_over_floor"] == 0.15
     assert floor["target_over_floor"] == 0.312
