@@ -115,7 +115,7 @@ class JobStateFloor(CountFloor):
 
     def open(self, runtime_context: RuntimeContext) -> None:
         super().open(runtime_context)
-        self._session, self._held, self._pending = session_states(runtime_context, self._config)
+        self._session, self._held, _ = session_states(runtime_context, self._config)
         self._keep = self._config.session.max_events
         self._recent: dict[str, tuple[ShopperEvent, ...]] = {}
 
