@@ -511,23 +511,25 @@ def run_paced(stack: Stack, args, memory: PeakMemory) -> dict[str, Any]:
     total = warm + int(args.paced_rate * args.paced_s)
     shoppers = max(50, int(args.shoppers * total / max(1, args.events)))
     records = make_events(shoppers, args.duration_s, 11, total)
-    warmed_up, measuring = threading.Event(), threading.Event()
+    warmed_up = threading.Event()  # set by the producer's thread
+    measuring = False
 
     def note_progress(progress: ReplayProgress) -> None:
         if progress.produced >= warm:
             warmed_up.set()
 
     def forget_warmup(_series) -> None:
-        if warm and warmed_up.is_set() and not measuring.is_set():
+        nonlocal measuring
+        if warm and warmed_up.is_set() and not measuring:
             client.delete(*(samples_key(name, timing) for timing in PACED_TIMINGS))
-            measuring.set()
+            measuring = True
 
-    warmup = make_events(20, 30, 13, 60)
+    startup = make_events(20, 30, 13, 60)
     client = redis.Redis.from_url(stack.redis.url)
     job = submit(config)
     try:
-        # Warm up: wait until the job has written intents, then forget its samples.
-        replay_records(stack.kafka.bootstrap, config.kafka.events_topic, warmup, rate=60,
+        # Start-up: wait until the job has written intents, then forget its samples.
+        replay_records(stack.kafka.bootstrap, config.kafka.events_topic, startup, rate=60,
                        rebase_time="send")  # fmt: skip
         poll_until(client, name, lambda s: s.get("intents_written", 0) > 0, args.timeout_s, memory)
         time.sleep(2.0)
