@@ -117,6 +117,11 @@ REDIS_MIN_DOWN_S = 3.0
 REDIS_MAX_DOWN_S = 20.0
 ROUTER_DOWN_S = 2.0
 BROKER_DOWN_S = 5.0
+# Tansu creates a topic with 4 partitions for a client that asks for one it lacks, and the
+# job's clients reconnect as soon as the restarted broker listens, before the test can
+# create the topics. With the same count, whoever creates them, they are the topics the
+# job had; a topic deleted and created again under the job's clients stalled its source.
+PARTITIONS = 4
 IN_FLIGHT_WAIT_S = 20.0  # how long a kill waits for requests in flight to its victim
 FIRST_REQUEST_WAIT_S = 90.0  # the job's start-up and its first prompts
 # The dead-letter sink's producer gives up on a record after this (Kafka's default is
@@ -236,23 +241,15 @@ def snapshot_topic(bootstrap: str, topic: str, idle_s: float = 2.0) -> TopicLog:
     return log
 
 
-def recreate_topics(bootstrap: str, topics: list[str], partitions: int, tries: int = 5) -> None:
-    """Create ``topics`` on the restarted broker with ``partitions`` each. The job's Kafka
-    clients reconnect as soon as the port opens and their metadata requests can make Tansu
-    create a topic first, with its own partition count (a CI run got four): such a topic is
-    deleted and created again."""
+def recreate_topics(bootstrap: str, topics: list[str]) -> None:
+    """Create ``topics`` on the restarted broker, unless the job's clients made it do so
+    first, and check that they have the partitions they had (see ``PARTITIONS``)."""
     from confluent_kafka.admin import AdminClient
 
-    admin = AdminClient({"bootstrap.servers": bootstrap})
-    for _ in range(tries):
-        create_topics(bootstrap, topics, partitions)
-        listed = admin.list_topics(timeout=10).topics
-        wrong = [t for t in topics if t not in listed or len(listed[t].partitions) != partitions]
-        if not wrong:
-            return
-        for future in admin.delete_topics(wrong, operation_timeout=10).values():
-            future.result(timeout=10)
-    raise AssertionError(f"{topics} did not come back with {partitions} partitions each")
+    create_topics(bootstrap, topics, PARTITIONS)
+    listed = AdminClient({"bootstrap.servers": bootstrap}).list_topics(timeout=10).topics
+    counts = {t: len(listed[t].partitions) if t in listed else 0 for t in topics}
+    assert set(counts.values()) == {PARTITIONS}, f"topics came back with {counts} partitions"
 
 
 def restore_topic(bootstrap: str, log: TopicLog) -> None:
@@ -474,7 +471,7 @@ def scenario() -> Iterator[Scenario]:
             environ={},
         )
         topics = [config.kafka.events_topic, config.kafka.dead_letter_topic]
-        create_topics(broker.bootstrap, topics, 2)
+        create_topics(broker.bootstrap, topics, PARTITIONS)
         client = redis.Redis.from_url(redis_service.url, socket_timeout=5)
         stack.callback(client.close)
         faults: dict[str, Fault] = {}
@@ -595,7 +592,7 @@ def scenario() -> Iterator[Scenario]:
             broker.stop()
             time.sleep(BROKER_DOWN_S)
             broker.start()
-            recreate_topics(broker.bootstrap, topics, 2)
+            recreate_topics(broker.bootstrap, topics)
             for log in logs:
                 restore_topic(broker.bootstrap, log)
             broker_up = time.time()
