@@ -2,13 +2,17 @@
 
 The router feeds this module two kinds of signals and acts on the events it returns:
 
-* every completed upstream request (``record``): success or failure and its latency;
+* every completed upstream request (``record``): success or failure, its latency and the
+  most requests the worker served at once meanwhile;
 * every active probe of ``GET /health`` (``probe``): reachable or not.
 
 A worker is taken out ("ejected") when, over its recent window of requests, its error
 rate or its median latency stands out from its peers', or after a run of consecutive
 failures. Comparing with peers rather than with fixed limits is what keeps a slow model
-or a burst of long prompts from ejecting everybody: only the odd one out goes.
+or a burst of long prompts from ejecting everybody: only the odd one out goes. Latency is
+compared per request in flight: a worker that sticky routing gave a hot shopper's three
+concurrent requests answers each more slowly because it computes three at once, not
+because it is sick, and ejecting it would move every prefix it caches for nothing.
 An ejected worker stays out for a back-off period that doubles with each ejection, then
 comes back once a probe succeeds. A worker failing its active checks is "down" until a
 probe succeeds again. Ejection never leaves fewer than ``min_healthy`` workers in
@@ -43,7 +47,7 @@ class HealthConfig:
     error_rate_margin: float = 0.3
     """...if it also exceeds the peers' mean error rate by this much."""
     latency_factor: float = 4.0
-    """A median latency above this multiple of the peers' median may eject..."""
+    """A median latency per request in flight above this multiple of the peers' may eject..."""
     latency_floor_s: float = 1.0
     """...if it is also this much slower in absolute terms (ignores jitter on fast calls)."""
     consecutive_failures: int = 3
@@ -68,6 +72,7 @@ class HealthConfig:
 class Outcome:
     ok: bool
     latency_s: float
+    """Per request in flight: the latency over the requests the worker was serving."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,9 +183,16 @@ def _eject(
 
 
 def record(
-    state: PoolHealth, worker: str, ok: bool, latency_s: float, now: float, cfg: HealthConfig
+    state: PoolHealth,
+    worker: str,
+    ok: bool,
+    latency_s: float,
+    now: float,
+    cfg: HealthConfig,
+    sharing: int = 1,
 ) -> tuple[PoolHealth, list[HealthEvent]]:
-    """Account one finished request to ``worker``; may eject it.
+    """Account one finished request to ``worker``; may eject it. ``sharing`` is the most
+    requests the worker served at once while this one was in flight, itself included.
 
     Outcomes of a worker already out of service are ignored: they are requests sent
     before it was taken out and say nothing new.
@@ -190,7 +202,7 @@ def record(
     h = state.get(worker)
     if not in_service(h):
         return state, []
-    outcomes = (*h.outcomes, Outcome(ok, latency_s))[-cfg.window :]
+    outcomes = (*h.outcomes, Outcome(ok, latency_s / max(1, sharing)))[-cfg.window :]
     h = replace(h, outcomes=outcomes, consecutive_failures=0 if ok else h.consecutive_failures + 1)
     state = state.with_worker(worker, h)
     reason = outlier_reason(state, worker, cfg)

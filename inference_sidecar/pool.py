@@ -17,6 +17,15 @@ from inference_sidecar.policies import Policy
 Decision = Literal["sticky", "placed", "spilled", "failed_over", "balanced"]
 
 
+@dataclass(slots=True, eq=False)
+class Ticket:
+    """One request in flight: the policy's own ticket and the worker's load meanwhile."""
+
+    policy_ticket: Any
+    sharing: int
+    """The most requests the worker served at once while this one was in flight."""
+
+
 @dataclass(frozen=True, slots=True)
 class Choice:
     """Where a request goes and how that relates to its key's home worker."""
@@ -56,6 +65,7 @@ class RoutingPool:
         self.health_config = health_config or h.HealthConfig()
         self.health = h.new_pool_health(self.workers)
         self.in_flight: dict[str, int] = dict.fromkeys(self.workers, 0)
+        self._open: dict[str, list[Ticket]] = {w: [] for w in self.workers}
         self._on_event = on_event
 
     def candidates(self, exclude: Iterable[str] = ()) -> list[str]:
@@ -75,24 +85,36 @@ class RoutingPool:
             decision = "placed"
         return Choice(worker, decision)
 
-    def start(self, worker: str, key: str = "", size: int = 0) -> Any:
-        """Count a request sent to ``worker``; returns the policy's ticket for it."""
+    def start(self, worker: str, key: str = "", size: int = 0) -> Ticket:
+        """Count a request sent to ``worker``; returns the ticket to end it with."""
         self.in_flight[worker] += 1
-        return self.policy.on_start(worker, key, size)
+        serving = self.in_flight[worker]
+        for other in self._open[worker]:
+            other.sharing = max(other.sharing, serving)
+        ticket = Ticket(self.policy.on_start(worker, key, size), serving)
+        self._open[worker].append(ticket)
+        return ticket
 
-    def prefilled(self, worker: str, ticket: Any = None) -> None:
+    def prefilled(self, worker: str, ticket: Ticket) -> None:
         """The worker's first output byte arrived: its prefill of this request is done."""
-        self.policy.on_prefilled(worker, ticket)
+        self.policy.on_prefilled(worker, ticket.policy_ticket)
 
     def finish(
-        self, worker: str, ok: bool | None, latency_s: float, now: float, ticket: Any = None
+        self, worker: str, ok: bool | None, latency_s: float, now: float, ticket: Ticket
     ) -> None:
         """End one request; ``ok=None`` means "not the worker's fault" (client error,
-        client gone) and feeds nothing to outlier detection."""
+        client gone) and feeds nothing to outlier detection. Its latency is judged against
+        the most requests the worker served at once while it was in flight."""
+        if ticket in self._open[worker]:
+            self._open[worker].remove(ticket)
         self.in_flight[worker] = max(0, self.in_flight[worker] - 1)
-        self.policy.on_finish(worker, ticket, ok)
+        self.policy.on_finish(worker, ticket.policy_ticket, ok)
         if ok is not None:
-            self._apply(h.record(self.health, worker, ok, latency_s, now, self.health_config))
+            self._apply(
+                h.record(
+                    self.health, worker, ok, latency_s, now, self.health_config, ticket.sharing
+                )
+            )
 
     def probed(self, worker: str, ok: bool, now: float) -> None:
         self._apply(h.probe(self.health, worker, ok, now, self.health_config))

@@ -588,8 +588,7 @@ class TestHealthAndMetrics:
         router.clock = lambda: now[0]
         pool = router.pools["worker"]
         for _ in range(3):
-            pool.start(A)
-            pool.finish(A, False, 0.1, now[0])
+            pool.finish(A, False, 0.1, now[0], pool.start(A))
         assert not pool.is_in_service(A)
         now[0] = 100.0
         await router.probe_all()

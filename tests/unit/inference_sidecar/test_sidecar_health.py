@@ -79,6 +79,22 @@ class TestLatency:
         state, kinds = feed(state, "c", 10, True, 0.2)  # 20x slower but only 0.19 s
         assert kinds == []
 
+    def test_a_worker_serving_more_at_once_is_judged_per_request(self) -> None:
+        """Sticky routing gave it a hot shopper's three concurrent requests."""
+        state = warmed(1.0)
+        for _ in range(10):
+            state, events = record(state, "c", True, 4.5, 0.0, CFG, sharing=3)
+            assert events == []
+        assert available(state) == W
+
+    def test_a_slow_worker_under_the_same_load_is_ejected(self) -> None:
+        state = warmed(1.0)
+        kinds = []
+        for _ in range(10):
+            state, events = record(state, "c", True, 15.0, 0.0, CFG, sharing=3)
+            kinds += [e.kind for e in events]
+        assert kinds == ["ejected"]
+
     def test_uniformly_slow_pool_ejects_nobody(self) -> None:
         state = warmed(5.0)
         state, kinds = feed(state, "a", 10, True, 6.0)

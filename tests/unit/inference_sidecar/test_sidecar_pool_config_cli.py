@@ -54,26 +54,37 @@ class TestRoutingPool:
 
     def test_in_flight_accounting_never_negative(self) -> None:
         pool = self.pool()
-        pool.start(A)
-        pool.finish(A, True, 0.1, 0.0)
-        pool.finish(A, True, 0.1, 0.0)
+        ticket = pool.start(A)
+        pool.finish(A, True, 0.1, 0.0, ticket)
+        pool.finish(A, True, 0.1, 0.0, ticket)
         assert pool.in_flight[A] == 0
 
     def test_events_are_reported_and_ejected_worker_skipped(self) -> None:
         events: list[tuple[str, HealthEvent]] = []
         pool = self.pool(on_event=lambda name, e: events.append((name, e)))
         for _ in range(3):
-            pool.start(B)
-            pool.finish(B, False, 0.1, 0.0)
+            pool.finish(B, False, 0.1, 0.0, pool.start(B))
         assert events == [("worker", HealthEvent("ejected", B, "consecutive_failures"))]
         assert B not in pool.candidates()
         assert all(pool.choose(f"k{i}").worker != B for i in range(50))  # type: ignore[union-attr]
 
+    def test_latency_counts_the_requests_served_at_once(self) -> None:
+        """A takes three times as long while it serves three requests: not an outlier."""
+        events: list[tuple[str, HealthEvent]] = []
+        pool = self.pool(on_event=lambda name, e: events.append((name, e)))
+        for _ in range(8):
+            for worker in (B, C):
+                pool.finish(worker, True, 1.0, 0.0, pool.start(worker))
+            tickets = [pool.start(A) for _ in range(3)]
+            for ticket in tickets:
+                pool.finish(A, True, 6.0, 0.0, ticket)
+        assert events == [] and pool.is_in_service(A)
+        assert [o.latency_s for o in pool.health.get(A).outcomes[:3]] == [2.0, 2.0, 2.0]
+
     def test_client_errors_do_not_count(self) -> None:
         pool = self.pool()
         for _ in range(5):
-            pool.start(A)
-            pool.finish(A, None, 0.1, 0.0)
+            pool.finish(A, None, 0.1, 0.0, pool.start(A))
         assert pool.is_in_service(A) and pool.health.get(A).outcomes == ()
 
     def test_duplicates_and_empty(self) -> None:
