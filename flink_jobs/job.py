@@ -141,6 +141,8 @@ def _starting_offsets(config: AppConfig) -> KafkaOffsetsInitializer:
 
 
 def kafka_source(config: AppConfig) -> KafkaSource:
+    """The events topic is read, never created: a consumer that may create topics would
+    make a restarted or misconfigured broker hand the job a new, empty topic in silence."""
     builder = (
         KafkaSource.builder()
         .set_bootstrap_servers(config.kafka.bootstrap_servers)
@@ -148,6 +150,7 @@ def kafka_source(config: AppConfig) -> KafkaSource:
         .set_group_id(config.kafka.group_id)
         .set_starting_offsets(_starting_offsets(config))
         .set_property("partition.discovery.interval.ms", "30000")
+        .set_property("allow.auto.create.topics", "false")
         .set_property("fetch.max.wait.ms", str(SOURCE_FETCH_MAX_WAIT_MS))
         .set_properties(dict(config.kafka.client_properties))
     )

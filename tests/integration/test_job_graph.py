@@ -81,3 +81,16 @@ def test_the_environment_flushes_buffers_and_watermarks_for_latency() -> None:
     env = build_environment(config, jars=[])
     assert env.get_config().get_auto_watermark_interval() == config.job.watermark_interval_ms
     assert env.get_buffer_timeout() == config.job.buffer_timeout_ms == 10
+
+
+def test_the_source_never_creates_the_topic_it_reads(
+    stream_nodes: dict[str, str | None],
+) -> None:
+    """A restarted broker must not hand the job a new, empty events topic made by its own
+    consumer (``stream_nodes`` has put the connector on the gateway)."""
+    from flink_jobs.job import kafka_source
+
+    source = kafka_source(load_config(environ={})).get_java_function()
+    props = source.getClass().getDeclaredField("props")
+    props.setAccessible(True)
+    assert props.get(source).getProperty("allow.auto.create.topics") == "false"
