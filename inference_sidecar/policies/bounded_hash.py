@@ -54,6 +54,16 @@ Three layers, from hard to soft:
    varies a lot from run to run (vllm-router's own between 9.7 and 19.8 s in four runs),
    so one run each decides little, and latency stays.
 
+5. **Residency**, for keys the policy has never seen: a new key goes only to a worker
+   whose resident prompt tokens (the last prompt size of every remembered key homed
+   there) are at most ``load_factor`` times the mean; the load bound of 1, applied to
+   what the workers' KV caches must hold rather than to their requests in flight. Speed
+   alone herds: in ``bench/routing.py`` a worker whose core-mate happened to be idle
+   answered fastest, took 17 of the 29 new shoppers and 103 of 150 requests, and its
+   cache could not hold their prefixes (1.23x the minimum tokens computed, against
+   1.08-1.11x in the runs before). The working set is larger than one cache and smaller
+   than all of them together, so it fits only spread evenly.
+
 Without a size (``size=0``: the caller could not estimate the prompt) the policy falls
 back to plain bounded-load hashing: the first worker under the bound in the key's order.
 
@@ -158,6 +168,7 @@ class BoundedHashPolicy(Policy):
         # key -> ((worker, prompt tokens it last served for the key), ...), most recent first
         self._history: OrderedDict[str, tuple[tuple[str, int], ...]] = OrderedDict()
         self._queued: dict[str, int] = {}
+        self._resident: dict[str, int] = {}  # worker -> last prompt sizes of keys homed there
         self._latency: dict[str, tuple[float, float]] = {}  # worker -> (average, as of)
         self._clock = clock
 
@@ -177,6 +188,18 @@ class BoundedHashPolicy(Policy):
             if visited == worker:
                 return max(0, size - tokens)
         return size
+
+    def resident_tokens(self, worker: str) -> int:
+        """Prompt tokens of the remembered keys whose latest request went to ``worker``."""
+        return self._resident.get(worker, 0)
+
+    def roomy(self, workers: Sequence[str]) -> list[str]:
+        """``workers`` whose resident tokens are within the load factor of their mean
+        (module doc, 5); never empty for a non-empty ``workers``."""
+        if not workers:
+            return []
+        mean = sum(self.resident_tokens(w) for w in workers) / len(workers)
+        return [w for w in workers if self.resident_tokens(w) <= self.load_factor * mean]
 
     def slowness(self, worker: str, workers: Sequence[str]) -> float:
         """``worker``'s recent latency over the median of ``workers``' (module doc, 4)."""
@@ -222,6 +245,8 @@ class BoundedHashPolicy(Policy):
             return min(order, key=lambda w: loads.get(w, 0))
         if size <= 0:
             return allowed[0]
+        if self.is_new(key):
+            allowed = self.roomy(allowed) or allowed
         # min() keeps the first of equal costs, i.e. the most affine worker.
         return min(allowed, key=lambda w: self.cost(key, w, size, loads.get(w, 0), workers))
 
@@ -273,14 +298,23 @@ class BoundedHashPolicy(Policy):
         requests see their worker at once instead of fanning out as "new".
         """
         others = tuple(v for v in self.visits(key) if v[0] != worker)
-        self._history[key] = ((worker, size), *others)[: self.workers_per_key]
+        self._set_visits(key, ((worker, size), *others)[: self.workers_per_key])
         self._history.move_to_end(key)
         while len(self._history) > self.history_size:
-            self._history.popitem(last=False)
+            self._set_visits(next(iter(self._history)), ())
 
     def _forget(self, key: str, worker: str) -> None:
-        kept = tuple(v for v in self.visits(key) if v[0] != worker)
-        if kept:
-            self._history[key] = kept
+        self._set_visits(key, tuple(v for v in self.visits(key) if v[0] != worker))
+
+    def _set_visits(self, key: str, visits: tuple[tuple[str, int], ...]) -> None:
+        """Replace ``key``'s history (none: forget the key), keeping residency in step."""
+        before = self.visits(key)
+        if before:
+            home, tokens = before[0]
+            self._resident[home] -= tokens
+        if visits:
+            self._history[key] = visits
+            home, tokens = visits[0]
+            self._resident[home] = self._resident.get(home, 0) + tokens
         else:
             self._history.pop(key, None)

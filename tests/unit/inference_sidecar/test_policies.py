@@ -446,3 +446,52 @@ class TestSpeedAwareness:
             served_in(policy, clock, worker, "k", seconds)
 
         assert {policy.slowness(w, WORKERS[:3]) for w in WORKERS[:3]} == {1.0}
+
+
+class TestResidency:
+    """New keys spread the prompts the workers' KV caches must hold (module doc, 5)."""
+
+    A, B, C = WORKERS[:3]
+
+    def test_a_new_key_skips_the_fastest_worker_when_it_holds_more_than_its_share(
+        self,
+    ) -> None:
+        clock = FakeClock()
+        policy = BoundedHashPolicy(clock=clock)
+        for i in range(4):
+            served_in(policy, clock, self.A, f"a{i}", 1.0)
+        served_in(policy, clock, self.B, "b0", 3.0)
+        served_in(policy, clock, self.C, "c0", 3.0)
+
+        picks = {policy.pick(k, WORKERS[:3], {}, size=1500) for k in KEYS[:30]}
+
+        assert self.A not in picks
+
+    def test_new_keys_placed_one_after_another_fill_the_workers_evenly(self) -> None:
+        clock = FakeClock()
+        policy = BoundedHashPolicy(clock=clock)
+        served_in(policy, clock, self.A, "warm-a", 1.0)
+        served_in(policy, clock, self.B, "warm-b", 3.0)  # A answers 3x faster than B and C
+        served_in(policy, clock, self.C, "warm-c", 3.0)
+        for key in KEYS[:30]:
+            served(policy, key, policy.pick(key, WORKERS[:3], {}, size=1000), 1000)
+
+        resident = [policy.resident_tokens(w) for w in WORKERS[:3]]
+        assert max(resident) <= 1.25 * sum(resident) / 3 + 1000, resident
+
+    def test_a_known_key_stays_home_whatever_its_worker_holds(self) -> None:
+        policy = BoundedHashPolicy()
+        for i in range(5):
+            served(policy, f"a{i}", self.A, 2000)
+        assert policy.pick("a0", WORKERS[:3], {}, size=2050) == self.A
+
+    def test_residency_follows_each_keys_latest_worker(self) -> None:
+        policy = BoundedHashPolicy(history_size=2)
+        served(policy, "k", self.A, 1000)
+        served(policy, "k", self.B, 1100)  # spilled: its latest prompt is on B
+        assert [policy.resident_tokens(w) for w in (self.A, self.B)] == [0, 1100]
+        policy.on_finish(self.B, policy.on_start(self.B, "k", 1200), ok=False)
+        assert [policy.resident_tokens(w) for w in (self.A, self.B)] == [1000, 0]
+        served(policy, "x", self.C, 500)
+        served(policy, "y", self.C, 700)  # a history of two keys forgets "k"
+        assert [policy.resident_tokens(w) for w in (self.A, self.C)] == [0, 1200]
