@@ -62,7 +62,9 @@ Three layers, from hard to soft:
    answered fastest, took 17 of the 29 new shoppers and 103 of 150 requests, and its
    cache could not hold their prefixes (1.23x the minimum tokens computed, against
    1.08-1.11x in the runs before). The working set is larger than one cache and smaller
-   than all of them together, so it fits only spread evenly.
+   than all of them together, so it fits only spread evenly. Residency comes before
+   speed: a worker slower than its peers, but not slow enough to be ejected
+   (``health.py``), still takes its share of new keys.
 
 Without a size (``size=0``: the caller could not estimate the prompt) the policy falls
 back to plain bounded-load hashing: the first worker under the bound in the key's order.

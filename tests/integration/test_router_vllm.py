@@ -436,11 +436,12 @@ class TestAggregated:
     ) -> None:
         """A second router sees worker-1 through a proxy adding 3 s per request (over 4x
         a healthy answer's time on a slow CPU, and over 1 s more). Returning shoppers stay
-        on their worker, as in production: three whose home is the slowed worker, placed
-        first (new shoppers are steered away from a worker once it has answered slowly),
-        then three homed on the healthy one, which give the router a peer to compare
-        with. The slowed worker is ejected on latency (no request fails meanwhile), probed
-        after its 5 s back-off and re-admitted."""
+        on their worker, as in production. Six new shoppers are placed one after another,
+        each on a worker holding no more than its share of prompts, so the slowed worker
+        takes some of them (two, in the run that measured it: ejected at the 16th request
+        of 60 allowed), and the healthy one gives the router a peer to compare with. The
+        slowed worker is ejected on latency (no request fails meanwhile), probed after
+        its 5 s back-off and re-admitted."""
         healthy, sick = aggregated.pool.worker_urls
         proxy = SlowProxy(sick, delay_s=3.0)
         workers = [healthy, proxy.url]
@@ -449,7 +450,7 @@ class TestAggregated:
         router = stack.start_router(workers, "degraded", ["--request-timeout", "30"])
         try:
             ejected_at = None
-            for i in range(40):
+            for i in range(60):
                 r = router.post(chat_body(GREEDY_PROMPTS["short"], 2), shoppers[i % len(shoppers)])
                 assert r.status_code == 200, r.text
                 if router.metric("inference_sidecar_ejections_total", reason="latency") >= 1:
