@@ -1,6 +1,6 @@
 """Rendezvous hashing with a bound on each worker's load, and token-aware spilling.
 
-Three layers, from hard to soft:
+Five rules, from hard to soft (the fifth is hard again, for new keys only):
 
 1. **The load bound** (Mirrokni, Thorup and Zadimoghaddam, 2016) is a hard limit: a
    worker may take a request only while its in-flight load is below
