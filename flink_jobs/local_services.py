@@ -146,8 +146,12 @@ def stop_on_sigterm() -> None:
     """Make SIGTERM unwind the program like Ctrl-C. Its default action ends the interpreter
     without running ``finally`` blocks or ``atexit``, so the brokers, Redis servers and vLLM
     workers a command started would outlive it (``kill`` of a benchmark left five behind).
-    Entry points call this; a library import never changes signal handling."""
+    SIGTERM is also unblocked: a signal mask is inherited across ``exec``, so a program
+    started by a thread that had it blocked would otherwise ignore every SIGTERM (a CI run
+    once timed out waiting for one). Entry points call this; a library import never changes
+    signal handling."""
     signal.signal(signal.SIGTERM, _interrupt)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
 
 
 class LocalProcess:

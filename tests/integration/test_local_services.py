@@ -205,12 +205,22 @@ time.sleep(120)
 """
 
 
-def test_sigterm_to_an_entry_point_stops_the_services_it_started(tmp_path: Path) -> None:
-    program = subprocess.Popen(
-        [sys.executable, "-c", _STARTS_A_SERVICE_THEN_WAITS, str(tmp_path / "sleeper.log")],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+@pytest.mark.parametrize("started_with_sigterm_blocked", [False, True])
+def test_sigterm_to_an_entry_point_stops_the_services_it_started(
+    tmp_path: Path, started_with_sigterm_blocked: bool
+) -> None:
+    """A program inherits its parent's signal mask, so one started by a thread that had
+    SIGTERM blocked must unblock it to be stoppable."""
+    blocked = {signal.SIGTERM} if started_with_sigterm_blocked else set()
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, blocked)
+    try:
+        program = subprocess.Popen(
+            [sys.executable, "-c", _STARTS_A_SERVICE_THEN_WAITS, str(tmp_path / "sleeper.log")],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
     service_pid = int(program.stdout.readline())
     try:
         program.send_signal(signal.SIGTERM)
