@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import statistics
 import tempfile
 import threading
 import time
@@ -209,6 +210,32 @@ def staleness_s(
     return (now_ms - latest_qualifying_ms) / 1000
 
 
+def outside_call(
+    freshness_ms: Sequence[int], llm_ms: Sequence[int], outbox_wait_ms: Sequence[int]
+) -> dict[str, Any]:
+    """Each written intent's time outside its LLM call, and how much of it the prompt
+    queued in the outbox (for a call slot, or behind its shopper's previous call); the
+    three lists are the job's samples of the same prompts, in the same order."""
+    if not (len(freshness_ms) == len(llm_ms) == len(outbox_wait_ms)):
+        return {"aligned": False}
+    rows = sorted(
+        zip(freshness_ms, llm_ms, outbox_wait_ms, strict=True),
+        key=lambda r: r[0] - r[1],
+        reverse=True,
+    )
+    if not rows:
+        return {"aligned": True, "median_s": None, "queued_median_s": None, "slowest": []}
+    return {
+        "aligned": True,
+        "median_s": rounded(statistics.median([f - c for f, c, _ in rows]) / 1000),
+        "queued_median_s": rounded(statistics.median([q for *_, q in rows]) / 1000),
+        "slowest": [
+            {"outside_s": rounded((f - c) / 1000), "queued_s": rounded(q / 1000)}
+            for f, c, q in rows[:3]
+        ],
+    }
+
+
 def latest_before(times: Sequence[int], now_ms: int) -> int | None:
     """The latest of ascending ``times`` at or before ``now_ms``."""
     found = None
@@ -354,6 +381,7 @@ def run(args) -> dict[str, Any]:
             ]
             freshness_ms = read_samples(client, name, "event_to_intent_ms")
             llm_ms = read_samples(client, name, "llm_latency_ms")
+            outbox_wait_ms = read_samples(client, name, "outbox_wait_ms")
             renderer = PromptRenderer(config.prompt)
             baseline = baseline_prompts(timelines, renderer)
             worker = stack.llm.worker_urls[0]
@@ -399,6 +427,7 @@ def run(args) -> dict[str, Any]:
         "freshness_s": {**fresh, "samples": len(freshness_ms)},
         "llm_latency_s": {**llm, "samples": len(llm_ms)},
         "freshness_p99_minus_llm_p99_s": rounded(fresh["p99"] - llm["p99"]),
+        "outside_call": outside_call(freshness_ms, llm_ms, outbox_wait_ms),
         "calls": {
             "accepted_events": accepted,
             "prompts_sent": prompts,
@@ -435,6 +464,7 @@ def run(args) -> dict[str, Any]:
         },
         "freshness_ms": freshness_ms,
         "llm_latency_ms": llm_ms,
+        "outbox_wait_ms": outbox_wait_ms,
         "series": series,
         "memory_peak": memory.summary(),
     }
@@ -493,6 +523,16 @@ def _covered(store, shoppers: Sequence[str]) -> dict[str, int | None]:
     }
 
 
+def _outside_line(outside: dict[str, Any]) -> str:
+    if not outside.get("aligned"):
+        return "outside the call: samples not aligned per prompt"
+    slowest = ", ".join(f"{r['outside_s']} ({r['queued_s']} queued)" for r in outside["slowest"])
+    return (
+        f"outside the call median {outside['median_s']} s"
+        f" (queued {outside['queued_median_s']} s); slowest {slowest} s"
+    )
+
+
 def table(doc: dict[str, Any]) -> str:
     c = doc["calls"]
     st = doc["staleness_s"]["during_run"]
@@ -508,6 +548,7 @@ def table(doc: dict[str, Any]) -> str:
             f"  prompts/event offline {doc['policy']['prompts_per_event_offline']}"
             f" (other samples {doc['policy']['prompts_per_event_across_samples']['min']}"
             f"-{doc['policy']['prompts_per_event_across_samples']['max']})",
+            _outside_line(doc.get("outside_call", {})),
             f"staleness during run p50 {st['p50']} s p99 {st['p99']} s max {st['max']} s"
             f"  (share > 5 s: {st['over_5s_share']})",
             *(

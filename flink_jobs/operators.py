@@ -354,6 +354,8 @@ class ShopperSessions(KeyedProcessFunction, _Counted):
             freshness_ms = settled.settled_at_ms - task.event_time_ms
             self._stats.sample("event_to_intent_ms", freshness_ms)
             self._tally.observe("event_to_intent_ms", freshness_ms)
+            self._stats.sample("outbox_wait_ms", settled.queued_ms)
+            self._tally.observe("outbox_wait_ms", settled.queued_ms)
 
 
 _OUTCOME_COUNTERS = {
@@ -369,4 +371,4 @@ INFER_COUNTS = (
     "llm_prompt_tokens",
     "llm_calls_stopped",
 )
-INFER_TIMINGS = ("llm_latency_ms", "event_to_intent_ms", "event_to_prompt_ms")
+INFER_TIMINGS = ("llm_latency_ms", "event_to_intent_ms", "event_to_prompt_ms", "outbox_wait_ms")

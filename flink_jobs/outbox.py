@@ -56,6 +56,10 @@ class Settled:
     task: PromptTask
     result: TaskResult
     settled_at_ms: int
+    # Waiting for a free call slot or for the shopper's previous call (0: never waited, or
+    # never started): the part of a prompt's time outside its LLM call that the job's own
+    # timings cannot show.
+    queued_ms: int = 0
 
 
 class Outbox:
@@ -76,6 +80,8 @@ class Outbox:
         self._max_concurrency = max_concurrency
         self._cond = threading.Condition()
         self._queued: dict[str, PromptTask] = {}  # in arrival order
+        self._queued_since: dict[str, float] = {}  # monotonic time each queued prompt came
+        self._queued_ms: dict[str, int] = {}  # how long each running prompt waited
         self._running: dict[str, PromptTask] = {}
         self._settled: dict[str, list[Settled]] = {}
         self._stopping: set[str] = set()  # shoppers whose running call was asked to stop
@@ -100,12 +106,15 @@ class Outbox:
             if queued is not None:
                 older, newer = sorted((queued, task), key=lambda t: t.seq)
                 self._queued[task.shopper_id] = newer  # keeps its place in the line
+                if newer is task:
+                    self._queued_since[task.shopper_id] = time.monotonic()
                 self._settle(older, TaskResult("superseded"))
                 return
             while len(self._queued) + len(self._running) >= self._capacity:
                 self._cond.wait(1.0)
                 self._raise_if_failed()
             self._queued[task.shopper_id] = task
+            self._queued_since[task.shopper_id] = time.monotonic()
             running = self._running.get(task.shopper_id)
             stop = running is not None and self._may_stop(task.shopper_id)
             if stop:
@@ -172,6 +181,8 @@ class Outbox:
                 if task is None:
                     return
                 del self._queued[task.shopper_id]
+                since = self._queued_since.pop(task.shopper_id)
+                self._queued_ms[task.shopper_id] = int((time.monotonic() - since) * 1000)
                 self._running[task.shopper_id] = task
                 if task.shopper_id in self._stopping:
                     self._stopping.discard(task.shopper_id)
@@ -193,8 +204,8 @@ class Outbox:
                 self._cond.notify_all()
             return
         with self._cond:
-            self._end(task)
-            self._settle(task, result)
+            queued_ms = self._end(task)
+            self._settle(task, result, queued_ms)
         self._dispatch()
 
     def _stop(self, task: PromptTask) -> None:
@@ -212,8 +223,8 @@ class Outbox:
 
     # --- shared, under the lock ----------------------------------------------------------
 
-    def _settle(self, task: PromptTask, result: TaskResult) -> None:
-        settled = Settled(task, result, int(time.time() * 1000))
+    def _settle(self, task: PromptTask, result: TaskResult, queued_ms: int = 0) -> None:
+        settled = Settled(task, result, int(time.time() * 1000), queued_ms)
         self._settled.setdefault(task.shopper_id, []).append(settled)
         self._cond.notify_all()
 
@@ -224,9 +235,11 @@ class Outbox:
             and shopper_id not in self._protected
         )
 
-    def _end(self, task: PromptTask) -> None:
+    def _end(self, task: PromptTask) -> int:
+        """Free the shopper's call slot; how long its prompt had queued for it."""
         self._running.pop(task.shopper_id, None)
         self._protected.discard(task.shopper_id)
+        return self._queued_ms.pop(task.shopper_id, 0)
 
     def _tracks_locked(self, shopper_id: str, seq: int) -> bool:
         for waiting in (self._queued, self._running):

@@ -56,6 +56,7 @@ class PipelineRun:
     llm_latency_ms: list[int]
     event_to_intent_ms: list[int]
     event_to_prompt_ms: list[int]
+    outbox_wait_ms: list[int]
     replay_s: float
     elapsed_s: float
 
@@ -116,6 +117,7 @@ def pipeline_run(kafka_bootstrap: str, redis_url: str, llm_tier) -> PipelineRun:
         llm_latency_ms=read_samples(client, config.redis.key_prefix, "llm_latency_ms"),
         event_to_intent_ms=read_samples(client, config.redis.key_prefix, "event_to_intent_ms"),
         event_to_prompt_ms=read_samples(client, config.redis.key_prefix, "event_to_prompt_ms"),
+        outbox_wait_ms=read_samples(client, config.redis.key_prefix, "outbox_wait_ms"),
         replay_s=replay_s,
         elapsed_s=elapsed_s,
     )
@@ -190,6 +192,13 @@ class TestAccounting:
         in_job, in_all = pipeline_run.event_to_prompt_ms, pipeline_run.event_to_intent_ms
         assert len(in_job) == pipeline_run.stats["prompts_sent"]
         assert 0 <= statistics.median(in_job) < statistics.median(in_all)
+
+    def test_every_intent_written_records_how_long_its_prompt_queued_for_a_call(
+        self, pipeline_run: PipelineRun
+    ):
+        queued, in_all = pipeline_run.outbox_wait_ms, pipeline_run.event_to_intent_ms
+        assert len(queued) == len(in_all) == pipeline_run.stats["intents_written"]
+        assert all(0 <= q <= total for q, total in zip(queued, in_all, strict=True))
 
 
 class TestDeadLetters:

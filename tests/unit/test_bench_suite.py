@@ -365,6 +365,17 @@ def test_latest_before_is_the_last_time_not_after_now():
     assert freshness.latest_before([7], 6) is None
 
 
+def test_time_outside_the_call_ranks_prompts_by_it_and_shows_their_queueing():
+    outside = freshness.outside_call([6_000, 9_000, 4_500], [5_000, 4_800, 4_000], [0, 3_100, 0])
+    assert outside["aligned"] and outside["median_s"] == 1.0
+    assert outside["slowest"][0] == {"outside_s": 4.2, "queued_s": 3.1}
+    assert [r["outside_s"] for r in outside["slowest"]] == [4.2, 1.0, 0.5]
+
+
+def test_time_outside_the_call_is_not_paired_when_the_samples_differ_in_number():
+    assert freshness.outside_call([6_000, 9_000], [5_000], [0, 0]) == {"aligned": False}
+
+
 # --- the runner --------------------------------------------------------------------------------
 
 

@@ -183,6 +183,39 @@ class TestOneCallPerShopper:
         assert llm.computed == [("shopper-00146", 1), ("shopper-00146", 2)]
 
 
+class TestQueuedTime:
+    """How long a prompt waited before its call started: the part of its time outside the
+    LLM call that the job's own timings do not see."""
+
+    def test_a_prompt_that_waited_for_a_busy_slot_reports_the_wait(
+        self, outbox_for, llm: HeldLlm
+    ) -> None:
+        outbox = outbox_for(max_concurrency=1)
+        outbox.submit(task("shopper-00043", seq=1))
+        assert llm.started.acquire(timeout=WAIT_S)
+        outbox.submit(task("shopper-00146", seq=1))
+        time.sleep(0.3)
+        llm.release()
+
+        (first,) = outbox.wait("shopper-00043", 1, WAIT_S)
+        (second,) = outbox.wait("shopper-00146", 1, WAIT_S)
+        assert first.queued_ms < 250
+        assert 300 <= second.queued_ms < 300 + WAIT_S * 1000
+
+    def test_a_replacing_prompt_waits_from_its_own_arrival(self, outbox_for, llm: HeldLlm) -> None:
+        outbox = outbox_for(max_concurrency=1, supersede=False)
+        outbox.submit(task("shopper-00043", seq=1))
+        assert llm.started.acquire(timeout=WAIT_S)
+        outbox.submit(task("shopper-00146", seq=1))
+        time.sleep(0.4)
+        outbox.submit(task("shopper-00146", seq=2))
+        llm.release()
+
+        settled = {s.task.seq: s for s in outbox.wait("shopper-00146", 2, WAIT_S)}
+        assert settled[1].result.outcome == "superseded" and settled[1].queued_ms == 0
+        assert settled[2].queued_ms < 400
+
+
 class TestBounded:
     def test_submit_blocks_while_the_outbox_is_full(self, outbox_for, llm: HeldLlm) -> None:
         outbox = outbox_for(capacity=2, max_concurrency=1)
