@@ -86,13 +86,19 @@ def outcomes(outbox: Outbox, shopper_id: str, seq: int) -> list[tuple[int, str]]
     return [(s.task.seq, s.result.outcome) for s in outbox.wait(shopper_id, seq, WAIT_S)]
 
 
+def with_its_only_slot_busy(outbox_for, llm: HeldLlm, **options) -> Outbox:
+    """An outbox of one call slot, held by another shopper's call until ``llm.release()``."""
+    outbox = outbox_for(max_concurrency=1, **options)
+    outbox.submit(task("shopper-00043", seq=1))
+    assert llm.started.acquire(timeout=WAIT_S)
+    return outbox
+
+
 class TestLatestContextWins:
     def test_a_queued_prompt_replaced_by_a_newer_one_is_not_sent(
         self, outbox_for, llm: HeldLlm, redis_client: redis.Redis, unique_name: str
     ) -> None:
-        outbox = outbox_for(max_concurrency=1)
-        outbox.submit(task("shopper-00043", seq=1))
-        assert llm.started.acquire(timeout=WAIT_S)  # holds the only slot
+        outbox = with_its_only_slot_busy(outbox_for, llm)
         for seq in (1, 2, 3):
             outbox.submit(task("shopper-00146", seq=seq, at_s=10 * seq))
 
@@ -110,9 +116,7 @@ class TestLatestContextWins:
     def test_an_older_prompt_arriving_after_a_newer_one_is_the_one_dropped(
         self, outbox_for, llm: HeldLlm
     ) -> None:
-        outbox = outbox_for(max_concurrency=1)
-        outbox.submit(task("shopper-00043", seq=1))
-        assert llm.started.acquire(timeout=WAIT_S)
+        outbox = with_its_only_slot_busy(outbox_for, llm)
         outbox.submit(task("shopper-00146", seq=5))
         outbox.submit(task("shopper-00146", seq=4))
 
@@ -190,9 +194,7 @@ class TestQueuedTime:
     def test_a_prompt_that_waited_for_a_busy_slot_reports_the_wait(
         self, outbox_for, llm: HeldLlm
     ) -> None:
-        outbox = outbox_for(max_concurrency=1)
-        outbox.submit(task("shopper-00043", seq=1))
-        assert llm.started.acquire(timeout=WAIT_S)
+        outbox = with_its_only_slot_busy(outbox_for, llm)
         outbox.submit(task("shopper-00146", seq=1))
         time.sleep(0.3)
         llm.release()
@@ -203,9 +205,7 @@ class TestQueuedTime:
         assert 300 <= second.queued_ms < 300 + WAIT_S * 1000
 
     def test_a_replacing_prompt_waits_from_its_own_arrival(self, outbox_for, llm: HeldLlm) -> None:
-        outbox = outbox_for(max_concurrency=1, supersede=False)
-        outbox.submit(task("shopper-00043", seq=1))
-        assert llm.started.acquire(timeout=WAIT_S)
+        outbox = with_its_only_slot_busy(outbox_for, llm)
         outbox.submit(task("shopper-00146", seq=1))
         time.sleep(0.4)
         outbox.submit(task("shopper-00146", seq=2))
