@@ -523,8 +523,10 @@ def _covered(store, shoppers: Sequence[str]) -> dict[str, int | None]:
     }
 
 
-def _outside_line(outside: dict[str, Any]) -> str:
-    if not outside.get("aligned"):
+def _outside_line(outside: dict[str, Any] | None) -> str:
+    if outside is None:  # a result written before the job sampled outbox_wait_ms
+        return "outside the call: not recorded"
+    if not outside["aligned"]:
         return "outside the call: samples not aligned per prompt"
     slowest = ", ".join(f"{r['outside_s']} ({r['queued_s']} queued)" for r in outside["slowest"])
     return (
@@ -548,7 +550,7 @@ def table(doc: dict[str, Any]) -> str:
             f"  prompts/event offline {doc['policy']['prompts_per_event_offline']}"
             f" (other samples {doc['policy']['prompts_per_event_across_samples']['min']}"
             f"-{doc['policy']['prompts_per_event_across_samples']['max']})",
-            _outside_line(doc.get("outside_call", {})),
+            _outside_line(doc.get("outside_call")),
             f"staleness during run p50 {st['p50']} s p99 {st['p99']} s max {st['max']} s"
             f"  (share > 5 s: {st['over_5s_share']})",
             *(

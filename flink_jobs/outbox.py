@@ -81,7 +81,6 @@ class Outbox:
         self._cond = threading.Condition()
         self._queued: dict[str, PromptTask] = {}  # in arrival order
         self._queued_since: dict[str, float] = {}  # monotonic time each queued prompt came
-        self._queued_ms: dict[str, int] = {}  # how long each running prompt waited
         self._running: dict[str, PromptTask] = {}
         self._settled: dict[str, list[Settled]] = {}
         self._stopping: set[str] = set()  # shoppers whose running call was asked to stop
@@ -181,17 +180,16 @@ class Outbox:
                 if task is None:
                     return
                 del self._queued[task.shopper_id]
-                since = self._queued_since.pop(task.shopper_id)
-                self._queued_ms[task.shopper_id] = int((time.monotonic() - since) * 1000)
+                queued_ms = int((time.monotonic() - self._queued_since.pop(task.shopper_id)) * 1000)
                 self._running[task.shopper_id] = task
                 if task.shopper_id in self._stopping:
                     self._stopping.discard(task.shopper_id)
                     self._protected.add(task.shopper_id)
-                call = self._loop.create_task(self._call(task))
+                call = self._loop.create_task(self._call(task, queued_ms))
                 self._tasks.add(call)
                 call.add_done_callback(self._tasks.discard)
 
-    async def _call(self, task: PromptTask) -> None:
+    async def _call(self, task: PromptTask, queued_ms: int) -> None:
         try:
             result = await self._run(task)
         except asyncio.CancelledError:
@@ -204,7 +202,7 @@ class Outbox:
                 self._cond.notify_all()
             return
         with self._cond:
-            queued_ms = self._end(task)
+            self._end(task)
             self._settle(task, result, queued_ms)
         self._dispatch()
 
@@ -235,11 +233,9 @@ class Outbox:
             and shopper_id not in self._protected
         )
 
-    def _end(self, task: PromptTask) -> int:
-        """Free the shopper's call slot; how long its prompt had queued for it."""
+    def _end(self, task: PromptTask) -> None:
         self._running.pop(task.shopper_id, None)
         self._protected.discard(task.shopper_id)
-        return self._queued_ms.pop(task.shopper_id, 0)
 
     def _tracks_locked(self, shopper_id: str, seq: int) -> bool:
         for waiting in (self._queued, self._running):
