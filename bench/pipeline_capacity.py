@@ -8,7 +8,7 @@ sessions, the trigger policy, prompt rendering, the async HTTP call and the Redi
 
 Four phases, each on a fresh job (own topic, group, key prefix):
 
-1. **drain** (the capacity): ``--events`` realistic events (``flink_jobs.sample_data``,
+1. **drain** (the capacity): ``--events`` realistic events (``flink_jobs.tools.sample_data``,
    many shoppers at once, event times ending now) are put on the topic *before* the job
    starts; the job then reads them as fast as it can with the default trigger policy.
    The stats hash is polled every 0.5 s; the capacity is the rate at which events get
@@ -70,7 +70,7 @@ from bench._common import (
     target,
     write_result,
 )
-from flink_jobs.local_services import (
+from flink_jobs.tools.local_services import (
     LocalProcess,
     create_topics,
     free_port,
@@ -78,7 +78,7 @@ from flink_jobs.local_services import (
     start_tansu,
     stop_on_sigterm,
 )
-from flink_jobs.run_report import events_accounted
+from flink_jobs.tools.run_summary import events_accounted
 
 BENCHMARK = "pipeline_capacity"
 TARGET_EVENTS_PER_S = 5000
@@ -176,7 +176,7 @@ def top_functions(collapsed: str, limit: int = 25) -> list[dict[str, Any]]:
 
 
 def _frame_name(frame: str) -> str:
-    """``decode_event (flink_jobs/events.py:110)`` -> ``decode_event (flink_jobs/events.py)``."""
+    """``f (flink_jobs/core/events.py:110)`` -> ``f (flink_jobs/core/events.py)``."""
     name, _, where = frame.partition(" (")
     path = where.rstrip(")").rsplit(":", 1)[0]
     for marker in ("site-packages/", "/work/main/", "lib/python3"):
@@ -190,7 +190,7 @@ def _frame_name(frame: str) -> str:
 
 def make_events(shoppers: int, duration_s: float, seed: int, limit: int) -> list[bytes]:
     """Realistic valid events of ``shoppers`` shoppers over ``duration_s`` of event time."""
-    from flink_jobs.sample_data import BadRecords, SampleConfig, generate_sample
+    from flink_jobs.tools.sample_data import BadRecords, SampleConfig, generate_sample
 
     sample = generate_sample(
         SampleConfig(shoppers=shoppers, seed=seed, duration_s=duration_s, bad=BadRecords.none())
@@ -202,7 +202,7 @@ def preload(bootstrap: str, topic: str, records: Sequence[bytes]) -> float:
     """Put ``records`` on ``topic`` with event times moved so the last one is now; seconds."""
     from confluent_kafka import Producer
 
-    from flink_jobs.replay import plan_replay, producer_config
+    from flink_jobs.tools.replay import plan_replay, producer_config
 
     started = time.monotonic()
     plan = plan_replay(list(records), rebase_to_ms=int(time.time() * 1000), rebase_anchor="last")
@@ -304,7 +304,7 @@ def cancel(job) -> None:
 
 def poll_until(client, prefix, done, timeout_s, memory: PeakMemory, on_poll=None):
     """Poll the stats hash every POLL_S until ``done(stats)``; the series of polls."""
-    from flink_jobs.run_report import read_stats
+    from flink_jobs.tools.run_summary import read_stats
 
     series: list[tuple[float, dict[str, int]]] = []
     started = time.monotonic()
@@ -330,7 +330,7 @@ def python_workers(root: int) -> list[int]:
     """PIDs where the job's Python code runs: in thread mode the Flink JVM (an interpreter
     embedded in it), in process mode ``root`` itself (a local mini-cluster runs the Python
     workers in loopback mode, as threads of the submitting process) and any separate worker
-    process under it; and the LLM call processes (``flink_jobs.call_process``)."""
+    process under it; and the LLM call processes (``flink_jobs.runtime.call_process``)."""
     return [pid for pid, kind in our_processes(root) if kind in PYTHON_KINDS]
 
 
@@ -495,9 +495,9 @@ def kept_up(paced: dict[str, Any]) -> bool:
 
 
 def run_paced(stack: Stack, args, memory: PeakMemory) -> dict[str, Any]:
-    from flink_jobs.replay import ReplayProgress, replay_records
-    from flink_jobs.run_report import is_settled, latency_summary, read_samples
-    from flink_jobs.stats import samples_key
+    from flink_jobs.runtime.counters import samples_key
+    from flink_jobs.tools.replay import ReplayProgress, replay_records
+    from flink_jobs.tools.run_summary import is_settled, latency_summary, read_samples
 
     name = f"cap-paced-{int(time.time())}"
     extra = settings(args.set)

@@ -24,9 +24,9 @@ Four shapes, each a measure of its own:
   event held until its timer), so the difference from ``job_decode`` is what the job's
   state costs, apart from its logic, prompts and calls.
 
-Each event is counted as ``events_accepted`` in the job's stats hash (``flink_jobs.stats``),
-so the benchmark's drain measures both jobs the same way; a timer's firing as
-``floor_timers_fired``.
+Each event is counted as ``events_accepted`` in the job's stats hash
+(``flink_jobs.runtime.counters``), so the benchmark's drain measures both jobs the same
+way; a timer's firing as ``floor_timers_fired``.
 """
 
 from __future__ import annotations
@@ -48,15 +48,15 @@ from pyflink.datastream.state import ValueStateDescriptor
 from pyflink.java_gateway import get_gateway
 
 from flink_jobs.config import AppConfig, load_config
-from flink_jobs.events import DeadLetter, ShopperEvent
+from flink_jobs.core.events import DeadLetter, ShopperEvent, record_key
 from flink_jobs.job import (
     build_environment,
     connector_jars,
     event_time_watermarks,
     kafka_source,
 )
-from flink_jobs.operators import DecodeEvents, record_key, session_states
-from flink_jobs.stats import StatsReporter
+from flink_jobs.operators import DecodeEvents, session_states
+from flink_jobs.runtime.counters import StatsReporter
 
 
 class _Reporting:

@@ -2,7 +2,7 @@
 
 One redis-server (no persistence) on a free loopback port; the same records written by:
 
-* ``upsert``: the job's own store (``flink_jobs.intent_store``): ``EVALSHA`` of the Lua
+* ``upsert``: the job's own store (``flink_jobs.runtime.intent_store``): ``EVALSHA`` of the Lua
   script that checks the version, writes every field and resets the expiry;
 * ``hset``: the same fields with a plain ``HSET`` + ``PEXPIRE`` in a pipeline, no check.
 
@@ -38,7 +38,7 @@ import redis
 import redis.asyncio
 
 from bench._common import RESULTS_DIR, percentile, ratio, result_doc, rounded, target, write_result
-from flink_jobs.intent_store import (
+from flink_jobs.runtime.intent_store import (
     DEFAULT_TTL_MS,
     RECORD_FIELDS,
     UPSERT_SCRIPT,
@@ -48,7 +48,7 @@ from flink_jobs.intent_store import (
     intent_key,
     upsert_args,
 )
-from flink_jobs.local_services import start_redis, stop_on_sigterm
+from flink_jobs.tools.local_services import start_redis, stop_on_sigterm
 
 BENCHMARK = "redis_upsert"
 JOB_CONCURRENCY = 8  # LlmConfig.max_concurrency: upserts one async operator has in flight

@@ -64,8 +64,8 @@ from bench._workload import (
     minimum_new_tokens,
     shared_prefix_tokens,
 )
-from flink_jobs.local_services import LocalProcess, free_port, stop_on_sigterm
-from flink_jobs.run_report import percentile
+from flink_jobs.tools.local_services import LocalProcess, free_port, stop_on_sigterm
+from flink_jobs.tools.run_summary import percentile
 from inference_sidecar.workers import (
     ClusterConfig,
     WorkerPool,

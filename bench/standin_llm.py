@@ -3,7 +3,7 @@
 Only for the pipeline-capacity benchmark, which measures the pipeline's own cost: it
 replaces vLLM so that the model's seconds per prompt do not hide what Kafka, Flink,
 the operators and Redis cost per event. It answers every ``POST /v1/chat/completions``
-with the same valid intent (the bounded schema of ``flink_jobs/intents.py``) and counts
+with the same valid intent (the bounded schema of ``flink_jobs/core/intents.py``) and counts
 requests and prompt characters (``GET /stats``). Nothing else in the project may use it.
 
 ``python -m bench.standin_llm --port 8911`` runs it (uvicorn, one process, its own

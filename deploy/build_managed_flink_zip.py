@@ -8,9 +8,9 @@ Layout of the zip (paths relative to its root)::
     main.py                            run option `python` (deploy/main.py)
     lib/shopper-intents-deps.jar       run option `jarfile`: one fat jar (Kafka connector,
                                        kafka-clients, zstd-jni, our record deserializer)
-    app/flink_jobs/ app/schemas/ app/prompts/
-                                       the job; schemas/ and prompts/ beside flink_jobs/,
-                                       where flink_jobs.events / .prompting look for them
+    app/flink_jobs/ app/intent_reader/ the packages the job imports (not flink_jobs.tools),
+                                       with the schemas and templates as package data
+                                       (flink_jobs/schemas/, flink_jobs/prompts/)
     site-packages/                     third-party dependencies, unpacked binary wheels for
                                        the target interpreter (cp312 manylinux by default)
     application_properties.example.json
@@ -54,8 +54,12 @@ JARS = (
 RUN_OPTIONS_GROUP = "kinesis.analytics.flink.run.options"
 EXAMPLE_PROPERTIES = "application_properties.example.json"
 BUILD_INFO = "BUILD_INFO.json"
-#: The job's own files: (source folder in the repo, glob) copied under app/.
-APP_FILES = (("flink_jobs", "*.py"), ("schemas", "*.json"), ("prompts", "*.j2"))
+#: The packages the job imports (``flink_jobs.job`` and what it imports, checked by
+#: ``tests/unit/test_managed_flink_zip.py``), copied under app/: the tools, the router and
+#: the tests stay out.
+APP_PACKAGES = ("flink_jobs", "flink_jobs.core", "flink_jobs.runtime", "intent_reader")
+#: Package data the job reads: (folder inside flink_jobs, glob).
+APP_DATA = (("schemas", "*.json"), ("prompts", "*.j2"))
 
 #: Example values for a deployment on AWS (MSK with IAM auth, ElastiCache with TLS).
 EXAMPLE_OVERRIDES: dict[str, dict[str, Any]] = {
@@ -147,10 +151,12 @@ def build(
 
 
 def _copy_app(dest: Path) -> None:
-    for folder, pattern in APP_FILES:
+    copies = [(package.replace(".", "/"), "*.py") for package in APP_PACKAGES]
+    copies += [(f"flink_jobs/{folder}", pattern) for folder, pattern in APP_DATA]
+    for folder, pattern in copies:
         for src in sorted((REPO / folder).glob(pattern)):
             (dest / folder).mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(src, dest / folder / src.name)
+            shutil.copyfile(src, dest / folder / src.name)  # follows the source tree's links
 
 
 def _zip_folder(folder: Path, out: Path) -> None:

@@ -18,9 +18,9 @@ imports must be inside the zip, built for the runtime's interpreter (Flink 2.2: 
 3. ``pip install --no-deps --target`` unpacks exactly those (no ``.pyc``: they would be for
    this interpreter, not the runtime's).
 
-Which distributions the job needs is read from ``pyproject.toml``: the dependencies named
-in ``JOB_DISTRIBUTIONS``, with their version ranges (the router's and the tools' own
-dependencies are not part of the job).
+Which distributions the job needs is read from ``pyproject.toml`` (the base dependencies
+and the ``job`` extra): those named in ``JOB_DISTRIBUTIONS``, with their version ranges
+(the router's and the tools' own dependencies are not part of the job).
 """
 
 from __future__ import annotations
@@ -119,8 +119,10 @@ def canonical_name(name: str) -> str:
 
 
 def job_requirements(pyproject: Path) -> list[str]:
-    """The job's requirement strings, as declared in ``pyproject.toml``."""
-    declared = tomllib.loads(pyproject.read_text())["project"]["dependencies"]
+    """The job's requirement strings, as declared in ``pyproject.toml`` (the base
+    dependencies and the ``job`` extra)."""
+    project = tomllib.loads(pyproject.read_text())["project"]
+    declared = [*project["dependencies"], *project["optional-dependencies"]["job"]]
     wanted = {canonical_name(n) for n in JOB_DISTRIBUTIONS}
     found = [r for r in declared if canonical_name(Requirement(r).name) in wanted]
     missing = wanted - {canonical_name(Requirement(r).name) for r in found}

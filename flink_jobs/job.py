@@ -38,16 +38,15 @@ from pyflink.java_gateway import get_gateway
 
 from flink_jobs.checkpoints import restore_path
 from flink_jobs.config import MANAGED_FLINK_PROPERTIES, AppConfig, load_config
-from flink_jobs.events import MAX_CLOCK_SKEW_MS
-from flink_jobs.local_services import cache_dir
+from flink_jobs.core.events import MAX_CLOCK_SKEW_MS, record_key
 from flink_jobs.operators import (
     DEAD_LETTERS,
     LATE_EVENTS,
     PROMPTS,
     DecodeEvents,
     ShopperSessions,
-    record_key,
 )
+from flink_jobs.paths import cache_dir
 
 log = logging.getLogger(__name__)
 

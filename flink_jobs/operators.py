@@ -23,17 +23,18 @@ from pyflink.datastream import OutputTag, RuntimeContext, TimeDomain
 from pyflink.datastream.functions import KeyedProcessFunction, ProcessFunction
 from pyflink.datastream.state import StateTtlConfig, ValueState, ValueStateDescriptor
 
-from flink_jobs.call_process import CallProcess
 from flink_jobs.config import AppConfig
-from flink_jobs.events import DeadLetter, ShopperEvent, SourcePosition, decode_event
-from flink_jobs.inference import PromptRunner, PromptTask, TaskResult
-from flink_jobs.llm_client import quiet_http_logs
-from flink_jobs.metric_tally import GaugeCounters, Tally
-from flink_jobs.outbox import Outbox, Settled
-from flink_jobs.prompting import PromptRenderer
-from flink_jobs.session import SessionState
-from flink_jobs.stats import StatsReporter
-from flink_jobs.timeline import Step, is_held, on_event, on_timer
+from flink_jobs.core.events import DeadLetter, ShopperEvent, SourcePosition, decode_event
+from flink_jobs.core.prompting import PromptRenderer
+from flink_jobs.core.session import SessionState
+from flink_jobs.core.tasks import PromptTask, TaskResult
+from flink_jobs.core.timeline import Step, is_held, on_event, on_timer
+from flink_jobs.metrics import GaugeCounters, Tally
+from flink_jobs.runtime.call_process import CallProcess
+from flink_jobs.runtime.counters import StatsReporter
+from flink_jobs.runtime.inference import PromptRunner
+from flink_jobs.runtime.llm_client import quiet_http_logs
+from flink_jobs.runtime.outbox import Outbox, Settled
 
 log = logging.getLogger(__name__)
 
@@ -76,25 +77,6 @@ class _Counted:
         if getattr(self, "_stats", None) is not None:
             self._stats.close()
             self._stats = None
-
-
-#: The key prefix of decode dead letters that name no shopper: they pass through the keyed
-#: operator like events (NUL is not in any shopper id the event schema admits).
-UNKEYED_DEAD_LETTERS = "\x00dead-letters"
-
-
-def record_key(record: ShopperEvent | DeadLetter) -> str:
-    """The shopper a decoded record belongs to, for ``key_by``.
-
-    A dead letter that names no shopper is keyed by its Kafka position, so a flood of
-    unreadable records spreads over the keyed operator's subtasks instead of landing on
-    one (they write no state, so a key each costs nothing)."""
-    if record.shopper_id:
-        return record.shopper_id
-    source = record.source if isinstance(record, DeadLetter) else None
-    if source is None:
-        return UNKEYED_DEAD_LETTERS
-    return f"{UNKEYED_DEAD_LETTERS}:{source.topic}:{source.partition}:{source.offset}"
 
 
 class DecodeEvents(ProcessFunction, _Counted):
@@ -177,7 +159,7 @@ class _RecentSessions:
 
 class ShopperSessions(KeyedProcessFunction, _Counted):
     """Keyed by shopper: ``timeline.on_event`` / ``on_timer`` on keyed state, and the
-    shopper's prompts through the :class:`~flink_jobs.outbox.Outbox`.
+    shopper's prompts through the :class:`~flink_jobs.runtime.outbox.Outbox`.
 
     Timers are event-time timers, so prompts depend on the topic and not on when it was
     read; the source's watermarks keep advancing when traffic stops

@@ -40,15 +40,14 @@ from typing import Any, Literal
 
 import redis
 
-from flink_jobs.intent_store import RECORD_FIELDS
+from intent_reader.layout import DEFAULT_PREFIX, HASH_FIELDS, intent_key
 
 log = logging.getLogger(__name__)
 
-DEFAULT_PREFIX = "si"
 DEFAULT_MAX_AGE_S = 15 * 60.0
 
 #: The hash fields read, in HMGET order (see docs/redis_layout.md).
-FIELDS = ("version_ts", "version_seq", *RECORD_FIELDS, "written_at_ms")
+FIELDS = HASH_FIELDS
 
 StalePolicy = Literal["flag", "drop"]
 
@@ -130,11 +129,6 @@ class ShopperIntent:
 
 
 # --- the pure part -----------------------------------------------------------------------
-
-
-def intent_key(shopper_id: str, prefix: str = DEFAULT_PREFIX) -> str:
-    """The key of a shopper's intent hash: ``{prefix}:intent:{shopper_id}``."""
-    return f"{prefix}:intent:{shopper_id}"
 
 
 def _text(value: bytes | str) -> str:

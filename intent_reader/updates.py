@@ -36,9 +36,10 @@ from typing import Any
 import redis
 
 from intent_reader.client import IntentReaderError, ReaderUnavailableError
+from intent_reader.layout import NOTIFY_FIELDS
 
-#: The fields of each stream entry (the writer's ``flink_jobs.intent_store.NOTIFY_FIELDS``).
-UPDATE_FIELDS = ("shopper_id", "version_ts", "version_seq", "top_label", "written_at_ms")
+#: The fields of each stream entry.
+UPDATE_FIELDS = NOTIFY_FIELDS
 
 
 class MalformedUpdateError(IntentReaderError):

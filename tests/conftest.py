@@ -6,7 +6,7 @@ Sections, in file order:
    is ``-m "not integration"``).
 2. Service backend: where a Docker engine answers (``docker info``), services run in
    containers through testcontainers (Apache Kafka in KRaft mode, Redis); elsewhere they
-   run as local processes from ``flink_jobs.local_services`` (Tansu, redis-server).
+   run as local processes from ``flink_jobs.tools.local_services`` (Tansu, redis-server).
    ``SI_TEST_SERVICES=docker|local`` forces one.
 3. Redis: ``redis_service`` (handle: ``.url``, ``.restart()``, ``.stop()``), ``redis_url``,
    ``redis_client`` (function-scoped, bytes replies).
@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Protocol
 import pytest
 import redis
 
-from flink_jobs import embedded_stack, local_services
+from flink_jobs.tools import embedded_stack, local_services
 
 if TYPE_CHECKING:
     from testcontainers.core.container import DockerContainer

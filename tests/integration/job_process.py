@@ -17,11 +17,11 @@ import psutil
 
 
 def call_processes(root: int) -> list[int]:
-    """Pids of the LLM call processes (``flink_jobs.call_process``) below process ``root``."""
+    """Pids of the LLM call processes (``flink_jobs.runtime.call_process``) below ``root``."""
     pids = []
     for child in psutil.Process(root).children(recursive=True):
         try:
-            if "flink_jobs.call_process" in child.cmdline():
+            if "flink_jobs.runtime.call_process" in child.cmdline():
                 pids.append(child.pid)
         except psutil.NoSuchProcess:
             pass

@@ -1,4 +1,4 @@
-"""The LLM calls in a helper process (``flink_jobs.call_process``): a prompt answered there
+"""The LLM calls in a helper process (``flink_jobs.runtime.call_process``): a prompt answered there
 lands in Redis as it would in-process, what the child's call raised is raised in the
 parent, a call that a newer prompt supersedes stops in the child, and a child that dies
 fails its calls loudly instead of leaving them hanging.
@@ -17,12 +17,13 @@ import psutil
 import pytest
 import redis
 
-from flink_jobs.call_process import CallProcess, CallProcessExited
 from flink_jobs.config import load_config
-from flink_jobs.inference import PromptTask, RedisUnavailable
-from flink_jobs.intent_store import IntentStore
-from flink_jobs.local_services import free_port
-from flink_jobs.prompting import PromptRenderer
+from flink_jobs.core.prompting import PromptRenderer
+from flink_jobs.core.tasks import PromptTask
+from flink_jobs.runtime.call_process import CallProcess, CallProcessExited
+from flink_jobs.runtime.inference import RedisUnavailable
+from flink_jobs.runtime.intent_store import IntentStore
+from flink_jobs.tools.local_services import free_port
 from tests.integration.job_process import call_processes
 from tests.unit.catalogue import EARBUDS, HEADPHONES, T0
 from tests.unit.test_prompting import event, session_of
@@ -94,7 +95,7 @@ def test_an_unreachable_redis_is_raised_in_the_parent_and_the_retries_logged_the
     assert isinstance(outcome, RedisUnavailable), outcome
     assert "shopper-00147" in str(outcome)
     retries = [r for r in caplog.records if "Redis write failed" in r.getMessage()]
-    assert retries and all(r.name == "flink_jobs.inference" for r in retries)
+    assert retries and all(r.name == "flink_jobs.runtime.inference" for r in retries)
 
 
 @contextlib.contextmanager

@@ -2,7 +2,7 @@
 
 Run B consumes a topic while it is being produced (event time rebased to send time, at
 the sample's own pace), checkpointing every 2 s. Once a checkpoint has completed and
-intents are landing, the job's LLM call process (``flink_jobs.call_process``) is killed,
+intents are landing, the job's LLM call process (``flink_jobs.runtime.call_process``) is killed,
 which fails the job into Flink's own restart from that checkpoint, with a new call
 process; once intents land again, the job process group is SIGKILLed mid-stream; while it
 is down the replay goes on, then the job restarts from the latest checkpoint and
@@ -25,11 +25,11 @@ import pytest
 import redis
 
 from flink_jobs.checkpoints import latest_checkpoint
-from flink_jobs.intent_store import intent_key
-from flink_jobs.local_services import cache_dir, create_topics
-from flink_jobs.replay import replay_records
-from flink_jobs.run_report import is_settled, read_json_topic, read_stats
-from flink_jobs.sample_data import SampleConfig, generate_sample
+from flink_jobs.tools.local_services import cache_dir, create_topics
+from flink_jobs.tools.replay import replay_records
+from flink_jobs.tools.run_summary import is_settled, read_json_topic, read_stats
+from flink_jobs.tools.sample_data import SampleConfig, generate_sample
+from intent_reader.layout import intent_key
 from tests.integration.job_process import JobProcess, call_processes
 
 SHOPPERS = 30

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pyflink
 
-from flink_jobs.local_services import cache_dir
+from flink_jobs.tools.local_services import cache_dir
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -52,9 +52,9 @@ import pytest
 import redis
 
 from flink_jobs.config import AppConfig, load_config
-from flink_jobs.embedded_stack import CPU_REQUEST_TIMEOUT_S, KV_CACHE_BYTES
-from flink_jobs.events import load_schema
-from flink_jobs.local_services import (
+from flink_jobs.core.events import load_schema
+from flink_jobs.tools.embedded_stack import CPU_REQUEST_TIMEOUT_S, KV_CACHE_BYTES
+from flink_jobs.tools.local_services import (
     KafkaService,
     LocalProcess,
     RedisService,
@@ -64,8 +64,8 @@ from flink_jobs.local_services import (
     start_redis,
     start_tansu,
 )
-from flink_jobs.replay import ReplaySummary, replay_records
-from flink_jobs.run_report import (
+from flink_jobs.tools.replay import ReplaySummary, replay_records
+from flink_jobs.tools.run_summary import (
     EVENT_OUTCOMES,
     IntentRow,
     is_settled,
@@ -74,7 +74,7 @@ from flink_jobs.run_report import (
     read_intents,
     read_stats,
 )
-from flink_jobs.sample_data import SampleConfig, generate_sample
+from flink_jobs.tools.sample_data import SampleConfig, generate_sample
 from tests.integration.fault_proxy import BAD_INTENT_TEXT, FaultProxy, FaultWindow
 
 pytestmark = pytest.mark.timeout(15 * 60)
@@ -112,7 +112,7 @@ PROXY_FAULT_MAX_S = 25.0
 # Redis stays down until an answer has reached the job and the job has failed to write it
 # (its retry is logged), at least REDIS_MIN_DOWN_S and at most REDIS_MAX_DOWN_S (well inside
 # the write retry budget). A fixed second after the router's answer was once too short.
-REDIS_RETRY_LOG = "Redis write failed"  # flink_jobs.inference.upsert_with_retry's warning
+REDIS_RETRY_LOG = "Redis write failed"  # flink_jobs.runtime.inference.upsert_with_retry's warning
 REDIS_MIN_DOWN_S = 3.0
 REDIS_MAX_DOWN_S = 20.0
 ROUTER_DOWN_S = 2.0

@@ -128,7 +128,7 @@ def test_the_replay_tool_speaks_sasl_when_told(
     """``-X`` settings reach librdkafka on the wire: against the plaintext test broker the
     producer opens a SCRAM-SHA-512 handshake (refused: no such user), so nothing is
     delivered, the replay says so with a failing status, and the password is not shown."""
-    from flink_jobs import replay
+    from flink_jobs.tools import replay
 
     events = tmp_path / "events.jsonl"
     events.write_text('{"event_id": "e-1", "shopper_id": "shopper-1"}\n')

@@ -19,8 +19,8 @@ import orjson
 import redis
 from confluent_kafka import Producer
 
-from flink_jobs.local_services import create_topics, free_port
-from flink_jobs.run_report import is_settled, read_stats
+from flink_jobs.tools.local_services import create_topics, free_port
+from flink_jobs.tools.run_summary import is_settled, read_stats
 from tests.integration.job_process import JobProcess, job_groups
 
 SETTLE_TIMEOUT_S = 300

@@ -22,8 +22,9 @@ import redis
 from confluent_kafka import Consumer, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient
 
-from flink_jobs import local_services
-from flink_jobs.local_services import (
+from flink_jobs import paths
+from flink_jobs.tools import local_services
+from flink_jobs.tools.local_services import (
     LocalProcess,
     ServiceNotInstalledError,
     ServiceStartError,
@@ -177,7 +178,7 @@ def test_readiness_fails_fast_with_the_log_tail(tmp_path: Path) -> None:
 def test_missing_tansu_names_the_setup_script(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv(local_services.CACHE_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv(paths.CACHE_DIR_ENV, str(tmp_path))
     with pytest.raises(ServiceNotInstalledError, match=r"scripts/setup\.sh"):
         start_tansu(workdir=tmp_path)
 
@@ -197,7 +198,7 @@ def test_stop_escalates_to_sigkill(tmp_path: Path) -> None:
 _STARTS_A_SERVICE_THEN_WAITS = """
 import sys, time
 from pathlib import Path
-from flink_jobs.local_services import LocalProcess, stop_on_sigterm
+from flink_jobs.tools.local_services import LocalProcess, stop_on_sigterm
 stop_on_sigterm()
 service = LocalProcess("sleeper", ["sleep", "120"], Path(sys.argv[1])).start()
 print(service.pid, flush=True)

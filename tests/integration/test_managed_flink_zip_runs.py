@@ -28,8 +28,8 @@ import redis
 from deploy import build_managed_flink_zip as builder
 from deploy.local_run import UnpackedApp, unpack
 from deploy.vendor import TargetPlatform
-from flink_jobs.local_services import create_topics
-from flink_jobs.replay import replay_records
+from flink_jobs.tools.local_services import create_topics
+from flink_jobs.tools.replay import replay_records
 from intent_reader import IntentReader
 
 SHOPPERS = 5

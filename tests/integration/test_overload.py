@@ -27,12 +27,13 @@ import pytest
 import redis
 
 from flink_jobs.config import load_config
-from flink_jobs.events import DeadLetter, decode_event
-from flink_jobs.llm_client import LlmClient
-from flink_jobs.local_services import cache_dir, create_topics
-from flink_jobs.prompting import PromptRenderer
-from flink_jobs.replay import replay_records
-from flink_jobs.run_report import (
+from flink_jobs.core.events import DeadLetter, decode_event
+from flink_jobs.core.prompting import PromptRenderer
+from flink_jobs.core.session import SessionState, apply_event, new_session_state
+from flink_jobs.runtime.llm_client import LlmClient
+from flink_jobs.tools.local_services import cache_dir, create_topics
+from flink_jobs.tools.replay import replay_records
+from flink_jobs.tools.run_summary import (
     is_settled,
     percentile,
     prompts_settled,
@@ -40,8 +41,7 @@ from flink_jobs.run_report import (
     read_samples,
     read_stats,
 )
-from flink_jobs.sample_data import Sample, SampleConfig, generate_sample
-from flink_jobs.session import SessionState, apply_event, new_session_state
+from flink_jobs.tools.sample_data import Sample, SampleConfig, generate_sample
 from tests.integration.job_process import JobProcess, job_groups
 
 # (name, seconds, events per second as a multiple of the sustainable rate)

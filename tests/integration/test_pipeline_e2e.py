@@ -22,10 +22,10 @@ import pytest
 import redis
 
 from flink_jobs.config import AppConfig, load_config
-from flink_jobs.events import load_schema
-from flink_jobs.local_services import cache_dir, create_topics
-from flink_jobs.replay import replay_records
-from flink_jobs.run_report import (
+from flink_jobs.core.events import load_schema
+from flink_jobs.tools.local_services import cache_dir, create_topics
+from flink_jobs.tools.replay import replay_records
+from flink_jobs.tools.run_summary import (
     EVENT_OUTCOMES,
     IntentRow,
     PrefixCacheStats,
@@ -37,7 +37,7 @@ from flink_jobs.run_report import (
     read_samples,
     read_stats,
 )
-from flink_jobs.sample_data import SampleConfig, generate_sample
+from flink_jobs.tools.sample_data import SampleConfig, generate_sample
 
 SHOPPERS = 80
 SPEED = 2.5

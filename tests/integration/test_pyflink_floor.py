@@ -17,8 +17,8 @@ import pytest
 import redis
 from confluent_kafka import Producer
 
-from flink_jobs.local_services import create_topics
-from flink_jobs.run_report import read_stats
+from flink_jobs.tools.local_services import create_topics
+from flink_jobs.tools.run_summary import read_stats
 from tests.integration.job_process import JobProcess, job_groups
 
 EVENTS = 300

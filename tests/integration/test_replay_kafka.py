@@ -13,8 +13,8 @@ import orjson
 import pytest
 from confluent_kafka import Consumer, TopicPartition
 
-from flink_jobs.local_services import create_topics
-from flink_jobs.replay import (
+from flink_jobs.tools.local_services import create_topics
+from flink_jobs.tools.replay import (
     ReplayProgress,
     event_time_ms,
     main,

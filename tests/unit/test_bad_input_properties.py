@@ -25,7 +25,7 @@ from hypothesis import event as count_case
 from hypothesis import strategies as st
 
 from flink_jobs.config import PromptConfig, SessionConfig, TriggerConfig
-from flink_jobs.events import (
+from flink_jobs.core.events import (
     EVENT_TYPES,
     MAX_CLOCK_SKEW_MS,
     MAX_DEAD_LETTER_RAW_BYTES,
@@ -35,10 +35,9 @@ from flink_jobs.events import (
     decode_event,
     load_schema,
 )
-from flink_jobs.intents import Intent, IntentError, parse_intent
-from flink_jobs.prompting import PromptError, PromptRenderer, RenderedPrompt, estimate_tokens
-from flink_jobs.sample_data import PROMPT_INJECTIONS
-from flink_jobs.session import (
+from flink_jobs.core.intents import Intent, IntentError, parse_intent
+from flink_jobs.core.prompting import PromptError, PromptRenderer, RenderedPrompt, estimate_tokens
+from flink_jobs.core.session import (
     DEDUPE_WINDOW_FACTOR,
     History,
     Outcome,
@@ -46,6 +45,7 @@ from flink_jobs.session import (
     apply_event,
     new_session_state,
 )
+from flink_jobs.tools.sample_data import PROMPT_INJECTIONS
 from tests.unit.catalogue import EARBUDS, HEADPHONES, T0
 
 NOW_MS = T0 + 3_600_000

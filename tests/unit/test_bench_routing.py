@@ -45,7 +45,7 @@ from bench.routing import (
     summarise,
     table,
 )
-from flink_jobs.run_report import percentile
+from flink_jobs.tools.run_summary import percentile
 
 
 class TestZipf:

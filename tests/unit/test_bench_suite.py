@@ -10,7 +10,7 @@ import pytest
 
 from bench import _common, freshness, pipeline_capacity, redis_upsert, run_all
 from flink_jobs.config import AppConfig
-from flink_jobs.events import ShopperEvent
+from flink_jobs.core.events import ShopperEvent
 
 
 def _doc(**figures):
@@ -92,7 +92,7 @@ def test_peaks_are_summarised_per_kind_as_largest_and_sum():
         ("python -m vllm.entrypoints.openai.api_server --model m", "vllm_worker"),
         ("python -m inference_sidecar router --port 1", "router"),
         ("python -m bench.standin_llm --port 1", "standin_llm"),
-        ("/x/.cache/venv/bin/python3.11 -m flink_jobs.call_process 72", "llm_call_process"),
+        ("/x/.cache/venv/bin/python3.11 -m flink_jobs.runtime.call_process 72", "llm_call_process"),
         ("bash -c sleep", None),
     ],
 )
@@ -259,7 +259,7 @@ def test_browsing_a_category_already_browsed_is_not_qualifying():
 
 
 def _fires(events, **trigger) -> dict[str, list[int]]:
-    from flink_jobs.prompting import PromptRenderer
+    from flink_jobs.core.prompting import PromptRenderer
 
     config = AppConfig().with_overrides({"trigger": trigger})
     return freshness.policy_fire_times(events, config, PromptRenderer(config.prompt).render)
@@ -281,7 +281,7 @@ def test_the_policy_delay_is_to_the_first_prompt_at_or_after_the_event():
 
 
 def test_the_policy_replay_counts_one_prompt_for_a_burst_within_the_quiet_period():
-    from flink_jobs.prompting import PromptRenderer
+    from flink_jobs.core.prompting import PromptRenderer
 
     config = AppConfig().with_overrides({"trigger": {"quiet_s": 3, "max_wait_s": 5}})
     events = [_event(0, "s"), _event(1, "s", category="Grinders"), _event(2, "s", product="p2")]
@@ -296,7 +296,7 @@ def test_the_policy_replay_counts_one_prompt_for_a_burst_within_the_quiet_period
 
 
 def test_the_policy_is_replayed_over_each_further_sample_seed():
-    from flink_jobs.prompting import PromptRenderer
+    from flink_jobs.core.prompting import PromptRenderer
 
     config = AppConfig()
     render = PromptRenderer(config.prompt).render
@@ -331,7 +331,7 @@ def test_the_baseline_has_one_prompt_per_accepted_event():
     config = AppConfig()
     events = [_event(0, "a"), _event(1, "b"), _event(1, "b")]  # the last one a duplicate
     timelines = freshness.shopper_timelines(events, config.session, config.trigger)
-    from flink_jobs.prompting import PromptRenderer
+    from flink_jobs.core.prompting import PromptRenderer
 
     prompts = freshness.baseline_prompts(timelines, PromptRenderer(config.prompt))
     assert [shopper for shopper, _ in prompts] == ["a", "b"]
@@ -341,7 +341,7 @@ def test_the_baseline_prompt_is_the_session_as_of_that_event():
     config = AppConfig()
     events = [_event(0, "a"), _event(1, "a", product="p2")]
     timelines = freshness.shopper_timelines(events, config.session, config.trigger)
-    from flink_jobs.prompting import PromptRenderer
+    from flink_jobs.core.prompting import PromptRenderer
 
     prompts = freshness.baseline_prompts(timelines, PromptRenderer(config.prompt))
     assert [p.events_included for _, p in prompts] == [1, 2]

@@ -211,10 +211,10 @@ def test_files_named_by_commands_exist(services):
 
 def test_project_commands_parse(services):
     """The router and replay commands are valid for the project's own CLIs."""
-    from flink_jobs.replay import _build_parser as replay_parser
+    from flink_jobs.tools.replay import _build_parser as replay_parser
     from inference_sidecar.cli import build_parser as sidecar_parser
 
-    parsers = {"inference_sidecar": sidecar_parser, "flink_jobs.replay": replay_parser}
+    parsers = {"inference_sidecar": sidecar_parser, "flink_jobs.tools.replay": replay_parser}
     parsed = 0
     for name, service in services.items():
         argv = command_argv(service)

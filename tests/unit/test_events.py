@@ -9,7 +9,7 @@ from typing import Any
 import orjson
 import pytest
 
-from flink_jobs.events import (
+from flink_jobs.core.events import (
     MAX_CLOCK_SKEW_MS,
     MAX_DEAD_LETTER_RAW_BYTES,
     DeadLetter,
@@ -18,7 +18,7 @@ from flink_jobs.events import (
     decode_event,
     parse_event_time,
 )
-from flink_jobs.sample_data import SampleConfig, generate_sample
+from flink_jobs.tools.sample_data import SampleConfig, generate_sample
 
 MAX_BYTES = 16 * 1024
 # 2026-06-01T09:00:00Z, the start of the bundled sample.

@@ -17,7 +17,8 @@ import redis
 import redis.asyncio
 
 from flink_jobs.config import AppConfig, LlmConfig
-from flink_jobs.inference import (
+from flink_jobs.core.prompting import RenderedPrompt
+from flink_jobs.runtime.inference import (
     PromptRunner,
     PromptTask,
     RedisUnavailable,
@@ -25,15 +26,14 @@ from flink_jobs.inference import (
     run_task,
     upsert_with_retry,
 )
-from flink_jobs.intent_store import (
+from flink_jobs.runtime.intent_store import (
     AsyncIntentStore,
     IntentRecord,
     StoredIntent,
     StoreUnavailableError,
 )
-from flink_jobs.llm_client import LlmClient
-from flink_jobs.local_services import free_port
-from flink_jobs.prompting import RenderedPrompt
+from flink_jobs.runtime.llm_client import LlmClient
+from flink_jobs.tools.local_services import free_port
 
 T0 = 1_780_304_400_000  # 2026-06-01T09:00:00Z
 MODEL = "SmolLM2-135M-Instruct"

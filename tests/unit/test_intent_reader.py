@@ -2,7 +2,7 @@
 
 Redis is replaced by a small in-memory fake with the two calls the reader makes
 (``pipeline(transaction=False)`` and ``hmget``); the hashes are written with the job's
-own ``flink_jobs.intent_store.upsert_args``, so reader and writer agree on the layout.
+own ``flink_jobs.runtime.intent_store.upsert_args``, so reader and writer agree on the layout.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import pytest
 import redis
 
-from flink_jobs.intent_store import RECORD_FIELDS, IntentRecord, upsert_args
+from flink_jobs.runtime.intent_store import RECORD_FIELDS, IntentRecord, upsert_args
 from intent_reader import (
     IntentReader,
     MalformedIntentError,
@@ -112,7 +112,7 @@ class TestLayout:
         assert set(FIELDS) == written
 
     def test_key_matches_the_writer(self):
-        from flink_jobs.intent_store import intent_key as writer_key
+        from flink_jobs.runtime.intent_store import intent_key as writer_key
 
         assert intent_key("s-1", "p") == writer_key("s-1", "p") == "p:intent:s-1"
 

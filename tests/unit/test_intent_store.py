@@ -27,7 +27,7 @@ import redis.asyncio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from flink_jobs.intent_store import (
+from flink_jobs.runtime.intent_store import (
     DEFAULT_TTL_MS,
     RECORD_FIELDS,
     AsyncIntentStore,
@@ -40,7 +40,7 @@ from flink_jobs.intent_store import (
     parse_stored,
     upsert_args,
 )
-from flink_jobs.local_services import free_port, start_redis
+from flink_jobs.tools.local_services import free_port, start_redis
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -339,7 +339,7 @@ WRITER_SCRIPT = textwrap.dedent(
     """
     import json, random, sys
     import redis
-    from flink_jobs.intent_store import IntentRecord, IntentStore
+    from flink_jobs.runtime.intent_store import IntentRecord, IntentStore
 
     url, prefix, seed = sys.argv[1], sys.argv[2], int(sys.argv[3])
     shoppers, versions = json.loads(sys.stdin.read())

@@ -17,13 +17,13 @@ import redis
 import redis.asyncio
 
 from flink_jobs.config import AppConfig, ConfigError, load_config
-from flink_jobs.intent_store import (
-    NOTIFY_FIELDS,
+from flink_jobs.runtime.intent_store import (
     AsyncIntentStore,
     IntentRecord,
     IntentStore,
     Notify,
 )
+from intent_reader.layout import NOTIFY_FIELDS
 from intent_reader.updates import (
     UPDATE_FIELDS,
     IntentUpdate,
@@ -155,7 +155,7 @@ class TestConfig:
             load_config(environ={"SI_REDIS_NOTIFY_STREAM_MAXLEN": "0"})
 
     def test_the_job_passes_it_to_the_store(self) -> None:
-        from flink_jobs.inference import PromptRunner
+        from flink_jobs.runtime.inference import PromptRunner
 
         config = load_config(
             environ={"SI_REDIS_NOTIFY_STREAM": "x:updates", "SI_REDIS_NOTIFY_STREAM_MAXLEN": "7"}

@@ -9,8 +9,8 @@ import fastjsonschema
 import orjson
 import pytest
 
-from flink_jobs.events import load_schema
-from flink_jobs.intents import (
+from flink_jobs.core.events import load_schema
+from flink_jobs.core.intents import (
     MAX_ANSWER_CHARS,
     Intent,
     IntentError,

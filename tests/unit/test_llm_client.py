@@ -16,10 +16,11 @@ import httpx
 import orjson
 import pytest
 
-from flink_jobs import llm_client
 from flink_jobs.config import LlmConfig
-from flink_jobs.intents import intent_response_format
-from flink_jobs.llm_client import (
+from flink_jobs.core.intents import intent_response_format
+from flink_jobs.core.prompting import RenderedPrompt
+from flink_jobs.runtime import llm_client
+from flink_jobs.runtime.llm_client import (
     Completion,
     LlmAnswer,
     LlmClient,
@@ -30,7 +31,6 @@ from flink_jobs.llm_client import (
     proxy_for,
     read_answer,
 )
-from flink_jobs.prompting import RenderedPrompt
 
 SHOPPER = "shopper-00146"
 PROMPT = RenderedPrompt(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 import zipfile
 from pathlib import Path
 
@@ -177,13 +178,31 @@ class TestZipLayout:
         assert "main.py" in names
         assert "BUILD_INFO.json" in names and builder.EXAMPLE_PROPERTIES in names
 
-    def test_job_with_schemas_and_prompts_beside_it(self, names: set[str]):
+    def test_job_with_schemas_and_prompts_as_package_data(self, names: set[str]):
         for name in ("app/flink_jobs/job.py", "app/flink_jobs/config.py"):
             assert name in names
-        assert "app/schemas/shopper_event.schema.json" in names
-        assert "app/schemas/shopper_intent.schema.json" in names
-        assert "app/prompts/shopper_intent_v1.j2" in names
+        assert "app/flink_jobs/schemas/shopper_event.schema.json" in names
+        assert "app/flink_jobs/schemas/shopper_intent.schema.json" in names
+        assert "app/flink_jobs/prompts/shopper_intent_v1.j2" in names
         assert not any("__pycache__" in n or n.endswith(".java") for n in names)
+
+    def test_exactly_the_packages_the_job_imports(self, names: set[str]):
+        """The zip's first-party modules are the job's import closure: no tools, no router."""
+        code = (
+            "import sys, flink_jobs.job;"
+            "print(*sorted(m for m in sys.modules"
+            " if m.split('.')[0] in ('flink_jobs', 'intent_reader', 'inference_sidecar')))"
+        )
+        done = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO
+        )
+        imported = {m.replace(".", "/") for m in done.stdout.split()}
+        packed = {
+            n.removeprefix("app/").removesuffix(".py").removesuffix("/__init__")
+            for n in names
+            if n.startswith("app/") and n.endswith(".py")
+        }
+        assert packed == imported
 
     def test_dependencies_vendored_not_pyflink(self, names: set[str], built):
         tops = {n.split("/")[1] for n in names if n.startswith("site-packages/")}
@@ -244,7 +263,8 @@ class TestZipLayout:
         the job finds its schemas and prompts inside the unpacked zip."""
         app = unpack(built.zip_path, tmp_path)
         code = (
-            "import flink_jobs.job, flink_jobs.events as e, flink_jobs.prompting as p, httpx;"
+            "import flink_jobs.job, flink_jobs.core.events as e, httpx;"
+            "import flink_jobs.core.prompting as p;"
             "e._event_validator(); print(e.SCHEMAS_DIR); print(p.PROMPTS_DIR);"
             "print(httpx.__file__)"
         )
@@ -259,6 +279,6 @@ class TestZipLayout:
         )
         assert done.returncode == 0, done.stderr[-3000:]
         schemas, prompts, httpx_file = done.stdout.split()
-        assert Path(schemas) == app.root / "app" / "schemas"
-        assert Path(prompts) == app.root / "app" / "prompts"
+        assert Path(schemas) == app.root / "app" / "flink_jobs" / "schemas"
+        assert Path(prompts) == app.root / "app" / "flink_jobs" / "prompts"
         assert Path(httpx_file).is_relative_to(app.root / "site-packages")

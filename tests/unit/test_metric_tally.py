@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import pytest
 
-from flink_jobs.metric_tally import GaugeCounters, Tally, gauge_names
+from flink_jobs.metrics import GaugeCounters, Tally, gauge_names
 
 
 class FakeGroup:

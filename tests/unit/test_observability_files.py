@@ -8,7 +8,7 @@ that exists; and every metric name a dashboard query reads is one the code regis
 
 Flink's Prometheus reporter names a user metric ``flink_<scope>_<group>_<name>``; for the
 job's operators that is ``flink_taskmanager_job_task_operator_shopper_intents_<name>``
-(checked against Flink 2.2.1's reporter: ``flink_jobs/metric_tally.py`` says how).
+(checked against Flink 2.2.1's reporter: ``flink_jobs/metrics.py`` says how).
 """
 
 from __future__ import annotations
@@ -155,7 +155,7 @@ def metric_names(expr: str) -> set[str]:
 
 def _literal_names(call: ast.Call) -> set[str]:
     """The metric name(s) a ``count``/``_count``/``counter``/``meter``/``gauge`` call makes."""
-    from flink_jobs.session import Outcome
+    from flink_jobs.core.session import Outcome
 
     arg = call.args[0]
     if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
@@ -177,11 +177,11 @@ def _literal_names(call: ast.Call) -> set[str]:
 def flink_metric_names() -> set[str]:
     """Prometheus names of the job's Flink metrics: what the operators count (directly or
     through ``timeline``'s step counts) and the async operator's gauges."""
-    from flink_jobs.metric_tally import gauge_names
+    from flink_jobs.metrics import gauge_names
     from flink_jobs.operators import INFER_COUNTS, INFER_TIMINGS
 
     names = set(gauge_names(INFER_COUNTS, INFER_TIMINGS))
-    for path in sorted((REPO / "flink_jobs").glob("*.py")):
+    for path in sorted((REPO / "flink_jobs").rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             if (
                 isinstance(node, ast.Call)
@@ -215,7 +215,7 @@ def router_metric_names() -> set[str]:
 
 
 def replay_metric_names() -> set[str]:
-    from flink_jobs.replay import ReplayMetrics
+    from flink_jobs.tools.replay import ReplayMetrics
 
     return registry_names(ReplayMetrics().registry)
 

@@ -20,10 +20,11 @@ import redis
 import redis.asyncio
 
 from flink_jobs.config import AppConfig
-from flink_jobs.inference import PromptRunner, PromptTask, TaskResult
-from flink_jobs.intent_store import AsyncIntentStore
-from flink_jobs.llm_client import LlmClient
-from flink_jobs.outbox import Outbox, OutboxFailed
+from flink_jobs.core.tasks import PromptTask, TaskResult
+from flink_jobs.runtime.inference import PromptRunner
+from flink_jobs.runtime.intent_store import AsyncIntentStore
+from flink_jobs.runtime.llm_client import LlmClient
+from flink_jobs.runtime.outbox import Outbox, OutboxFailed
 from tests.unit.test_inference import INTENT, LLM, completion, task
 
 WAIT_S = 10.0

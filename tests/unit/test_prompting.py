@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from flink_jobs.config import PromptConfig, SessionConfig, TriggerConfig
-from flink_jobs.events import DeadLetter, ShopperEvent, decode_event, parse_event_time
-from flink_jobs.prompting import (
+from flink_jobs.core.events import DeadLetter, ShopperEvent, decode_event, parse_event_time
+from flink_jobs.core.prompting import (
     PROMPTS_DIR,
     PromptError,
     PromptRenderer,
@@ -28,8 +28,8 @@ from flink_jobs.prompting import (
     intent_labels,
     untrusted,
 )
-from flink_jobs.sample_data import PROMPT_INJECTIONS, SampleConfig, generate_sample
-from flink_jobs.session import Outcome, SessionState, apply_event, new_session_state
+from flink_jobs.core.session import Outcome, SessionState, apply_event, new_session_state
+from flink_jobs.tools.sample_data import PROMPT_INJECTIONS, SampleConfig, generate_sample
 from tests.unit.catalogue import EARBUDS, HEADPHONES, T0
 
 GOLDEN_DIR = Path(__file__).parent / "golden"

@@ -7,8 +7,14 @@ import time
 
 import orjson
 
-from flink_jobs.events import DeadLetter, ShopperEvent, SourcePosition, decode_event
-from flink_jobs.operators import UNKEYED_DEAD_LETTERS, record_key
+from flink_jobs.core.events import (
+    UNKEYED_DEAD_LETTERS,
+    DeadLetter,
+    ShopperEvent,
+    SourcePosition,
+    decode_event,
+    record_key,
+)
 
 NOW_MS = int(time.time() * 1000)
 

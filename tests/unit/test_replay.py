@@ -12,7 +12,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from flink_jobs.replay import (
+from flink_jobs.tools.replay import (
     InputFormatError,
     PlannedSend,
     SourceRecord,
@@ -27,7 +27,7 @@ from flink_jobs.replay import (
     shopper_key,
     write_recording,
 )
-from flink_jobs.sample_data import BadRecords, SampleConfig, generate_sample
+from flink_jobs.tools.sample_data import BadRecords, SampleConfig, generate_sample
 
 T0 = 1_780_304_400_000  # 2026-06-01T09:00:00.000Z
 
@@ -46,7 +46,7 @@ def event(shopper: str = "s1", seconds: float = 0.0, event_id: str | None = None
 
 
 def _iso(ms: int) -> str:
-    from flink_jobs.sample_data import format_event_time
+    from flink_jobs.tools.sample_data import format_event_time
 
     return format_event_time(ms)
 
@@ -418,8 +418,8 @@ class TestMetrics:
     def test_failures_and_the_plan_are_exported(self):
         from prometheus_client.parser import text_string_to_metric_families
 
-        from flink_jobs.local_services import free_port
-        from flink_jobs.replay import ReplayMetrics
+        from flink_jobs.tools.local_services import free_port
+        from flink_jobs.tools.replay import ReplayMetrics
 
         metrics = ReplayMetrics()
         port = free_port()
@@ -457,7 +457,7 @@ class TestMetrics:
         assert all(dict(labels)["error"] for labels in failed)
 
     def test_cli_takes_a_metrics_port(self, tmp_path: Path):
-        from flink_jobs.replay import _build_parser
+        from flink_jobs.tools.replay import _build_parser
 
         args = _build_parser().parse_args(
             ["replay", "e.jsonl", "--metrics-port", "9108", "--metrics-host", "0.0.0.0"]

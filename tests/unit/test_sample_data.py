@@ -14,7 +14,7 @@ import fastjsonschema
 import orjson
 import pytest
 
-from flink_jobs.sample_data import (
+from flink_jobs.tools.sample_data import (
     PROMPT_INJECTIONS,
     BadRecords,
     Sample,
@@ -295,7 +295,7 @@ class TestFiles:
         )
         regenerated = generate_sample(config)
         assert SHIPPED.read_bytes() == regenerated.jsonl(), (
-            "regenerate data/ with python -m flink_jobs.sample_data"
+            "regenerate data/ with python -m flink_jobs.tools.sample_data"
         )
         assert regenerated.expected == expected
 

@@ -44,32 +44,32 @@ import pytest
 import redis
 import redis.asyncio
 
-from flink_jobs import cli as job_cli
-from flink_jobs import replay
 from flink_jobs.config import AppConfig, ConfigError, LlmConfig, load_config, redact_url
-from flink_jobs.inference import (
+from flink_jobs.core.prompting import RenderedPrompt
+from flink_jobs.runtime.counters import StatsReporter, stats_key
+from flink_jobs.runtime.inference import (
     PromptRunner,
     PromptTask,
     RedisUnavailable,
     run_task,
     upsert_with_retry,
 )
-from flink_jobs.intent_store import (
+from flink_jobs.runtime.intent_store import (
     AsyncIntentStore,
     IntentRecord,
     IntentStore,
     StoreUnavailableError,
 )
-from flink_jobs.llm_client import LlmClient, LlmError
-from flink_jobs.local_services import (
+from flink_jobs.runtime.llm_client import LlmClient, LlmError
+from flink_jobs.tools import cli as job_cli
+from flink_jobs.tools import replay
+from flink_jobs.tools.local_services import (
     LOOPBACK,
     LocalProcess,
     free_port,
     port_accepts,
     redis_server_binary,
 )
-from flink_jobs.prompting import RenderedPrompt
-from flink_jobs.stats import StatsReporter, stats_key
 from inference_sidecar import cli as router_cli
 from intent_reader import IntentReader, ReaderUnavailableError
 

@@ -9,8 +9,8 @@ import itertools
 import pytest
 
 from flink_jobs.config import SessionConfig, TriggerConfig
-from flink_jobs.events import ShopperEvent
-from flink_jobs.session import (
+from flink_jobs.core.events import ShopperEvent
+from flink_jobs.core.session import (
     DEDUPE_WINDOW_FACTOR,
     History,
     Outcome,

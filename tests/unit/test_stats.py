@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import redis
 
-from flink_jobs import local_services
-from flink_jobs.run_report import read_samples
-from flink_jobs.stats import MAX_SAMPLES, StatsReporter, stats_key
+from flink_jobs.runtime.counters import MAX_SAMPLES, StatsReporter, stats_key
+from flink_jobs.tools import local_services
+from flink_jobs.tools.run_summary import read_samples
 
 SLOW_FLUSH_S = 60.0  # long enough that only explicit flushes and close() publish
 

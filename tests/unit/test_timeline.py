@@ -10,10 +10,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flink_jobs.config import AppConfig, PromptConfig
-from flink_jobs.events import ShopperEvent
-from flink_jobs.prompting import PromptRenderer
-from flink_jobs.session import Outcome
-from flink_jobs.timeline import Step, hold, on_event, on_timer, release
+from flink_jobs.core.events import ShopperEvent
+from flink_jobs.core.prompting import PromptRenderer
+from flink_jobs.core.session import Outcome
+from flink_jobs.core.timeline import Step, hold, on_event, on_timer, release
 from tests.unit.catalogue import EARBUDS, HEADPHONES, T0
 
 SHOPPER = "shopper-00321"

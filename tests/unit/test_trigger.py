@@ -7,15 +7,15 @@ from __future__ import annotations
 import itertools
 
 from flink_jobs.config import SessionConfig, TriggerConfig
-from flink_jobs.events import ShopperEvent
-from flink_jobs.session import (
+from flink_jobs.core.events import ShopperEvent
+from flink_jobs.core.session import (
     SessionState,
     apply_event,
     clear_pending,
     mark_prompted,
     new_session_state,
 )
-from flink_jobs.trigger import Verdict, decide, material_fingerprint
+from flink_jobs.core.trigger import Verdict, decide, material_fingerprint
 
 T0 = 1_780_304_400_000  # 2026-06-01T09:00:00Z
 SESSION = SessionConfig()

@@ -40,7 +40,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from flink_jobs.inference import PromptTask, TaskResult
+from flink_jobs.core.tasks import PromptTask, TaskResult
 
 log = logging.getLogger(__name__)
 

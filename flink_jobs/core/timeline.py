@@ -33,10 +33,9 @@ from dataclasses import dataclass, field, replace
 from itertools import groupby
 
 from flink_jobs.config import AppConfig
-from flink_jobs.events import DeadLetter, ShopperEvent
-from flink_jobs.inference import PromptTask
-from flink_jobs.prompting import PromptError, RenderedPrompt
-from flink_jobs.session import (
+from flink_jobs.core.events import DeadLetter, ShopperEvent
+from flink_jobs.core.prompting import PromptError, RenderedPrompt
+from flink_jobs.core.session import (
     Outcome,
     SessionState,
     apply_event,
@@ -44,7 +43,8 @@ from flink_jobs.session import (
     mark_prompted,
     new_session_state,
 )
-from flink_jobs.trigger import Verdict, decide, earliest_fire_ms
+from flink_jobs.core.tasks import PromptTask
+from flink_jobs.core.trigger import Verdict, decide, earliest_fire_ms
 
 Renderer = Callable[[SessionState], RenderedPrompt]
 

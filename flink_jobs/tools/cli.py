@@ -25,8 +25,9 @@ import orjson
 import redis
 
 from flink_jobs.config import ConfigError, load_config
-from flink_jobs.local_services import cache_dir, stop_on_sigterm
-from flink_jobs.run_report import (
+from flink_jobs.paths import cache_dir, resource_dir
+from flink_jobs.tools.local_services import stop_on_sigterm
+from flink_jobs.tools.run_summary import (
     events_accounted,
     latency_summary,
     prompts_settled,
@@ -38,8 +39,7 @@ from flink_jobs.run_report import (
 
 log = logging.getLogger("shopper-intents")
 
-REPO = Path(__file__).resolve().parent.parent
-DEFAULT_SAMPLE = REPO / "data" / "sample_sessions.jsonl"
+DEFAULT_SAMPLE = resource_dir("sample") / "sample_sessions.jsonl"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -91,9 +91,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    from flink_jobs.embedded_stack import start_embedded_stack
     from flink_jobs.job import create_job
-    from flink_jobs.replay import read_records
+    from flink_jobs.tools.embedded_stack import start_embedded_stack
+    from flink_jobs.tools.replay import read_records
 
     records = first_shoppers(read_records(args.sample), args.shoppers)
     workdir = args.workdir or cache_dir() / "demo"
@@ -129,7 +129,7 @@ def first_shoppers(records: list, limit: int) -> list:
     shopper id (the bad ones, which the demo should show being dead-lettered)."""
     if limit <= 0:
         return records
-    from flink_jobs.replay import shopper_key
+    from flink_jobs.tools.replay import shopper_key
 
     kept: set[bytes] = set()
     out = []
@@ -144,7 +144,7 @@ def first_shoppers(records: list, limit: int) -> list:
 
 
 def _watch(args, config, worker_urls: list[str], records: list, workdir: Path) -> int:
-    from flink_jobs.replay import replay_records
+    from flink_jobs.tools.replay import replay_records
 
     client = redis.Redis.from_url(config.redis.url)
     prefix = config.redis.key_prefix

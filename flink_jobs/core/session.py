@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 from enum import Enum
 
 from flink_jobs.config import SessionConfig
-from flink_jobs.events import ShopperEvent, pickled_by_fields
+from flink_jobs.core.events import ShopperEvent, pickled_by_fields
 
 # How many recent event ids are remembered for de-duplication, as a multiple of the
 # session length: duplicates arrive close together (producer retries, replays).

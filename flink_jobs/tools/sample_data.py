@@ -23,7 +23,7 @@ contains a newline byte). Nothing is random beyond ``random.Random(seed)``.
 
 CLI::
 
-    python -m flink_jobs.sample_data --shoppers 300 --seed 7 --out data/sample_sessions.jsonl
+    python -m flink_jobs.tools.sample_data --shoppers 300 --seed 7 --out data/sample_sessions.jsonl
 
 writes the records and, beside them, ``<out stem>.expected.json``.
 """
@@ -931,7 +931,8 @@ def load_expectations(path: Path) -> SampleExpectations:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m flink_jobs.sample_data", description="Generate a shopper-session sample."
+        prog="python -m flink_jobs.tools.sample_data",
+        description="Generate a shopper-session sample.",
     )
     parser.add_argument("--shoppers", type=int, default=300)
     parser.add_argument("--seed", type=int, default=7)

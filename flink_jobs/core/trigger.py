@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from enum import Enum
 
 from flink_jobs.config import TriggerConfig
-from flink_jobs.events import ShopperEvent
-from flink_jobs.session import SessionState
+from flink_jobs.core.events import ShopperEvent
+from flink_jobs.core.session import SessionState
 
 
 class Verdict(Enum):

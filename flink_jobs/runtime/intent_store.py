@@ -72,26 +72,16 @@ import redis
 import redis.asyncio
 import redis.exceptions
 
+from intent_reader.layout import (
+    DEFAULT_PREFIX,
+    DEFAULT_TTL_MS,
+    RECORD_FIELDS,
+    intent_key,
+)
+
 log = logging.getLogger(__name__)
 
-DEFAULT_PREFIX = "si"
-DEFAULT_TTL_MS = 24 * 60 * 60 * 1000
 DEFAULT_NOTIFY_MAXLEN = 100_000
-
-#: Fields of each update notification (stream entry), in this order.
-NOTIFY_FIELDS = ("shopper_id", "version_ts", "version_seq", "top_label", "written_at_ms")
-
-#: Fields written by every successful upsert, in this order (after the two version fields).
-RECORD_FIELDS = (
-    "intent",
-    "top_label",
-    "top_confidence",
-    "summary",
-    "event_time_ms",
-    "template",
-    "template_hash",
-    "model",
-)
 
 # KEYS[1] = the shopper's hash; ARGV[1] = version_ts; ARGV[2] = version_seq; ARGV[3] = TTL ms;
 # ARGV[4..] = field, value, field, value, ... (RECORD_FIELDS). Returns 1 if written, else 0.
@@ -204,11 +194,6 @@ class StoredIntent:
 
 
 # --- the pure protocol -------------------------------------------------------------------
-
-
-def intent_key(shopper_id: str, prefix: str = DEFAULT_PREFIX) -> str:
-    """The key of a shopper's intent hash: ``{prefix}:intent:{shopper_id}``."""
-    return f"{prefix}:intent:{shopper_id}"
 
 
 def is_newer(candidate: tuple[int, int], stored: tuple[int, int] | None) -> bool:

@@ -23,10 +23,11 @@ import jinja2
 import orjson
 
 from flink_jobs.config import PromptConfig
-from flink_jobs.events import load_schema, pickled_by_fields
-from flink_jobs.session import SessionState
+from flink_jobs.core.events import load_schema, pickled_by_fields
+from flink_jobs.core.session import SessionState
+from flink_jobs.paths import resource_dir
 
-PROMPTS_DIR = Path(__file__).resolve().parent.parent / "prompts"
+PROMPTS_DIR = resource_dir("prompts")
 BYTES_PER_TOKEN = 3
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
 

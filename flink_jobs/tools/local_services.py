@@ -43,9 +43,10 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Self
 
+from flink_jobs.paths import cache_dir
+
 log = logging.getLogger(__name__)
 
-CACHE_DIR_ENV = "SI_CACHE_DIR"
 LOOPBACK = "127.0.0.1"
 DEFAULT_READY_TIMEOUT_S = 30.0
 DEFAULT_STOP_TIMEOUT_S = 10.0
@@ -85,14 +86,6 @@ class ServiceStartError(ServiceError):
 
 
 # --- locating binaries and ports -----------------------------------------------------------
-
-
-def cache_dir() -> Path:
-    """The folder ``scripts/setup.sh`` installs into: ``$SI_CACHE_DIR`` or ``<repo>/.cache``."""
-    configured = os.environ.get(CACHE_DIR_ENV)
-    if configured:
-        return Path(configured).expanduser().resolve()
-    return Path(__file__).resolve().parent.parent / ".cache"
 
 
 def tansu_binary() -> Path:

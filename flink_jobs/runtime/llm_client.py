@@ -33,8 +33,8 @@ import orjson
 from httpx_aiohttp import AiohttpTransport
 
 from flink_jobs.config import LlmConfig, redact_url
-from flink_jobs.intents import intent_response_format
-from flink_jobs.prompting import RenderedPrompt
+from flink_jobs.core.intents import intent_response_format
+from flink_jobs.core.prompting import RenderedPrompt
 
 log = logging.getLogger(__name__)
 

@@ -10,59 +10,20 @@ last checkpoint rather than drop an intent.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import orjson
 import redis
 
 from flink_jobs.config import AppConfig
-from flink_jobs.events import DeadLetter, pickled_by_fields
-from flink_jobs.intent_store import AsyncIntentStore, IntentRecord, StoreUnavailableError
-from flink_jobs.intents import Intent, IntentError, parse_intent
-from flink_jobs.llm_client import LlmClient, LlmError
-from flink_jobs.prompting import RenderedPrompt
+from flink_jobs.core.events import DeadLetter
+from flink_jobs.core.intents import Intent, IntentError, parse_intent
+from flink_jobs.core.tasks import PromptTask, TaskResult
+from flink_jobs.runtime.intent_store import AsyncIntentStore, IntentRecord, StoreUnavailableError
+from flink_jobs.runtime.llm_client import LlmClient, LlmError
 
 log = logging.getLogger(__name__)
-
-
-@pickled_by_fields
-@dataclass(frozen=True, slots=True)
-class PromptTask:
-    shopper_id: str
-    seq: int
-    version_ts: int  # newest event time covered by the prompt
-    # Event time the trigger fired at: the event's own, or the end of the quiet period or
-    # max wait that fired it. Freshness is measured from here.
-    event_time_ms: int
-    prompt: RenderedPrompt
-
-    def audit_json(self) -> str:
-        """The record of ``kafka.prompts_topic``: the rendered prompt and its digest."""
-        text = orjson.dumps(self.prompt.messages)
-        return orjson.dumps(
-            {
-                "shopper_id": self.shopper_id,
-                "seq": self.seq,
-                "version_ts": self.version_ts,
-                "event_time_ms": self.event_time_ms,
-                "template_hash": self.prompt.template_hash,
-                "estimated_tokens": self.prompt.estimated_tokens,
-                "sha256": hashlib.sha256(text).hexdigest(),
-                "messages": self.prompt.messages,
-            }
-        ).decode()
-
-
-@dataclass(frozen=True, slots=True)
-class TaskResult:
-    outcome: str  # written | stale | superseded | dead_letter
-    dead_letter: DeadLetter | None = None
-    attempts: int = 0
-    llm_latency_s: float = 0.0
-    prompt_tokens: int = 0
 
 
 class RedisUnavailable(RuntimeError):
@@ -226,7 +187,7 @@ class PromptRunner:
         if self._llm is None or self._store is None:
             import redis.asyncio
 
-            from flink_jobs.intent_store import Notify
+            from flink_jobs.runtime.intent_store import Notify
 
             rc = self._config.redis
             client = redis.asyncio.Redis.from_url(rc.url, socket_timeout=rc.write_timeout_s)

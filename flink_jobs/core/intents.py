@@ -14,7 +14,7 @@ from typing import Any
 import fastjsonschema
 import orjson
 
-from flink_jobs.events import load_schema
+from flink_jobs.core.events import load_schema
 
 INTENT_SCHEMA_NAME = "shopper_intent.schema.json"
 MAX_ANSWER_CHARS = 8192

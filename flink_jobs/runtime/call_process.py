@@ -42,8 +42,9 @@ from pathlib import Path
 from typing import Any
 
 from flink_jobs.config import AppConfig
-from flink_jobs.inference import PromptRunner, PromptTask, TaskResult
-from flink_jobs.llm_client import quiet_http_logs
+from flink_jobs.core.tasks import PromptTask, TaskResult
+from flink_jobs.runtime.inference import PromptRunner
+from flink_jobs.runtime.llm_client import quiet_http_logs
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +128,7 @@ class CallProcess:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
         try:
             self._process = subprocess.Popen(
-                [python_executable(), "-m", "flink_jobs.call_process", str(child.fileno())],
+                [python_executable(), "-m", "flink_jobs.runtime.call_process", str(child.fileno())],
                 pass_fds=(child.fileno(),),
                 env=env,
                 stdin=subprocess.DEVNULL,

@@ -18,7 +18,7 @@ from typing import Any
 
 import httpx
 
-from flink_jobs.local_services import (
+from flink_jobs.tools.local_services import (
     LocalProcess,
     create_topics,
     free_port,

@@ -27,9 +27,10 @@ base64 (key null when the record had none).
 
 CLI::
 
-    python -m flink_jobs.replay replay data/sample_sessions.jsonl --bootstrap 127.0.0.1:9092 \\
-        --topic shopper-events [--speed 10 | --rate 200] [--rebase-time [first|last|send]]
-    python -m flink_jobs.replay record --bootstrap 127.0.0.1:9092 --topic shopper-events \\
+    python -m flink_jobs.tools.replay replay data/sample_sessions.jsonl \\
+        --bootstrap 127.0.0.1:9092 --topic shopper-events [--speed 10 | --rate 200] \\
+        [--rebase-time [first|last|send]]
+    python -m flink_jobs.tools.replay record --bootstrap 127.0.0.1:9092 --topic shopper-events \\
         --out recording.jsonl [--idle-timeout 5]
 
 ``--metrics-port N`` serves the replay's Prometheus metrics (:class:`ReplayMetrics`: records
@@ -65,7 +66,8 @@ from typing import Any, Literal, NamedTuple
 
 import orjson
 
-from flink_jobs.events import parse_event_time
+from flink_jobs.core.events import parse_event_time
+from flink_jobs.paths import resource_dir
 
 __all__ = [
     "RECORDING_FORMAT",
@@ -93,7 +95,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 RECORDING_FORMAT = "shopper-intents-recording/1"
-SCHEMA_PATH = Path(__file__).resolve().parent.parent / "schemas" / "shopper_event.schema.json"
+SCHEMA_PATH = resource_dir("schemas") / "shopper_event.schema.json"
 # Records bigger than this are never rewritten by rebasing (the pipeline refuses them anyway).
 DEFAULT_MAX_RECORD_BYTES = 64 * 1024
 MAX_EPOCH_MS = 32_503_680_000_000  # year 3000, the schema's bound
@@ -849,7 +851,7 @@ def _build_parser() -> argparse.ArgumentParser:
     default_bootstrap = os.environ.get("SI_KAFKA_BOOTSTRAP_SERVERS", "127.0.0.1:9092")
     default_topic = os.environ.get("SI_KAFKA_EVENTS_TOPIC", "shopper-events")
     parser = argparse.ArgumentParser(
-        prog="python -m flink_jobs.replay", description=__doc__.split("\n\n")[0]
+        prog="python -m flink_jobs.tools.replay", description=__doc__.split("\n\n")[0]
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     commands = parser.add_subparsers(dest="command", required=True)

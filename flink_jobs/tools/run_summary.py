@@ -23,8 +23,8 @@ import orjson
 import redis
 from prometheus_client.parser import text_string_to_metric_families
 
-from flink_jobs.intent_store import intent_key
-from flink_jobs.stats import samples_key, stats_key
+from flink_jobs.runtime.counters import samples_key, stats_key
+from intent_reader.layout import intent_key
 
 EVENT_OUTCOMES = (
     "events_accepted",

@@ -14,14 +14,15 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from functools import cache
 from operator import attrgetter
-from pathlib import Path
 from typing import Any
 
 import fastjsonschema
 import orjson
 
+from flink_jobs.paths import resource_dir
+
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
-SCHEMAS_DIR = Path(__file__).resolve().parent.parent / "schemas"
+SCHEMAS_DIR = resource_dir("schemas")
 
 EVENT_TYPES = ("view", "click", "add_to_cart", "remove_from_cart", "purchase", "search")
 
@@ -206,3 +207,22 @@ def parse_event_time(value: str | int) -> int | None:
 def _schema_message(exc: fastjsonschema.JsonSchemaValueException) -> str:
     where = exc.name.replace("data", "event", 1) if exc.name else "event"
     return f"{where}: {exc.message.replace(exc.name or 'data', where, 1)}"[:300]
+
+
+#: The key prefix of decode dead letters that name no shopper: they pass through the keyed
+#: operator like events (NUL is not in any shopper id the event schema admits).
+UNKEYED_DEAD_LETTERS = "\x00dead-letters"
+
+
+def record_key(record: ShopperEvent | DeadLetter) -> str:
+    """The shopper a decoded record belongs to, for ``key_by``.
+
+    A dead letter that names no shopper is keyed by its Kafka position, so a flood of
+    unreadable records spreads over the keyed operator's subtasks instead of landing on
+    one (they write no state, so a key each costs nothing)."""
+    if record.shopper_id:
+        return record.shopper_id
+    source = record.source if isinstance(record, DeadLetter) else None
+    if source is None:
+        return UNKEYED_DEAD_LETTERS
+    return f"{UNKEYED_DEAD_LETTERS}:{source.topic}:{source.partition}:{source.offset}"

@@ -1,5 +1,0 @@
-import sys
-
-from flink_jobs.cli import main
-
-sys.exit(main())

@@ -1,0 +1,5 @@
+import sys
+
+from flink_jobs.tools.cli import main
+
+sys.exit(main())
