@@ -4,7 +4,7 @@ SHELL := /bin/bash
 VENV := $(or $(SI_CACHE_DIR),$(CURDIR)/.cache)/venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo test unit integration lint format bench bench-routing
+.PHONY: setup demo test unit service model lint format bench bench-routing
 setup:
 	@bash scripts/setup.sh
 
@@ -14,11 +14,15 @@ demo: setup
 test: setup
 	$(PY) -m pytest tests $(ARGS)
 
+# The three tiers (tests/conftest.py): `make test` runs them all.
 unit: setup
-	$(PY) -m pytest tests -m "not integration" $(ARGS)
+	$(PY) -m pytest tests/unit $(ARGS)
 
-integration: setup
-	$(PY) -m pytest tests -m integration $(ARGS)
+service: setup
+	$(PY) -m pytest tests/service $(ARGS)
+
+model: setup
+	$(PY) -m pytest tests/model $(ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

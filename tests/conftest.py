@@ -2,8 +2,9 @@
 
 Sections, in file order:
 
-1. Tiers: every test under ``tests/integration`` is marked ``integration`` (the unit tier
-   is ``-m "not integration"``).
+1. Tiers, by folder, each marked so: ``unit`` (pure: no service, no JVM, no network),
+   ``service`` (a real broker, Redis and PyFlink; an LLM stand-in where the model is not
+   the subject), ``model`` (real vLLM workers). ``make unit|service|model`` runs one.
 2. Service backend: where a Docker engine answers (``docker info``), services run in
    containers through testcontainers (Apache Kafka in KRaft mode, Redis); elsewhere they
    run as local processes from ``flink_jobs.tools.local_services`` (Tansu, redis-server).
@@ -42,13 +43,16 @@ if TYPE_CHECKING:
 
 # --- 1. tiers ----------------------------------------------------------------------------
 
-_INTEGRATION_DIR = Path(__file__).parent / "integration"
+TIERS = ("unit", "service", "model")
+_TESTS_DIR = Path(__file__).parent
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
-        if _INTEGRATION_DIR in item.path.parents:
-            item.add_marker(pytest.mark.integration)
+        tier = item.path.relative_to(_TESTS_DIR).parts[0]
+        if tier not in TIERS:
+            raise pytest.UsageError(f"{item.nodeid}: tests live in tests/{{{','.join(TIERS)}}}/")
+        item.add_marker(getattr(pytest.mark, tier))
 
 
 # --- 2. service backend ------------------------------------------------------------------

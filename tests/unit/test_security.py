@@ -16,7 +16,7 @@
   test_prompting.py ``TestTokenBudget``.)
 
 Kafka TLS/SASL passthrough to the Java source and sink is in
-tests/integration/test_kafka_security_properties.py (it needs the JVM); the replay tool's
+tests/service/test_kafka_security_properties.py (it needs the JVM); the replay tool's
 producer is covered here.
 
 The LLM endpoint below is a stand-in that only ever refuses (401/500) and echoes the

@@ -75,7 +75,7 @@ from flink_jobs.tools.run_summary import (
     read_stats,
 )
 from flink_jobs.tools.sample_data import SampleConfig, generate_sample
-from tests.integration.fault_proxy import BAD_INTENT_TEXT, FaultProxy, FaultWindow
+from tests.service.fault_proxy import BAD_INTENT_TEXT, FaultProxy, FaultWindow
 
 pytestmark = pytest.mark.timeout(15 * 60)
 

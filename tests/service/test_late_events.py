@@ -21,7 +21,7 @@ from confluent_kafka import Producer
 
 from flink_jobs.tools.local_services import create_topics, free_port
 from flink_jobs.tools.run_summary import is_settled, read_stats
-from tests.integration.job_process import JobProcess, job_groups
+from tests.service.job_process import JobProcess, job_groups
 
 SETTLE_TIMEOUT_S = 300
 

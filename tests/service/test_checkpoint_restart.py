@@ -30,7 +30,7 @@ from flink_jobs.tools.replay import replay_records
 from flink_jobs.tools.run_summary import is_settled, read_json_topic, read_stats
 from flink_jobs.tools.sample_data import SampleConfig, generate_sample
 from intent_reader.layout import intent_key
-from tests.integration.job_process import JobProcess, call_processes
+from tests.service.job_process import JobProcess, call_processes
 
 SHOPPERS = 30
 SPEED = 1.0

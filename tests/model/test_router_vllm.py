@@ -46,7 +46,7 @@ from inference_sidecar.workers import (
     port_is_free,
 )
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(360)]
+pytestmark = [pytest.mark.timeout(360)]
 
 MODEL = "SmolLM2-135M-Instruct"
 CHAT = "/v1/chat/completions"
