@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import redis
@@ -148,21 +148,34 @@ async def run_task(
     return await write(task, answered, store, model, redis_retry_budget_s)
 
 
-async def upsert_with_retry(store: AsyncIntentStore, record: IntentRecord, budget_s: float) -> bool:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + budget_s
+async def upsert_with_retry(
+    store: AsyncIntentStore,
+    record: IntentRecord,
+    budget_s: float,
+    *,
+    clock: Callable[[], float] | None = None,
+    sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+) -> bool:
+    """Upsert ``record``, retrying with backoff (0.1 s doubling to 5 s) while Redis is
+    unavailable, until ``budget_s`` has passed: the last wait is cut short so that the last
+    attempt is made at the deadline, then :class:`RedisUnavailable` is raised. ``clock``
+    (monotonic seconds; the event loop's by default) and ``sleep`` are for tests."""
+    now = clock or asyncio.get_running_loop().time
+    deadline = now() + budget_s
     delay = 0.1
     while True:
         try:
             return await store.upsert(record)
         except (StoreUnavailableError, redis.ConnectionError, redis.TimeoutError) as exc:
-            if loop.time() + delay > deadline:
+            left = deadline - now()
+            if left <= 0:
                 raise RedisUnavailable(
                     f"could not write the intent of shopper {record.shopper_id} to Redis "
                     f"for {budget_s:.0f} s: {exc}"
                 ) from exc
-            log.warning("Redis write failed (%s); retrying in %.1f s", exc, delay)
-            await asyncio.sleep(delay)
+            wait = min(delay, left)
+            log.warning("Redis write failed (%s); retrying in %.1f s", exc, wait)
+            await sleep(wait)
             delay = min(delay * 2, 5.0)
 
 
