@@ -30,7 +30,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 import orjson
@@ -46,7 +46,7 @@ from inference_sidecar.exceptions import NoWorkerAvailable, RequestError, Upstre
 from inference_sidecar.health import HealthEvent
 from inference_sidecar.metrics import RouterMetrics
 from inference_sidecar.policies import make_policy
-from inference_sidecar.pool import RoutingPool
+from inference_sidecar.pool import RoutingPool, Ticket
 from inference_sidecar.routing_key import (
     RoutingKey,
     estimate_prompt_tokens,
@@ -94,6 +94,47 @@ class Reply:
     body: bytes
     content_type: str
     worker: str
+
+
+@dataclass(frozen=True, slots=True)
+class RoutedRequest:
+    """One client completion request, parsed once, as every routing step needs it."""
+
+    endpoint: str
+    """``chat/completions`` or ``completions``: the path under ``/v1`` and a metrics label."""
+    raw: bytes
+    """The client's bytes, sent unchanged in aggregated mode."""
+    body: dict[str, Any]
+    key: RoutingKey
+    headers: Mapping[str, str]
+    """What is forwarded to the worker (``Router._headers``)."""
+    received: float
+    """Router clock when the request arrived (time to first token and latency)."""
+
+    @property
+    def path(self) -> str:
+        return f"/v1/{self.endpoint}"
+
+    @property
+    def streaming(self) -> bool:
+        return self.body.get("stream") is True
+
+
+@dataclass(slots=True, eq=False)
+class _Attempt:
+    """One worker trying one request: what its end reports to the routing state."""
+
+    pool: RoutingPool
+    worker: str
+    started: float
+    ticket: Ticket
+    ok: bool | None = False
+    """The outcome to record: ``None`` when the worker is not to blame (``finish``)."""
+    handed_over: bool = False
+    """A stream's relay ends the attempt, when the stream ends."""
+
+
+_T = TypeVar("_T")
 
 
 class _AttemptFailed(Exception):
@@ -274,19 +315,20 @@ class Router:
                 headers[name] = value
         return headers
 
-    def _begin(self, pool: RoutingPool, worker: str, key: RoutingKey) -> tuple[float, Any]:
-        """Account for a request sent to ``worker``: (start time, the policy's ticket)."""
+    def _begin(self, pool: RoutingPool, worker: str, key: RoutingKey) -> _Attempt:
+        """Account for a request sent to ``worker``."""
         ticket = pool.start(worker, key.value, key.size)
         self.metrics.worker_requests.labels(pool.name, worker).inc()
         self.metrics.in_flight.labels(pool.name, worker).set(pool.in_flight[worker])
-        return self.clock(), ticket
+        return _Attempt(pool, worker, self.clock(), ticket)
 
-    def _end(
-        self, pool: RoutingPool, worker: str, ok: bool | None, started: float, ticket: Any
-    ) -> None:
+    def _end(self, attempt: _Attempt) -> None:
+        pool, worker = attempt.pool, attempt.worker
         if self.config.health_interval_s <= 0:
             pool.expire(self.clock())
-        pool.finish(worker, ok, self.clock() - started, self.clock(), ticket)
+        pool.finish(
+            worker, attempt.ok, self.clock() - attempt.started, self.clock(), attempt.ticket
+        )
         self.metrics.in_flight.labels(pool.name, worker).set(pool.in_flight[worker])
 
     def _fail(self, pool: RoutingPool, worker: str, kind: str) -> None:
@@ -302,89 +344,87 @@ class Router:
         tried.append(choice.worker)
         return choice.worker
 
-    async def exchange(
-        self, pool: RoutingPool, key: RoutingKey, path: str, content: bytes, headers: dict[str, str]
-    ) -> Reply:
+    async def _on_workers(
+        self,
+        pool: RoutingPool,
+        key: RoutingKey,
+        attempt_once: Callable[[_Attempt], Awaitable[_T]],
+    ) -> _T:
+        """Run ``attempt_once`` on the key's workers in turn until one does not fail,
+        up to ``max_attempts`` workers; each failure is charged to its worker."""
+        tried: list[str] = []
+        failures: list[tuple[str, str]] = []
+        while len(tried) < self.config.max_attempts:
+            worker = self._choose(pool, key, tried)
+            if worker is None:
+                break
+            attempt = self._begin(pool, worker, key)
+            try:
+                return await attempt_once(attempt)
+            except _WORKER_FAILURES as exc:
+                attempt.ok = False
+                kind, text = _describe_failure(exc)
+                failures.append((worker, text))
+                self._fail(pool, worker, kind)
+            except asyncio.CancelledError:
+                attempt.ok = None  # the client went away; not the worker's fault
+                raise
+            finally:
+                if not attempt.handed_over:
+                    self._end(attempt)
+            logger.info("worker %s failed (%s); trying another", worker, failures[-1][1])
+        raise self._exhausted(pool, failures)
+
+    async def exchange(self, pool: RoutingPool, request: RoutedRequest, content: bytes) -> Reply:
         """POST ``content`` and read the whole answer, retrying other workers on failure.
 
         A 2xx answer must be JSON (else the worker is faulty); a 4xx is the client's
         problem and is returned as is, without retry and without blaming the worker.
         """
-        tried: list[str] = []
-        attempts: list[tuple[str, str]] = []
-        while len(tried) < self.config.max_attempts:
-            worker = self._choose(pool, key, tried)
-            if worker is None:
-                break
-            started, ticket = self._begin(pool, worker, key)
-            ok: bool | None = False
-            try:
-                # A total deadline: httpx's read timeout is per read, so a worker that
-                # trickles bytes could otherwise hold the request forever.
-                async with asyncio.timeout(self.config.request_timeout_s):
-                    reply = await self._client.post(
-                        f"{worker}{path}", content=content, headers=headers
-                    )
-                if reply.status_code >= 500:
-                    raise _AttemptFailed(
-                        "status_5xx", f"HTTP {reply.status_code}: {reply.text[:_ERROR_SNIPPET]}"
-                    )
-                if reply.status_code < 300:
-                    try:
-                        orjson.loads(reply.content)
-                    except orjson.JSONDecodeError as exc:
-                        raise _AttemptFailed(
-                            "invalid_response", f"HTTP {reply.status_code} body is not JSON"
-                        ) from exc
-                    ok = True
-                else:
-                    ok = None
-                return Reply(
-                    reply.status_code,
-                    reply.content,
-                    reply.headers.get("content-type", JSON),
-                    worker,
+
+        async def post(attempt: _Attempt) -> Reply:
+            # A total deadline: httpx's read timeout is per read, so a worker that
+            # trickles bytes could otherwise hold the request forever.
+            async with asyncio.timeout(self.config.request_timeout_s):
+                reply = await self._client.post(
+                    f"{attempt.worker}{request.path}", content=content, headers=request.headers
                 )
-            except _WORKER_FAILURES as exc:
-                kind, text = _describe_failure(exc)
-                attempts.append((worker, text))
-                self._fail(pool, worker, kind)
-            except asyncio.CancelledError:
-                ok = None  # the client went away; not the worker's fault
-                raise
-            finally:
-                self._end(pool, worker, ok, started, ticket)
-            logger.info("worker %s failed (%s); trying another", worker, attempts[-1][1])
-        raise self._exhausted(pool, attempts)
+            if reply.status_code >= 500:
+                raise _AttemptFailed(
+                    "status_5xx", f"HTTP {reply.status_code}: {reply.text[:_ERROR_SNIPPET]}"
+                )
+            if reply.status_code < 300:
+                try:
+                    orjson.loads(reply.content)
+                except orjson.JSONDecodeError as exc:
+                    raise _AttemptFailed(
+                        "invalid_response", f"HTTP {reply.status_code} body is not JSON"
+                    ) from exc
+                attempt.ok = True
+            else:
+                attempt.ok = None
+            content_type = reply.headers.get("content-type", JSON)
+            return Reply(reply.status_code, reply.content, content_type, attempt.worker)
+
+        return await self._on_workers(pool, request.key, post)
 
     async def stream(
         self,
         pool: RoutingPool,
-        key: RoutingKey,
-        path: str,
+        request: RoutedRequest,
         content: bytes,
-        headers: dict[str, str],
-        endpoint: str,
-        received: float,
-        extra_headers: dict[str, str] | None = None,
+        extra_headers: Mapping[str, str] | None = None,
     ) -> Response:
         """POST a streaming request; retry until a worker yields its first chunk, then
         pass the rest through. A failure after that ends the stream with an SSE error
         event (the client has bytes already; a retry would duplicate them)."""
-        tried: list[str] = []
-        attempts: list[tuple[str, str]] = []
-        while len(tried) < self.config.max_attempts:
-            worker = self._choose(pool, key, tried)
-            if worker is None:
-                break
-            started, ticket = self._begin(pool, worker, key)
-            handed_over = False
-            ok: bool | None = False
+
+        async def open_stream(attempt: _Attempt) -> Response:
+            req = self._client.build_request(
+                "POST", f"{attempt.worker}{request.path}", content=content, headers=request.headers
+            )
             upstream: httpx.Response | None = None
             try:
-                req = self._client.build_request(
-                    "POST", f"{worker}{path}", content=content, headers=headers
-                )
                 # The deadline covers the wait for the first chunk; later chunks are
                 # bounded by httpx's per-read timeout.
                 async with asyncio.timeout(self.config.request_timeout_s):
@@ -395,7 +435,7 @@ class Router:
                             "status_5xx", f"HTTP {upstream.status_code}: {body[:_ERROR_SNIPPET]!r}"
                         )
                     if upstream.status_code >= 300:
-                        ok = None
+                        attempt.ok = None
                         body = await upstream.aread()
                         return Response(
                             body,
@@ -406,63 +446,47 @@ class Router:
                     first = await anext(chunks, b"")
                 if not first:
                     raise _AttemptFailed("invalid_response", "the stream ended before any data")
-                pool.prefilled(worker, ticket)
-                self.metrics.ttft.labels(endpoint).observe(self.clock() - received)
-                handed_over = True
-                response_headers = {WORKER_HEADER: worker, **(extra_headers or {})}
+                pool.prefilled(attempt.worker, attempt.ticket)
+                self.metrics.ttft.labels(request.endpoint).observe(self.clock() - request.received)
+                attempt.handed_over = True
                 return StreamingResponse(
-                    self._relay(
-                        pool, worker, started, ticket, upstream, first, chunks, endpoint, received
-                    ),
+                    self._relay(attempt, request, upstream, first, chunks),
                     status_code=upstream.status_code,
                     media_type=upstream.headers.get("content-type", "text/event-stream"),
-                    headers=response_headers,
+                    headers={WORKER_HEADER: attempt.worker, **(extra_headers or {})},
                 )
-            except _WORKER_FAILURES as exc:
-                kind, text = _describe_failure(exc)
-                attempts.append((worker, text))
-                self._fail(pool, worker, kind)
-            except asyncio.CancelledError:
-                ok = None
-                raise
             finally:
-                if not handed_over:
-                    if upstream is not None:
-                        await upstream.aclose()
-                    self._end(pool, worker, ok, started, ticket)
-            logger.info("worker %s failed (%s); trying another", worker, attempts[-1][1])
-        raise self._exhausted(pool, attempts)
+                if upstream is not None and not attempt.handed_over:
+                    await upstream.aclose()
+
+        return await self._on_workers(pool, request.key, open_stream)
 
     async def _relay(
         self,
-        pool: RoutingPool,
-        worker: str,
-        started: float,
-        ticket: Any,
+        attempt: _Attempt,
+        request: RoutedRequest,
         upstream: httpx.Response,
         first: bytes,
         chunks: AsyncIterator[bytes],
-        endpoint: str,
-        received: float,
     ) -> AsyncIterator[bytes]:
-        ok: bool | None = False
+        attempt.ok = False
         try:
             yield first
             async for chunk in chunks:
                 yield chunk
-            ok = True
+            attempt.ok = True
         except httpx.HTTPError as exc:
-            self._fail(pool, worker, "stream_broken")
-            logger.warning("stream from %s broke after the first chunk: %s", worker, exc)
+            self._fail(attempt.pool, attempt.worker, "stream_broken")
+            logger.warning("stream from %s broke after the first chunk: %s", attempt.worker, exc)
             message = f"the worker failed mid-stream: {type(exc).__name__}"
             yield b"data: " + error_body(message, "upstream_error", code=502) + b"\n\n"
         except BaseException:
-            ok = None  # client disconnected (cancellation) or generator closed early
+            attempt.ok = None  # client disconnected (cancellation) or generator closed early
             raise
         finally:
             await upstream.aclose()
-            self._end(pool, worker, ok, started, ticket)
-            self.metrics.latency.labels(endpoint).observe(self.clock() - received)
+            self._end(attempt)
+            self.metrics.latency.labels(request.endpoint).observe(self.clock() - request.received)
 
     def _exhausted(self, pool: RoutingPool, attempts: list[tuple[str, str]]) -> UpstreamError:
         if not attempts:
@@ -503,19 +527,19 @@ class Router:
         try:
             raw = await self._read_body(request)
             body = parse_body(raw)
-            key = dataclasses.replace(
-                extract_routing_key(request.headers, body, self.config.key_headers),
-                size=estimate_prompt_tokens(body),
+            key = extract_routing_key(request.headers, body, self.config.key_headers)
+            routed = RoutedRequest(
+                endpoint=endpoint,
+                raw=raw,
+                body=body,
+                key=dataclasses.replace(key, size=estimate_prompt_tokens(body)),
+                headers=self._headers(request.headers),
+                received=received,
             )
-            headers = self._headers(request.headers)
-            path = f"/v1/{endpoint}"
-            streaming = body.get("stream") is True
             if self.config.mode == "aggregated":
-                answer = self._aggregated(key, path, raw, headers, streaming, endpoint, received)
+                answer = self._aggregated(routed)
             else:
-                answer = self._disaggregated(
-                    key, path, body, headers, streaming, endpoint, received
-                )
+                answer = self._disaggregated(routed)
             response = await _unless_disconnected(request, answer)
         except RequestError as exc:
             response = error_response(
@@ -532,30 +556,11 @@ class Router:
             self.metrics.latency.labels(endpoint).observe(self.clock() - received)
         return response
 
-    async def _aggregated(
-        self,
-        key: RoutingKey,
-        path: str,
-        raw: bytes,
-        headers: dict[str, str],
-        streaming: bool,
-        endpoint: str,
-        received: float,
-    ) -> Response:
+    async def _aggregated(self, request: RoutedRequest) -> Response:
         """The client's bytes, unchanged, to the key's worker."""
-        pool = self.pools["worker"]
-        return await self._serve(pool, key, path, raw, headers, streaming, endpoint, received, {})
+        return await self._serve(self.pools["worker"], request, request.raw, {})
 
-    async def _disaggregated(
-        self,
-        key: RoutingKey,
-        path: str,
-        body: dict[str, Any],
-        headers: dict[str, str],
-        streaming: bool,
-        endpoint: str,
-        received: float,
-    ) -> Response:
+    async def _disaggregated(self, request: RoutedRequest) -> Response:
         """Prefill on the key's prefill worker, decode on its decode worker.
 
         Degrades instead of failing: with no prefill worker answering, the decode
@@ -563,10 +568,11 @@ class Router:
         worker runs the whole request. Each fallback is counted as ``pd_fallback``.
         """
         prefill_pool, decode_pool = self.pools["prefill"], self.pools["decode"]
+        body = request.body
         extra: dict[str, str] = {}
         try:
             prefill = await self.exchange(
-                prefill_pool, key, path, orjson.dumps(pd.prefill_body(body)), headers
+                prefill_pool, request, orjson.dumps(pd.prefill_body(body))
             )
         except UpstreamError as exc:
             logger.warning("prefill failed (%s); the decode worker computes the prompt", exc)
@@ -580,50 +586,22 @@ class Router:
             decode_content = orjson.dumps(pd.decode_body(body, orjson.loads(prefill.body)))
             extra[PREFILL_WORKER_HEADER] = prefill.worker
         try:
-            return await self._serve(
-                decode_pool,
-                key,
-                path,
-                decode_content,
-                headers,
-                streaming,
-                endpoint,
-                received,
-                extra,
-            )
+            return await self._serve(decode_pool, request, decode_content, extra)
         except UpstreamError as exc:
             if not extra:  # the prefill pool failed already: nothing left to try
                 raise
             logger.warning("decode failed (%s); a prefill worker runs the whole request", exc)
             self.metrics.decisions.labels(self.policy_name, "decode", "pd_fallback").inc()
-            return await self._serve(
-                prefill_pool,
-                key,
-                path,
-                orjson.dumps(pd.decode_body(body, None)),
-                headers,
-                streaming,
-                endpoint,
-                received,
-                {},
-            )
+            whole = orjson.dumps(pd.decode_body(body, None))
+            return await self._serve(prefill_pool, request, whole, {})
 
     async def _serve(
-        self,
-        pool: RoutingPool,
-        key: RoutingKey,
-        path: str,
-        content: bytes,
-        headers: dict[str, str],
-        streaming: bool,
-        endpoint: str,
-        received: float,
-        extra: dict[str, str],
+        self, pool: RoutingPool, request: RoutedRequest, content: bytes, extra: dict[str, str]
     ) -> Response:
         """Send the answering request to ``pool``, streamed or not."""
-        if streaming:
-            return await self.stream(pool, key, path, content, headers, endpoint, received, extra)
-        reply = await self.exchange(pool, key, path, content, headers)
+        if request.streaming:
+            return await self.stream(pool, request, content, extra)
+        reply = await self.exchange(pool, request, content)
         return Response(
             reply.body,
             status_code=reply.status,
