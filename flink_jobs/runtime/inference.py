@@ -2,9 +2,11 @@
 
 Plain asyncio, no Flink: ``outbox.Outbox`` runs :class:`PromptRunner` (:func:`run_task`
 with the job's clients) on its event loop. A failed call or an invalid answer becomes a
-dead letter saying why; an unreachable Redis is retried with backoff for
-``redis.write_retry_budget_s`` and then raised, so the job fails and restarts from its
-last checkpoint rather than drop an intent.
+dead letter saying why; so does an intent whose Redis key cannot take it (another type at
+the key: retrying would fail the same way, and a job restart would meet it again). A Redis
+that is unreachable or cannot take writes for now (READONLY, BUSY, OOM, LOADING...) is
+retried with backoff for ``redis.write_retry_budget_s`` and then raised, so the job fails
+and restarts from its last checkpoint rather than drop an intent.
 """
 
 from __future__ import annotations
@@ -20,14 +22,20 @@ from flink_jobs.config import AppConfig
 from flink_jobs.core.events import DeadLetter
 from flink_jobs.core.intents import Intent, IntentError, parse_intent
 from flink_jobs.core.tasks import PromptTask, TaskResult
-from flink_jobs.runtime.intent_store import AsyncIntentStore, IntentRecord, StoreUnavailableError
+from flink_jobs.runtime.intent_store import (
+    AsyncIntentStore,
+    IntentRecord,
+    KeyRejectedError,
+    StoreUnavailableError,
+)
 from flink_jobs.runtime.llm_client import LlmClient, LlmError
 
 log = logging.getLogger(__name__)
 
 
 class RedisUnavailable(RuntimeError):
-    """Redis stayed unreachable for the whole retry budget; the job must restart."""
+    """Redis stayed unreachable, or unable to take writes, for the whole retry budget; the
+    job must restart."""
 
 
 def _dead_letter(task: PromptTask, stage: str, reason: str, detail: str, **context) -> DeadLetter:
@@ -125,7 +133,24 @@ async def write(
         template_hash=task.prompt.template_hash,
         model=answered.model or model,
     )
-    written = await upsert_with_retry(store, record, redis_retry_budget_s)
+    try:
+        written = await upsert_with_retry(store, record, redis_retry_budget_s)
+    except KeyRejectedError as exc:
+        return TaskResult(
+            "dead_letter",
+            _dead_letter(
+                task,
+                "store",
+                exc.reason,
+                f"Redis refused the intent for this shopper's key {store.key(task.shopper_id)!r}: "
+                f"{exc.detail}",
+                intent=record.intent_json,
+                model=record.model,
+            ),
+            attempts=answered.attempts,
+            llm_latency_s=answered.llm_latency_s,
+            prompt_tokens=answered.prompt_tokens,
+        )
     return TaskResult(
         "written" if written else "stale",
         attempts=answered.attempts,

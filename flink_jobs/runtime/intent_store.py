@@ -56,8 +56,14 @@ is a pure function here; ``IntentStore`` and ``AsyncIntentStore`` only do the I/
 
 Errors::
 
-    IntentStoreError           base
-    └── StoreUnavailableError  Redis could not be reached or timed out (retry later)
+    IntentStoreError           base; any other refusal (a bug or a misconfiguration: fail loudly)
+    ├── StoreUnavailableError  Redis could not be reached or timed out (retry later)
+    │   └── StoreBusyError     Redis answered but cannot take writes for now: READONLY (a
+    │                          replica, e.g. after a failover), LOADING, BUSY (a long script),
+    │                          OOM (``maxmemory`` reached under ``noeviction``), MASTERDOWN,
+    │                          NOREPLICAS, TRYAGAIN (retry later)
+    └── KeyRejectedError       this shopper's key cannot take the write (WRONGTYPE: the key
+                               holds another type); retrying cannot help, other keys can
 """
 
 from __future__ import annotations
@@ -126,6 +132,31 @@ class IntentStoreError(Exception):
 
 class StoreUnavailableError(IntentStoreError):
     """Redis could not be reached or did not answer in time; the write may be retried."""
+
+
+class StoreBusyError(StoreUnavailableError):
+    """Redis answered that it cannot take writes now (``code``: READONLY, BUSY, OOM, ...);
+    the state passes (a promotion, the script's end, freed memory), so retry later."""
+
+    def __init__(self, code: str, detail: str) -> None:
+        super().__init__(code, detail)
+        self.code, self.detail = code, detail
+
+    def __str__(self) -> str:
+        return f"Redis cannot take writes now ({self.code}): {self.detail}"
+
+
+class KeyRejectedError(IntentStoreError):
+    """Redis refused the write for one shopper's key alone (``reason``, e.g.
+    ``key_wrong_type``): the same write would fail again, so it is not retried, and the
+    other shoppers' writes are not held up by it."""
+
+    def __init__(self, shopper_id: str, reason: str, detail: str) -> None:
+        super().__init__(shopper_id, reason, detail)
+        self.shopper_id, self.reason, self.detail = shopper_id, reason, detail
+
+    def __str__(self) -> str:
+        return f"upsert of shopper {self.shopper_id!r} refused ({self.reason}): {self.detail}"
 
 
 # --- values ------------------------------------------------------------------------------
@@ -292,14 +323,62 @@ def parse_stored(shopper_id: str, fields: Mapping[bytes | str, bytes | str]) -> 
         raise IntentStoreError(f"malformed intent hash for shopper {shopper_id!r}: {e}") from e
 
 
+# Server states that pass: the write is retried (StoreBusyError). redis-py raises some as
+# their own classes (with the code cut from the message), the rest as ResponseError.
+_BUSY_CLASSES = {
+    redis.exceptions.ReadOnlyError: "READONLY",
+    redis.exceptions.OutOfMemoryError: "OOM",
+    redis.exceptions.BusyLoadingError: "LOADING",
+    redis.exceptions.MasterDownError: "MASTERDOWN",
+    redis.exceptions.TryAgainError: "TRYAGAIN",
+}
+_BUSY_CODES = frozenset(
+    {"READONLY", "OOM", "LOADING", "BUSY", "MASTERDOWN", "NOREPLICAS", "TRYAGAIN"}
+)
+# Errors of one key's content: the shopper's write is refused, with this reason.
+_PER_KEY_CODES = {"WRONGTYPE": "key_wrong_type"}
+
+
+def error_code(error: Exception) -> str:
+    """The Redis error code of a reply error (``READONLY``, ``WRONGTYPE``, ``ERR``, ...)."""
+    for cls, code in _BUSY_CLASSES.items():
+        if isinstance(error, cls):
+            return code
+    return str(error).split(" ", 1)[0]
+
+
+def server_error(error: redis.ResponseError, shopper_id: str | None = None) -> IntentStoreError:
+    """What an error reply means for the write (see the module docstring's tree)."""
+    code = error_code(error)
+    if code in _BUSY_CODES:
+        return StoreBusyError(code, str(error))
+    if code in _PER_KEY_CODES and shopper_id is not None:
+        return KeyRejectedError(shopper_id, _PER_KEY_CODES[code], str(error))
+    who = f"shopper {shopper_id!r}" if shopper_id is not None else "the batch"
+    return IntentStoreError(f"upsert of {who} failed: {error}")
+
+
 def _results_to_bools(records: Sequence[IntentRecord], replies: Sequence[object]) -> list[bool]:
+    """Per record, whether it wrote; raises for a failed reply: a server that cannot take
+    writes now before a refused key (the batch is retried whole, the upserts are idempotent),
+    a refused key after the other records were applied."""
     written: list[bool] = []
+    rejected: KeyRejectedError | None = None
     for record, reply in zip(records, replies, strict=True):
-        if isinstance(reply, Exception):
+        if isinstance(reply, redis.ResponseError):
+            error = server_error(reply, record.shopper_id)
+            if not isinstance(error, KeyRejectedError):
+                raise error from reply
+            rejected = rejected or error
+            written.append(False)
+        elif isinstance(reply, Exception):
             raise IntentStoreError(
                 f"upsert of shopper {record.shopper_id!r} failed: {reply}"
             ) from reply
-        written.append(bool(reply))
+        else:
+            written.append(bool(reply))
+    if rejected is not None:
+        raise rejected
     return written
 
 
@@ -352,7 +431,14 @@ class IntentStore:
                     replies[i] = reply
         except _UNAVAILABLE as e:
             raise StoreUnavailableError(f"Redis unavailable: {e}") from e
-        return _results_to_bools(records, replies)
+        except redis.ResponseError as e:  # the script could not be loaded
+            raise server_error(e) from e
+        try:
+            return _results_to_bools(records, replies)
+        except StoreBusyError as e:
+            if e.code == "READONLY":  # a failover: the endpoint may name a new primary now
+                self.client.connection_pool.disconnect(inuse_connections=False)
+            raise
 
     def _send(self, records: Sequence[IntentRecord]) -> list[object]:
         with self.client.pipeline(transaction=False) as pipe:
@@ -412,7 +498,14 @@ class AsyncIntentStore:
                     replies[i] = reply
         except _UNAVAILABLE as e:
             raise StoreUnavailableError(f"Redis unavailable: {e}") from e
-        return _results_to_bools(records, replies)
+        except redis.ResponseError as e:  # the script could not be loaded
+            raise server_error(e) from e
+        try:
+            return _results_to_bools(records, replies)
+        except StoreBusyError as e:
+            if e.code == "READONLY":  # a failover: the endpoint may name a new primary now
+                await self.client.connection_pool.disconnect(inuse_connections=False)
+            raise
 
     async def _send(self, records: Sequence[IntentRecord]) -> list[object]:
         async with self.client.pipeline(transaction=False) as pipe:
