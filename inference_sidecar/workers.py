@@ -2,9 +2,10 @@
 
 ``plan_workers`` turns a ``ClusterConfig`` into ``WorkerSpec`` values (command line,
 environment, port, log file) without touching the system, so the plan is unit-tested;
-``WorkerPool`` runs the plan: one process group and one log file per worker, readiness
-polled on ``/health`` (failing fast with the log tail when a process dies), and a stop
-that sends SIGTERM to each whole group, then SIGKILL after a grace period.
+``WorkerPool`` runs the plan through ``processes.SupervisedProcess``: one process group and
+one log file per worker, readiness polled on ``/health`` (failing fast with the log tail
+when a process dies), and a stop that sends SIGTERM to each whole group, then SIGKILL
+after a grace period.
 
 Profiles share the config shape:
 
@@ -17,7 +18,6 @@ Profiles share the config shape:
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -25,7 +25,6 @@ import random
 import shutil
 import signal
 import socket
-import subprocess
 import threading
 import time
 import tomllib
@@ -33,11 +32,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from types import MappingProxyType
-from typing import IO, Any, Literal, get_args
+from typing import Any, Literal, get_args
 
 import httpx
 
 from inference_sidecar.exceptions import ConfigError, WorkerStartError
+from inference_sidecar.processes import SupervisedProcess, read_log_tail
 
 logger = logging.getLogger(__name__)
 
@@ -339,14 +339,11 @@ def plan_workers(config: ClusterConfig, kv_dir: Path | None = None) -> list[Work
 
 
 def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
+    """The last lines of a worker's log; empty when there is none."""
     try:
-        with path.open("rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - 64 * 1024))
-            text = f.read().decode(errors="replace")
+        return read_log_tail(path, lines)
     except OSError:
         return ""
-    return "\n".join(text.splitlines()[-lines:])
 
 
 def port_is_free(host: str, port: int) -> bool:
@@ -396,10 +393,7 @@ class WorkerPool:
             / (f"{self.config.base_port}-{os.getpid()}")
         )
         self.specs = plan_workers(self.config, self.kv_dir)
-        self._procs: dict[str, subprocess.Popen[bytes]] = {}
-        self._logs: dict[str, IO[bytes]] = {}
-        self._own_output_from: dict[str, int] = {}
-        """Log offset where each worker's own output starts (after our header line)."""
+        self._procs: dict[str, SupervisedProcess] = {}
         self._janitor_stop = threading.Event()
         self._janitor: threading.Thread | None = None
 
@@ -453,26 +447,10 @@ class WorkerPool:
         return self
 
     def _launch(self, spec: WorkerSpec) -> None:
-        log = spec.log_path.open("ab")
-        log.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} starting {spec.name}: ".encode())
-        log.write((" ".join(spec.argv) + "\n").encode())
-        log.flush()
-        self._logs[spec.name] = log
-        self._own_output_from[spec.name] = log.tell()
-        self._procs[spec.name] = subprocess.Popen(
-            spec.argv,
-            env={**os.environ, **spec.env},
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # own process group: stop() reaches vLLM's children
-        )
+        proc = SupervisedProcess(spec.name, spec.argv, spec.log_path, env=spec.env)
+        self._procs[spec.name] = proc.start()
         logger.info(
-            "started %s (pid %d) on %s, log %s",
-            spec.name,
-            self._procs[spec.name].pid,
-            spec.url,
-            spec.log_path,
+            "started %s (pid %d) on %s, log %s", spec.name, proc.pid, spec.url, spec.log_path
         )
 
     def wait_ready(self, timeout_s: float | None = None) -> None:
@@ -484,7 +462,7 @@ class WorkerPool:
         times): on a crowded machine vLLM's start-up was seen to hang for good right
         after binding its OpenMP threads, while a second start went through. Silence
         before a worker's first line is not a stall: that is Python importing vLLM,
-        which took 3 minutes on a host with heavy CPU steal, so only the deadline
+        which can take minutes on a host with heavy CPU steal, so only the deadline
         bounds it.
         """
         deadline = time.monotonic() + (timeout_s if timeout_s is not None else self.ready_timeout_s)
@@ -495,7 +473,7 @@ class WorkerPool:
                     proc = self._procs.get(name)
                     if proc is None:
                         raise WorkerStartError(name, "was never started (call start() first)")
-                    code = proc.poll()
+                    code = proc.returncode
                     if code is not None:
                         raise WorkerStartError(
                             name, f"exited with code {code}", log_tail(spec.log_path)
@@ -527,7 +505,8 @@ class WorkerPool:
             log = spec.log_path.stat()
         except OSError:
             return False
-        if log.st_size <= self._own_output_from.get(spec.name, 0):
+        proc = self._procs.get(spec.name)
+        if proc is None or log.st_size <= proc.output_offset:
             return False
         return time.time() - log.st_mtime > self.stall_timeout_s
 
@@ -537,11 +516,7 @@ class WorkerPool:
             spec.name,
             self.stall_timeout_s,
         )
-        proc = self._procs.pop(spec.name)
-        _signal_group(proc, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=10)
-        self._logs.pop(spec.name).close()
+        self._procs.pop(spec.name).kill(signal.SIGKILL)
         self.restarts[spec.name] = self.restarts.get(spec.name, 0) + 1
         self._launch(spec)
 
@@ -558,25 +533,19 @@ class WorkerPool:
         """SIGTERM every worker's process group, then SIGKILL what is left after ``grace_s``."""
         self._janitor_stop.set()
         for name, proc in self._procs.items():
-            if proc.poll() is None:
-                _signal_group(proc, signal.SIGTERM)
+            if proc.running:
+                proc.terminate()
                 logger.info("stopping %s (pid %d)", name, proc.pid)
         deadline = time.monotonic() + grace_s
         for proc in self._procs.values():
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            # vLLM's engine core runs as a child in the same group: kill leftovers too.
-            _signal_group(proc, signal.SIGKILL)
-            proc.wait(timeout=10)
-        for log in self._logs.values():
-            log.close()
+            # Also kills what is left of the group: vLLM's engine core runs as a child.
+            proc.stop(timeout_s=max(0.1, deadline - time.monotonic()))
         self._procs.clear()
-        self._logs.clear()
         shutil.rmtree(self.kv_dir, ignore_errors=True)
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         """Send ``sig`` to one worker's process group (fault-injection in tests)."""
-        _signal_group(self._procs[name], sig)
+        self._procs[name].send_signal(sig)
 
     def __enter__(self) -> WorkerPool:
         self.start()
@@ -609,11 +578,6 @@ def prune_older_than(directory: Path, cutoff: float) -> int:
         except OSError:
             continue
     return removed
-
-
-def _signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, sig)
 
 
 def specs_summary(specs: Sequence[WorkerSpec]) -> str:

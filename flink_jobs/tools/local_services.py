@@ -29,34 +29,36 @@ Nothing here imports PyFlink, and nothing happens at import time.
 
 from __future__ import annotations
 
-import atexit
-import contextlib
 import logging
 import os
 import shutil
 import signal
 import socket
-import subprocess
 import tempfile
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable
 from pathlib import Path
-from typing import IO, Self
+from typing import Self
 
 from flink_jobs.paths import cache_dir
+from inference_sidecar.processes import (
+    DEFAULT_READY_TIMEOUT_S,
+    DEFAULT_STOP_TIMEOUT_S,
+    ProcessError,
+    ProcessStartError,
+    SupervisedProcess,
+)
 
 log = logging.getLogger(__name__)
 
 LOOPBACK = "127.0.0.1"
-DEFAULT_READY_TIMEOUT_S = 30.0
-DEFAULT_STOP_TIMEOUT_S = 10.0
 _START_ATTEMPTS_ON_FREE_PORT = 3  # a port picked by free_port() can be taken before bind
 
 
 # --- errors ------------------------------------------------------------------------------
 
 
-class ServiceError(RuntimeError):
+class ServiceError(ProcessError):
     """Base error of this module."""
 
 
@@ -71,18 +73,8 @@ class ServiceNotInstalledError(ServiceError):
         )
 
 
-class ServiceStartError(ServiceError):
+class ServiceStartError(ServiceError, ProcessStartError):
     """A service process exited during start-up or did not become ready in time."""
-
-    def __init__(self, name: str, reason: str, log_path: Path, log_tail: str) -> None:
-        self.name = name
-        self.reason = reason
-        self.log_path = log_path
-        self.log_tail = log_tail
-        message = f"{name} failed to start: {reason} (log {log_path})"
-        if log_tail:
-            message += f"; last lines:\n{log_tail}"
-        super().__init__(message)
 
 
 # --- locating binaries and ports -----------------------------------------------------------
@@ -122,14 +114,6 @@ def port_accepts(host: str, port: int, timeout_s: float = 0.5) -> bool:
 
 # --- the process handle ------------------------------------------------------------------
 
-_live_processes: set[LocalProcess] = set()  # started and not stopped yet
-_atexit_registered = False
-
-
-def _stop_leftovers() -> None:
-    for process in list(_live_processes):
-        process.stop(timeout_s=2.0)
-
 
 def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
@@ -147,157 +131,12 @@ def stop_on_sigterm() -> None:
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
 
 
-class LocalProcess:
-    """A child process in its own process group, its output appended to ``log_path``.
+class LocalProcess(SupervisedProcess):
+    """A ``SupervisedProcess`` whose errors are this module's: ``ServiceError`` and
+    ``ServiceStartError`` (with the log's tail)."""
 
-    ``start()`` launches it; ``wait_ready(check)`` polls ``check`` until it returns true and
-    raises ``ServiceStartError`` (with the log's tail) as soon as the process exits or the
-    timeout passes; ``stop()`` sends SIGTERM to the group, then SIGKILL after a timeout.
-    Processes still running when the interpreter exits are stopped.
-    """
-
-    def __init__(
-        self,
-        name: str,
-        argv: Sequence[str | os.PathLike[str]],
-        log_path: Path,
-        *,
-        cwd: Path | None = None,
-        env: Mapping[str, str] | None = None,
-    ) -> None:
-        self.name = name
-        self.argv = [os.fspath(a) for a in argv]
-        self.log_path = Path(log_path)
-        self.cwd = cwd
-        self.env = dict(env) if env is not None else None
-        self._popen: subprocess.Popen[bytes] | None = None
-        self._log_file: IO[bytes] | None = None
-
-    @property
-    def pid(self) -> int | None:
-        return self._popen.pid if self._popen is not None else None
-
-    @property
-    def returncode(self) -> int | None:
-        """Exit status once the process has ended (negative: killed by that signal)."""
-        return self._popen.poll() if self._popen is not None else None
-
-    @property
-    def running(self) -> bool:
-        return self._popen is not None and self._popen.poll() is None
-
-    def start(self) -> Self:
-        global _atexit_registered
-        if self.running:
-            raise ServiceError(f"{self.name} is already running (pid {self.pid})")
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._log_file = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
-        self._log_file.write(f"\n--- {time.strftime('%H:%M:%S')} {' '.join(self.argv)}\n".encode())
-        self._log_file.flush()
-        env = None if self.env is None else {**os.environ, **self.env}
-        self._popen = subprocess.Popen(
-            self.argv,
-            stdin=subprocess.DEVNULL,
-            stdout=self._log_file,
-            stderr=subprocess.STDOUT,
-            cwd=self.cwd,
-            env=env,
-            start_new_session=True,
-        )
-        _live_processes.add(self)
-        if not _atexit_registered:
-            atexit.register(_stop_leftovers)
-            _atexit_registered = True
-        log.debug("started %s (pid %d): %s", self.name, self._popen.pid, self.argv)
-        return self
-
-    def wait_ready(
-        self,
-        check: Callable[[], bool],
-        timeout_s: float = DEFAULT_READY_TIMEOUT_S,
-        interval_s: float = 0.05,
-    ) -> None:
-        """Poll ``check()`` until true; fail fast if the process exits meanwhile."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            code = self.returncode
-            if code is not None or self._popen is None:
-                raise ServiceStartError(
-                    self.name, f"exited with status {code}", self.log_path, self.log_tail()
-                )
-            if check():
-                return
-            if time.monotonic() >= deadline:
-                raise ServiceStartError(
-                    self.name, f"not ready after {timeout_s:.0f} s", self.log_path, self.log_tail()
-                )
-            time.sleep(interval_s)
-
-    def stop(self, timeout_s: float = DEFAULT_STOP_TIMEOUT_S) -> int | None:
-        """SIGTERM the process group, SIGKILL it after ``timeout_s``; returns the exit status."""
-        popen = self._popen
-        if popen is None:
-            return None
-        try:
-            if popen.poll() is None:
-                self._signal_group(signal.SIGTERM)
-                try:
-                    popen.wait(timeout=timeout_s)
-                except subprocess.TimeoutExpired:
-                    log.warning("%s ignored SIGTERM for %.0f s; killing it", self.name, timeout_s)
-                    self._signal_group(signal.SIGKILL)
-                    popen.wait(timeout=timeout_s)
-            # Children that outlived the leader (same group) go too.
-            self._signal_group(signal.SIGKILL)
-        finally:
-            _live_processes.discard(self)
-            if self._log_file is not None:
-                self._log_file.close()
-                self._log_file = None
-        log.debug("stopped %s (pid %d): status %s", self.name, popen.pid, popen.returncode)
-        return popen.returncode
-
-    def kill(self, sig: signal.Signals = signal.SIGKILL, timeout_s: float = 10.0) -> int | None:
-        """Send ``sig`` to the whole group and reap it: a crash, not a shutdown (faults in
-        tests). ``start()`` may be called again afterwards."""
-        popen = self._popen
-        if popen is None:
-            return None
-        try:
-            self._signal_group(sig)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                popen.wait(timeout=timeout_s)
-        finally:
-            if popen.poll() is not None:
-                self.stop(timeout_s)  # leftovers of the group, the log file
-        return popen.returncode
-
-    def _signal_group(self, sig: signal.Signals) -> None:
-        assert self._popen is not None
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self._popen.pid, sig)
-
-    def log_tail(self, lines: int = 30) -> str:
-        """The last ``lines`` lines of the log file."""
-        try:
-            with open(self.log_path, "rb") as f:
-                f.seek(0, os.SEEK_END)
-                f.seek(max(0, f.tell() - 16_384))
-                text = f.read().decode("utf-8", errors="replace")
-        except OSError as e:
-            return f"(log unreadable: {e})"
-        return "\n".join(text.splitlines()[-lines:])
-
-    def __enter__(self) -> Self:
-        if self._popen is None:
-            self.start()
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.stop()
-
-    def __repr__(self) -> str:
-        return f"LocalProcess({self.name!r}, pid={self.pid}, running={self.running})"
+    error = ServiceError
+    start_error = ServiceStartError
 
 
 # --- services ----------------------------------------------------------------------------
