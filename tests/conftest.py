@@ -19,7 +19,10 @@ names, and start a private service (``local_services.start_redis(...)``) for a t
 restarts or breaks one. A service handle keeps its port across ``restart()`` on both
 backends.
 5. The LLM tier: ``llm_tier`` (two vLLM workers on the CPU behind the router; ``.base_url``,
-   ``.worker_urls``), started once per session.
+   ``.worker_urls``), for the model tier; ``standin_tier`` (two LLM STAND-INS,
+   ``bench/standin_llm.py``, behind the same router, with the same interface plus
+   ``.configure(...)`` and ``.inject(...)``), for service tests whose subject is the stream.
+   Each is started once per session.
 """
 
 from __future__ import annotations
@@ -300,10 +303,27 @@ def kafka_bootstrap(kafka_service: KafkaHandle) -> str:
 # --- 5. the LLM tier ---------------------------------------------------------------------
 # vLLM on the CPU is the real model server users run; it takes about a minute to start,
 # so two workers (one core each) and the router in front of them serve the whole session.
+# Where the model is not the subject, stand-ins take its place behind the same router: they
+# start in a second and answer within their configured latency.
+
+STANDIN_LATENCY = "0.05"
 
 
 @pytest.fixture(scope="session")
 def llm_tier(tmp_path_factory: pytest.TempPathFactory) -> Iterator[embedded_stack.LlmTier]:
     tier = embedded_stack.start_llm_tier(tmp_path_factory.mktemp("llm"), workers=2)
+    yield tier
+    tier.stop()
+
+
+@pytest.fixture(scope="session")
+def standin_tier(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[embedded_stack.StandInTier]:
+    """Two LLM stand-ins (``STANDIN_LATENCY`` seconds, no failures) behind the real router.
+    A test that changes their latency or injects faults puts them back as they were."""
+    tier = embedded_stack.start_standin_tier(
+        tmp_path_factory.mktemp("standin"), workers=2, latency=STANDIN_LATENCY
+    )
     yield tier
     tier.stop()

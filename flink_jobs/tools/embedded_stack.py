@@ -1,9 +1,11 @@
 """The default stack on one machine: a Kafka-protocol broker, Redis, vLLM workers on the CPU
 and the router in front of them, all as local processes on loopback.
 
-Used by ``shopper-intents demo`` and by the integration tests, so the demo runs exactly
-what the tests check. Each part can also be started alone (the tests share one LLM tier
-across the session). Nothing imports PyFlink here.
+Used by ``shopper-intents demo`` and by the tests, so the demo runs exactly what the
+tests check. Each part can also be started alone (the tests share one LLM tier across the
+session). ``start_standin_tier`` puts LLM STAND-INS (``bench/standin_llm.py``, a repository
+file, not part of the package) behind the same router, for the service tests whose
+subject is the stream, not the model. Nothing imports PyFlink here.
 """
 
 from __future__ import annotations
@@ -11,7 +13,8 @@ from __future__ import annotations
 import logging
 import sys
 import time
-from contextlib import ExitStack
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,6 +41,12 @@ KV_CACHE_BYTES = 1 << 30
 # computing, doubling the load exactly when it is highest; the router's own per-attempt
 # timeout (120 s) must also be shorter than the job's, so that the router fails over first.
 CPU_REQUEST_TIMEOUT_S = 300.0
+# A stand-in answers within its configured latency (seconds); a call still waiting after
+# this has met an injected hang.
+STANDIN_REQUEST_TIMEOUT_S = 20.0
+STANDIN_READY_TIMEOUT_S = 30.0
+_STANDIN_MODULE = "bench.standin_llm"
+_REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 @dataclass
@@ -48,10 +57,11 @@ class LlmTier:
     router_url: str
     worker_urls: list[str]
     _exit: ExitStack = field(repr=False)
+    request_timeout_s: float = CPU_REQUEST_TIMEOUT_S
 
     def job_settings(self) -> dict[str, Any]:
         """The job's ``llm`` settings for this tier."""
-        return {"base_url": self.base_url, "request_timeout_s": CPU_REQUEST_TIMEOUT_S}
+        return {"base_url": self.base_url, "request_timeout_s": self.request_timeout_s}
 
     def stop(self) -> None:
         self._exit.close()
@@ -59,13 +69,13 @@ class LlmTier:
 
 def start_llm_tier(workdir: Path, workers: int = 2, ready_timeout_s: float = 300.0) -> LlmTier:
     """Start ``workers`` vLLM workers (one core each) and the router in front of them."""
-    from inference_sidecar.workers import ClusterConfig, WorkerPool, find_free_port_range
+    from inference_sidecar.workers import ClusterConfig, WorkerProcesses, find_free_port_range
 
     workdir.mkdir(parents=True, exist_ok=True)
     exit_stack = ExitStack()
     try:
         base_port = find_free_port_range(workers)
-        pool = WorkerPool(
+        pool = WorkerProcesses(
             ClusterConfig(
                 mode="aggregated",
                 workers=workers,
@@ -76,20 +86,115 @@ def start_llm_tier(workdir: Path, workers: int = 2, ready_timeout_s: float = 300
             ready_timeout_s=ready_timeout_s,
         )
         exit_stack.enter_context(pool)
-        router_port = free_port()
-        argv = [sys.executable, "-m", "inference_sidecar", "router", "--port", str(router_port)]
-        for url in pool.urls:
-            argv += ["--worker", url]
-        router = LocalProcess("router", argv, workdir / "logs" / "router.log")
-        exit_stack.enter_context(router)
-        router_url = f"http://127.0.0.1:{router_port}"
-        router.wait_ready(
-            lambda: _answers(f"{router_url}/health"), timeout_s=ROUTER_READY_TIMEOUT_S
-        )
+        router_url = _start_router(workdir, list(pool.urls), exit_stack)
     except BaseException:
         exit_stack.close()
         raise
     return LlmTier(f"{router_url}/v1", router_url, list(pool.urls), exit_stack)
+
+
+@dataclass
+class StandInTier(LlmTier):
+    """LLM stand-ins behind the real router: answers valid against the request's schema,
+    latency and failures set per worker (``configure``, ``inject``)."""
+
+    request_timeout_s: float = STANDIN_REQUEST_TIMEOUT_S
+
+    def configure(self, worker_url: str | None = None, **settings: Any) -> None:
+        """Change ``latency``, ``seed``, ``fail_5xx``, ``fail_invalid_json``, ``fail_hang``
+        on one worker, or on every worker."""
+        for url in [worker_url] if worker_url else self.worker_urls:
+            httpx.post(f"{url}/admin/config", json=settings, timeout=5).raise_for_status()
+
+    def inject(self, fault: str, count: int, worker_url: str | None = None) -> None:
+        """The next ``count`` requests of one worker (or of each) get ``fault``: ``5xx``,
+        ``invalid_json`` or ``hang``; a count of 0 clears it."""
+        for url in [worker_url] if worker_url else self.worker_urls:
+            body = {"fault": fault, "count": count}
+            httpx.post(f"{url}/admin/inject", json=body, timeout=5).raise_for_status()
+
+    def stats(self, worker_url: str) -> dict[str, Any]:
+        return httpx.get(f"{worker_url}/stats", timeout=5).json()
+
+    @contextmanager
+    def configured(self, **settings: Any) -> Iterator[StandInTier]:
+        """``configure(**settings)`` on every worker for a block; afterwards each worker's
+        settings are put back and its injected faults cleared."""
+        saved = {
+            url: httpx.get(f"{url}/admin/config", timeout=5).json() for url in self.worker_urls
+        }
+        try:
+            self.configure(**settings)
+            yield self
+        finally:
+            for url, before in saved.items():
+                before.pop("injected", None)
+                self.configure(url, **before)
+                for fault in ("5xx", "invalid_json", "hang"):
+                    self.inject(fault, 0, url)
+
+
+def standin_process(workdir: Path, port: int, *settings: str) -> LocalProcess:
+    """``python -m bench.standin_llm --port PORT SETTINGS...`` (not started), run from the
+    repository, where the stand-in lives."""
+    if not (_REPO_ROOT / "bench" / "standin_llm.py").is_file():
+        raise FileNotFoundError(
+            f"the LLM stand-in (bench/standin_llm.py) is not under {_REPO_ROOT}"
+        )
+    argv = [sys.executable, "-m", _STANDIN_MODULE, "--port", str(port), *settings]
+    return LocalProcess(
+        f"standin-{port}", argv, workdir / "logs" / f"standin-{port}.log", cwd=_REPO_ROOT
+    )
+
+
+@dataclass
+class StandInWorker:
+    url: str
+    process: LocalProcess
+
+
+def start_standin_workers(
+    workdir: Path, exit_stack: ExitStack, workers: int = 2, latency: str = "0.05", seed: int = 0
+) -> list[StandInWorker]:
+    """``workers`` stand-ins, each seeded apart (``seed + i``), stopped by ``exit_stack``."""
+    started = []
+    for i in range(workers):
+        port = free_port()
+        process = standin_process(workdir, port, "--latency", latency, "--seed", str(seed + i))
+        exit_stack.enter_context(process)
+        url = f"http://127.0.0.1:{port}"
+        process.wait_ready(lambda u=url: _answers(f"{u}/health"), timeout_s=STANDIN_READY_TIMEOUT_S)
+        started.append(StandInWorker(url, process))
+    return started
+
+
+def start_standin_tier(
+    workdir: Path, workers: int = 2, latency: str = "0.05", seed: int = 0
+) -> StandInTier:
+    """``workers`` LLM stand-ins and the real router in front of them, as ``start_llm_tier``
+    starts vLLM workers: for tests whose subject is the stream, not the model."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    exit_stack = ExitStack()
+    try:
+        urls = [w.url for w in start_standin_workers(workdir, exit_stack, workers, latency, seed)]
+        router_url = _start_router(workdir, urls, exit_stack)
+    except BaseException:
+        exit_stack.close()
+        raise
+    return StandInTier(f"{router_url}/v1", router_url, urls, exit_stack)
+
+
+def _start_router(workdir: Path, worker_urls: list[str], exit_stack: ExitStack) -> str:
+    """The router (``python -m inference_sidecar router``) in front of ``worker_urls``."""
+    router_port = free_port()
+    argv = [sys.executable, "-m", "inference_sidecar", "router", "--port", str(router_port)]
+    for url in worker_urls:
+        argv += ["--worker", url]
+    router = LocalProcess("router", argv, workdir / "logs" / "router.log")
+    exit_stack.enter_context(router)
+    router_url = f"http://127.0.0.1:{router_port}"
+    router.wait_ready(lambda: _answers(f"{router_url}/health"), timeout_s=ROUTER_READY_TIMEOUT_S)
+    return router_url
 
 
 def _answers(url: str) -> bool:
