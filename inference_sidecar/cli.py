@@ -19,7 +19,7 @@ from typing import Any
 from inference_sidecar.config import DEFAULT_HOST, DEFAULT_PORT, RouterConfig
 from inference_sidecar.exceptions import SidecarError
 from inference_sidecar.policies import POLICY_NAMES
-from inference_sidecar.workers import ClusterConfig, WorkerPool, specs_summary
+from inference_sidecar.workers import ClusterConfig, WorkerProcesses, specs_summary
 
 logger = logging.getLogger("inference_sidecar")
 
@@ -169,7 +169,7 @@ def _interrupt(signum: int, frame: object) -> None:
 
 def run_cluster(args: argparse.Namespace) -> int:
     cfg = cluster_config(args)
-    pool = WorkerPool(cfg, ready_timeout_s=args.ready_timeout)
+    pool = WorkerProcesses(cfg, ready_timeout_s=args.ready_timeout)
     # SIGTERM while workers start must still stop them: turn it into KeyboardInterrupt.
     signal.signal(signal.SIGTERM, _interrupt)
     logger.info("starting %d worker(s):\n%s", len(pool.specs), specs_summary(pool.specs))

@@ -2,10 +2,10 @@
 
 ``plan_workers`` turns a ``ClusterConfig`` into ``WorkerSpec`` values (command line,
 environment, port, log file) without touching the system, so the plan is unit-tested;
-``WorkerPool`` runs the plan through ``processes.SupervisedProcess``: one process group and
-one log file per worker, readiness polled on ``/health`` (failing fast with the log tail
-when a process dies), and a stop that sends SIGTERM to each whole group, then SIGKILL
-after a grace period.
+``WorkerProcesses`` launches and owns the plan's processes (``processes.SupervisedProcess``:
+one process group and one log file per worker), polls readiness on ``/health`` (failing
+fast with the log tail when a process dies), and stops them: SIGTERM to each whole group,
+then SIGKILL after a grace period.
 
 Profiles share the config shape:
 
@@ -368,10 +368,10 @@ def find_free_port_range(
     raise ConfigError("base_port", f"no {count} consecutive free ports in {start}..{stop}")
 
 
-class WorkerPool:
-    """Runs the workers of a ``ClusterConfig``; use as a context manager.
+class WorkerProcesses:
+    """Launches and owns the worker processes of a ``ClusterConfig``; a context manager.
 
-    ``with WorkerPool(cfg) as pool:`` starts every worker, waits until all answer
+    ``with WorkerProcesses(cfg) as workers:`` starts every worker, waits until all answer
     ``/health`` (``ready_timeout_s``), and stops them all on exit, even on error.
     """
 
@@ -425,7 +425,7 @@ class WorkerPool:
 
     # ----- lifecycle ----------------------------------------------------------------
 
-    def start(self) -> WorkerPool:
+    def start(self) -> WorkerProcesses:
         busy = [s.port for s in self.specs if not port_is_free(s.host, s.port)]
         if busy:
             raise ConfigError("base_port", f"port(s) already in use: {busy}")
@@ -547,7 +547,7 @@ class WorkerPool:
         """Send ``sig`` to one worker's process group (fault-injection in tests)."""
         self._procs[name].send_signal(sig)
 
-    def __enter__(self) -> WorkerPool:
+    def __enter__(self) -> WorkerProcesses:
         self.start()
         try:
             self.wait_ready()

@@ -39,7 +39,7 @@ from inference_sidecar.exceptions import ConfigError
 from inference_sidecar.policies.bounded_hash import preference_order
 from inference_sidecar.workers import (
     ClusterConfig,
-    WorkerPool,
+    WorkerProcesses,
     default_cache_dir,
     find_free_port_range,
     log_tail,
@@ -149,7 +149,7 @@ class RouterProcess:
 @dataclass
 class Cluster:
     mode: str
-    pool: WorkerPool
+    pool: WorkerProcesses
     router_url: str
     router: subprocess.Popen[bytes]
     router_log: Path
@@ -189,7 +189,7 @@ class Stack:
             log_dir=self.log_dir / mode,
         )
         try:
-            pool = WorkerPool(cfg, ready_timeout_s=240)
+            pool = WorkerProcesses(cfg, ready_timeout_s=240)
         except ConfigError as exc:
             pytest.skip(f"vLLM is not installed here: {exc}")
         with_pool = pool.start()
@@ -201,7 +201,7 @@ class Stack:
             raise
         return self.current
 
-    def _start_router(self, pool: WorkerPool, mode: str, port: int) -> Cluster:
+    def _start_router(self, pool: WorkerProcesses, mode: str, port: int) -> Cluster:
         assert port_is_free("127.0.0.1", port)
         if mode == "aggregated":
             args = ["--worker", *pool.worker_urls]

@@ -412,7 +412,7 @@ def replay_paced_by_faults(
 @pytest.fixture(scope="module")
 def scenario() -> Iterator[Scenario]:
     from flink_jobs.job import create_job
-    from inference_sidecar.workers import ClusterConfig, WorkerPool, find_free_port_range
+    from inference_sidecar.workers import ClusterConfig, WorkerProcesses, find_free_port_range
 
     # Under the cache, not tmp_path: concurrent pytest runs rotate old tmp_path folders.
     workdir = cache_dir() / "logs" / "test-faults" / str(os.getpid())
@@ -426,7 +426,7 @@ def scenario() -> Iterator[Scenario]:
         )
         broker: KafkaService = stack.enter_context(start_tansu(workdir=workdir / "tansu"))
         pool = stack.enter_context(
-            WorkerPool(
+            WorkerProcesses(
                 ClusterConfig(
                     mode="aggregated",
                     workers=2,

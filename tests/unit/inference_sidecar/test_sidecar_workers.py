@@ -16,7 +16,7 @@ import pytest
 from inference_sidecar.exceptions import ConfigError, WorkerStartError
 from inference_sidecar.workers import (
     ClusterConfig,
-    WorkerPool,
+    WorkerProcesses,
     cpu_dtype,
     find_free_port_range,
     log_tail,
@@ -203,14 +203,14 @@ def fake_python(tmp_path: Path) -> Path:
     return path
 
 
-class TestWorkerPool:
+class TestWorkerProcesses:
     def config(self, tmp_path: Path, fake_python: Path, **kw) -> ClusterConfig:
         (tmp_path / "model").mkdir(exist_ok=True)
         return resolved(tmp_path, python=fake_python, base_port=find_free_port_range(3), **kw)
 
     def test_start_wait_stop(self, tmp_path: Path, fake_python: Path) -> None:
         cfg = self.config(tmp_path, fake_python, mode="disaggregated")
-        with WorkerPool(cfg, ready_timeout_s=20) as pool:
+        with WorkerProcesses(cfg, ready_timeout_s=20) as pool:
             assert len(pool.prefill_urls) == 1 and len(pool.decode_urls) == 1
             assert pool.urls == pool.prefill_urls + pool.decode_urls
             pids = [pool.pid(s.name) for s in pool.specs]
@@ -227,7 +227,7 @@ class TestWorkerPool:
     ) -> None:
         cfg = self.config(tmp_path, fake_python, env={"FAKE_EXIT": "1"})
         started = time.monotonic()
-        pool = WorkerPool(cfg, ready_timeout_s=60)
+        pool = WorkerProcesses(cfg, ready_timeout_s=60)
         with pytest.raises(WorkerStartError, match="boom: engine failed") as err:
             pool.__enter__()
         assert time.monotonic() - started < 20
@@ -235,7 +235,7 @@ class TestWorkerPool:
 
     def test_silent_worker_is_restarted_once(self, tmp_path: Path, fake_python: Path) -> None:
         cfg = self.config(tmp_path, fake_python, env={"FAKE_HANG_ONCE": str(tmp_path / "hung")})
-        pool = WorkerPool(cfg, ready_timeout_s=30, stall_timeout_s=5.0)
+        pool = WorkerProcesses(cfg, ready_timeout_s=30, stall_timeout_s=5.0)
         with pool:
             # the marker is shared: only the worker that started first hung
             assert sum(pool.restarts.values()) == 1
@@ -244,7 +244,7 @@ class TestWorkerPool:
         self, tmp_path: Path, fake_python: Path
     ) -> None:
         cfg = self.config(tmp_path, fake_python, env={"FAKE_SILENT_IMPORT_S": "4"})
-        with WorkerPool(cfg, ready_timeout_s=30, stall_timeout_s=1.0) as pool:
+        with WorkerProcesses(cfg, ready_timeout_s=30, stall_timeout_s=1.0) as pool:
             assert pool.restarts == {}
 
     def test_busy_port_is_reported(self, tmp_path: Path, fake_python: Path) -> None:
@@ -253,7 +253,7 @@ class TestWorkerPool:
             s.bind(("127.0.0.1", cfg.base_port))
             s.listen()
             with pytest.raises(ConfigError, match="in use"):
-                WorkerPool(cfg).start()
+                WorkerProcesses(cfg).start()
 
 
 def test_log_tail(tmp_path: Path) -> None:
