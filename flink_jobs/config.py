@@ -78,6 +78,10 @@ class RedisConfig:
     notify_stream: str = ""
     # Approximate length the stream is trimmed to (XADD MAXLEN ~).
     notify_stream_maxlen: int = 100_000
+    # For a backfill that re-evaluates recorded events with a new prompt template or model:
+    # at an equal version, replace an intent made by another template or model (normally
+    # an equal version is a no-op). Off for the live job (docs/redis_layout.md).
+    reevaluate: bool = False
 
     def validate(self) -> None:
         if not self.url.startswith(("redis://", "rediss://", "unix://")):

@@ -231,7 +231,11 @@ class PromptRunner:
             client = redis.asyncio.Redis.from_url(rc.url, socket_timeout=rc.write_timeout_s)
             notify = Notify(rc.notify_stream, rc.notify_stream_maxlen) if rc.notify_stream else None
             self._store = AsyncIntentStore(
-                client, rc.key_prefix, rc.intent_ttl_s * 1000, notify=notify
+                client,
+                rc.key_prefix,
+                rc.intent_ttl_s * 1000,
+                notify=notify,
+                reevaluate=rc.reevaluate,
             )
             self._llm = LlmClient(self._config.llm)
         return self._llm, self._store

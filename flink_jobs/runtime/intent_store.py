@@ -22,8 +22,11 @@ model              the model that produced the intent
 written_at_ms      Redis server time (epoch ms) of the write
 =================  =====================================================================
 
-The key expires ``ttl_ms`` after its last successful write (default 24 h). Readers that
-need a few fields use ``HMGET``; ``IntentStore.read`` returns them all.
+The key expires ``ttl_ms`` after the last write sent to it, landed or refused (default
+24 h): a refused write extends the expiry (never shortens it), so the newer intent that
+refused it outlives it, and an older result retried later is refused again instead of
+landing on an expired key. Readers that need a few fields use ``HMGET``;
+``IntentStore.read`` returns them all.
 
 Write rule
 ----------
@@ -33,6 +36,15 @@ the key does not exist): a newer event time wins; for equal event times the high
 sequence wins; an equal version is a no-op. A write replaces every field above and resets
 the expiry. An older result never overwrites a newer one, whatever the order in which
 concurrent writers arrive.
+
+Re-evaluation (``reevaluate``, ``redis.reevaluate``): a backfill that replays recorded
+events with a new prompt template or model computes the same versions as the live job did,
+so its writes would all be no-ops. A re-evaluating store also lands a write at an equal
+version when the stored intent was made by another ``template_hash`` or ``model``; an older
+version is still refused, and the same template and model at an equal version is still a
+no-op (a replayed backfill changes nothing). A live store never replaces an equal version,
+so the live job replaying a checkpoint does not undo a re-evaluation; it logs a warning the
+first time an equal version of another template or model refuses its write.
 
 The check and the write run in one Lua script (``EVALSHA``), so they are atomic. Without
 notifications (below) each call touches exactly one key, so the script is safe on Redis
@@ -90,22 +102,43 @@ log = logging.getLogger(__name__)
 DEFAULT_NOTIFY_MAXLEN = 100_000
 
 # KEYS[1] = the shopper's hash; ARGV[1] = version_ts; ARGV[2] = version_seq; ARGV[3] = TTL ms;
-# ARGV[4..] = field, value, field, value, ... (RECORD_FIELDS). Returns 1 if written, else 0.
-# With KEYS[2] (the notification stream) the last three ARGV are the stream's approximate
-# MAXLEN, the shopper id and the top label, and a landed write also appends NOTIFY_FIELDS.
-UPSERT_SCRIPT = """
+# ARGV[4..] = field, value, field, value, ... (RECORD_FIELDS). Returns 1 if written; else 0,
+# or -1 when the version is equal and the stored intent was made by another template or
+# model (what a re-evaluation replaces). A refused write extends the key's expiry to TTL ms
+# if it would end sooner. With KEYS[2] (the notification stream) the last three ARGV are the
+# stream's approximate MAXLEN, the shopper id and the top label, and a landed write also
+# appends NOTIFY_FIELDS.
+_SCRIPT_TEMPLATE = """
 local ts = tonumber(ARGV[1])
 local seq = tonumber(ARGV[2])
 local last = #ARGV
 if KEYS[2] then
   last = last - 3
 end
-local stored = redis.call('HMGET', KEYS[1], 'version_ts', 'version_seq')
+local stored = redis.call('HMGET', KEYS[1], 'version_ts', 'version_seq', 'template_hash', 'model')
 local stored_ts = tonumber(stored[1])
 if stored_ts then
   local stored_seq = tonumber(stored[2]) or -1
-  if ts < stored_ts or (ts == stored_ts and seq <= stored_seq) then
-    return 0
+  local refused = 0
+  if ts < stored_ts or (ts == stored_ts and seq < stored_seq) then
+    refused = 0
+  elseif ts == stored_ts and seq == stored_seq then
+    if stored[3] == ARGV[@TEMPLATE_HASH@] and stored[4] == ARGV[@MODEL@] then
+      refused = 0
+    elseif @REEVALUATE@ then
+      refused = nil
+    else
+      refused = -1
+    end
+  else
+    refused = nil
+  end
+  if refused then
+    local pttl = redis.call('PTTL', KEYS[1])
+    if pttl >= 0 and pttl < tonumber(ARGV[3]) then
+      redis.call('PEXPIRE', KEYS[1], ARGV[3])
+    end
+    return refused
   end
 end
 local now = redis.call('TIME')
@@ -121,6 +154,25 @@ if KEYS[2] then
 end
 return 1
 """
+
+
+def _value_index(field: str) -> str:
+    """The ARGV index (1-based, as Lua counts) of ``field``'s value in ``upsert_args``."""
+    return str(4 + 2 * RECORD_FIELDS.index(field) + 1)
+
+
+def _script(reevaluate: bool) -> str:
+    return (
+        _SCRIPT_TEMPLATE.replace("@TEMPLATE_HASH@", _value_index("template_hash"))
+        .replace("@MODEL@", _value_index("model"))
+        .replace("@REEVALUATE@", "true" if reevaluate else "false")
+    )
+
+
+#: The live job's upsert: strictly newer versions land.
+UPSERT_SCRIPT = _script(reevaluate=False)
+#: A re-evaluation's upsert: also an equal version made by another template or model.
+REEVALUATE_SCRIPT = _script(reevaluate=True)
 
 
 # --- errors ------------------------------------------------------------------------------
@@ -237,7 +289,8 @@ def _format_confidence(value: float) -> str:
 
 
 def upsert_args(record: IntentRecord, ttl_ms: int) -> list[str]:
-    """ARGV for ``UPSERT_SCRIPT``: the version, the TTL, then field/value pairs."""
+    """ARGV for ``UPSERT_SCRIPT`` and ``REEVALUATE_SCRIPT``: the version, the TTL, then
+    field/value pairs."""
     if ttl_ms <= 0:
         raise ValueError(f"ttl_ms must be positive, got {ttl_ms}")
     values = (
@@ -376,10 +429,34 @@ def _results_to_bools(records: Sequence[IntentRecord], replies: Sequence[object]
                 f"upsert of shopper {record.shopper_id!r} failed: {reply}"
             ) from reply
         else:
-            written.append(bool(reply))
+            written.append(reply == 1)
     if rejected is not None:
         raise rejected
     return written
+
+
+class _EqualVersionNote:
+    """Says once per store that a write met an equal version of another template or model
+    (the script's -1): kept, as the write rule says, but a backfill with a new template
+    that meant to replace it needs ``redis.reevaluate``."""
+
+    def __init__(self) -> None:
+        self._said = False
+
+    def check(self, records: Sequence[IntentRecord], replies: Sequence[object]) -> None:
+        if self._said:
+            return
+        for record, reply in zip(records, replies, strict=True):
+            if not isinstance(reply, Exception) and reply == -1:
+                self._said = True
+                log.warning(
+                    "the intent of shopper %s at version %s was made by another template or "
+                    "model and is kept (an equal version is a no-op); a backfill meant to "
+                    "replace such intents needs redis.reevaluate (said once)",
+                    record.shopper_id,
+                    record.version,
+                )
+                return
 
 
 _UNAVAILABLE = (redis.ConnectionError, redis.TimeoutError)
@@ -391,7 +468,8 @@ _UNAVAILABLE = (redis.ConnectionError, redis.TimeoutError)
 class IntentStore:
     """Versioned intent upserts and reads over a ``redis.Redis`` client (thread-safe).
 
-    ``notify``: also append each landed write to a stream (module docstring).
+    ``notify``: also append each landed write to a stream; ``reevaluate``: also replace an
+    equal version made by another template or model (both in the module docstring).
     """
 
     def __init__(
@@ -400,6 +478,7 @@ class IntentStore:
         prefix: str = DEFAULT_PREFIX,
         ttl_ms: int = DEFAULT_TTL_MS,
         notify: Notify | None = None,
+        reevaluate: bool = False,
     ) -> None:
         if ttl_ms <= 0:
             raise ValueError(f"ttl_ms must be positive, got {ttl_ms}")
@@ -407,7 +486,9 @@ class IntentStore:
         self.prefix = prefix
         self.ttl_ms = ttl_ms
         self.notify = notify
-        self._script = client.register_script(UPSERT_SCRIPT)
+        self._source = REEVALUATE_SCRIPT if reevaluate else UPSERT_SCRIPT
+        self._script = client.register_script(self._source)
+        self._equal_version = _EqualVersionNote()
 
     def key(self, shopper_id: str) -> str:
         return intent_key(shopper_id, self.prefix)
@@ -425,7 +506,7 @@ class IntentStore:
             missing = _script_missing(replies)
             if missing:  # the server lost its script cache (restart, SCRIPT FLUSH): load, resend
                 log.debug("upsert script not cached on the server; loading it")
-                self.client.script_load(UPSERT_SCRIPT)
+                self.client.script_load(self._source)
                 again = self._send([records[i] for i in missing])
                 for i, reply in zip(missing, again, strict=True):
                     replies[i] = reply
@@ -433,6 +514,7 @@ class IntentStore:
             raise StoreUnavailableError(f"Redis unavailable: {e}") from e
         except redis.ResponseError as e:  # the script could not be loaded
             raise server_error(e) from e
+        self._equal_version.check(records, replies)
         try:
             return _results_to_bools(records, replies)
         except StoreBusyError as e:
@@ -469,6 +551,7 @@ class AsyncIntentStore:
         prefix: str = DEFAULT_PREFIX,
         ttl_ms: int = DEFAULT_TTL_MS,
         notify: Notify | None = None,
+        reevaluate: bool = False,
     ) -> None:
         if ttl_ms <= 0:
             raise ValueError(f"ttl_ms must be positive, got {ttl_ms}")
@@ -476,7 +559,9 @@ class AsyncIntentStore:
         self.prefix = prefix
         self.ttl_ms = ttl_ms
         self.notify = notify
-        self._script = client.register_script(UPSERT_SCRIPT)
+        self._source = REEVALUATE_SCRIPT if reevaluate else UPSERT_SCRIPT
+        self._script = client.register_script(self._source)
+        self._equal_version = _EqualVersionNote()
 
     def key(self, shopper_id: str) -> str:
         return intent_key(shopper_id, self.prefix)
@@ -492,7 +577,7 @@ class AsyncIntentStore:
             missing = _script_missing(replies)
             if missing:
                 log.debug("upsert script not cached on the server; loading it")
-                await self.client.script_load(UPSERT_SCRIPT)
+                await self.client.script_load(self._source)
                 again = await self._send([records[i] for i in missing])
                 for i, reply in zip(missing, again, strict=True):
                     replies[i] = reply
@@ -500,6 +585,7 @@ class AsyncIntentStore:
             raise StoreUnavailableError(f"Redis unavailable: {e}") from e
         except redis.ResponseError as e:  # the script could not be loaded
             raise server_error(e) from e
+        self._equal_version.check(records, replies)
         try:
             return _results_to_bools(records, replies)
         except StoreBusyError as e:
