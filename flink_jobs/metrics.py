@@ -1,4 +1,5 @@
-"""Flink metrics from Python operators, as gauges over counts kept in Python.
+"""Flink metrics from Python operators, as gauges over counts kept in Python, and the
+session operator's one recorder of prompt outcomes.
 
 Why not Flink counters: PyFlink records a counter update only while Beam's (thread-local)
 state sampler is in the operator's processing scope. ``AsyncFunction.async_invoke`` runs on
@@ -22,6 +23,10 @@ thread-safely, a fixed set of:
 ``register`` turns each into a gauge of a Flink metric group. Per record the cost is a lock
 and an addition (and a deque append for a timing); quantiles are computed when read, at
 most once per change.
+
+:class:`OutcomeRecorder` takes each settled prompt once and feeds both places its figures
+go: a :class:`Tally` (the Flink gauges, for Managed Flink / CloudWatch) and the Redis stats
+(``runtime.counters.StatsReporter``, for the local console and the tests).
 """
 
 from __future__ import annotations
@@ -31,7 +36,10 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from flink_jobs.runtime.outbox import Settled
 
 #: Suffixes of the gauges registered for each timing.
 TIMING_SUFFIXES = ("count", "sum", "p50", "p95", "max")
@@ -158,3 +166,85 @@ class Tally:
                 group.gauge(f"{name}_{what}", lambda n=name, w=what: self.timing(n, w))
                 names.append(f"{name}_{what}")
         return names
+
+
+# --- prompt outcomes --------------------------------------------------------------------
+
+
+class StatsSink(Protocol):
+    """The Redis stats' side (``runtime.counters.StatsReporter``)."""
+
+    def add(self, name: str, amount: int = 1) -> None: ...
+
+    def sample(self, name: str, value: int) -> None: ...
+
+
+#: The counter of each prompt outcome (``TaskResult.outcome``).
+OUTCOME_COUNTERS = {
+    "written": "intents_written",
+    "stale": "intents_stale",
+    "superseded": "prompts_superseded",
+    "dead_letter": "dead_letter_inference",
+}
+#: The prompt outcomes' Flink metrics (gauges over a :class:`Tally`): counts, then timings
+#: in ms.
+INFER_COUNTS = (
+    *OUTCOME_COUNTERS.values(),
+    "llm_retries",
+    "llm_prompt_tokens",
+    "llm_calls_stopped",
+)
+INFER_TIMINGS = ("llm_latency_ms", "event_to_intent_ms", "event_to_prompt_ms", "outbox_wait_ms")
+
+
+class OutcomeRecorder:
+    """Each prompt sent and each outcome settled, taken once and fed to every sink.
+
+    Most figures go to both the Flink gauges and the Redis stats. Three go to the stats
+    only: a dead letter's ``dead_letter_<stage>_<reason>`` (open-ended names, while the
+    Flink metric set is fixed), ``llm_calls`` and ``outbox_in_system`` (what the console
+    and the benchmarks read).
+    """
+
+    def __init__(self, stats: StatsSink, tally: Tally | None = None) -> None:
+        self._stats = stats
+        self._tally = tally if tally is not None else Tally(INFER_COUNTS, INFER_TIMINGS)
+
+    def register(self, group: MetricGroup) -> list[str]:
+        """Add the Flink gauges to ``group`` (from the thread that runs the bundles)."""
+        return self._tally.register(group)
+
+    def sent(self, waited_ms: int, in_system: int) -> None:
+        """A prompt handed to the outbox ``waited_ms`` after the event time that fired it
+        (the job's own share of the freshness); ``in_system``: prompts now queued or
+        running in the outbox."""
+        self._time("event_to_prompt_ms", waited_ms)
+        self._stats.sample("outbox_in_system", in_system)
+
+    def settled(self, settled: Settled) -> None:
+        result = settled.result
+        self._add(OUTCOME_COUNTERS[result.outcome])
+        if result.dead_letter is not None:
+            self._stats.add(f"dead_letter_{result.dead_letter.stage}_{result.dead_letter.reason}")
+        if result.attempts > 1:
+            self._add("llm_retries", result.attempts - 1)
+        if result.prompt_tokens:
+            self._add("llm_prompt_tokens", result.prompt_tokens)
+        if result.llm_latency_s:
+            self._stats.add("llm_calls")
+            self._time("llm_latency_ms", result.llm_latency_s * 1000)
+        elif result.outcome == "superseded" and result.attempts:
+            # Stopped while the LLM computed it: a call made, with no latency to report.
+            self._stats.add("llm_calls")
+            self._add("llm_calls_stopped")
+        if result.outcome == "written":
+            self._time("event_to_intent_ms", settled.settled_at_ms - settled.task.event_time_ms)
+            self._time("outbox_wait_ms", settled.queued_ms)
+
+    def _add(self, name: str, amount: int = 1) -> None:
+        self._tally.add(name, amount)
+        self._stats.add(name, amount)
+
+    def _time(self, name: str, ms: float) -> None:
+        self._tally.observe(name, ms)
+        self._stats.sample(name, int(ms))

@@ -6,8 +6,9 @@
   keyed state and event-time timers (session, trigger and prompt rendering inside), and
   the asynchronous LLM calls through ``outbox.Outbox`` (``inference.run_task`` per prompt).
 
-Outcomes are counted twice: as Flink metrics (for Managed Flink / CloudWatch) and in the
-Redis stats hash (``stats.py``) that the local console and the tests read.
+Counts go twice: to Flink metrics (for Managed Flink / CloudWatch) and to the Redis stats
+hash (``runtime.counters``) that the local console and the tests read; a prompt's outcome
+through one :class:`~flink_jobs.metrics.OutcomeRecorder` call that feeds both.
 """
 
 from __future__ import annotations
@@ -29,7 +30,9 @@ from flink_jobs.core.prompting import PromptRenderer
 from flink_jobs.core.session import SessionState
 from flink_jobs.core.tasks import PromptTask, TaskResult
 from flink_jobs.core.timeline import Step, is_held, on_event, on_timer
-from flink_jobs.metrics import GaugeCounters, Tally
+from flink_jobs.metrics import INFER_COUNTS as INFER_COUNTS  # the gauges' names, re-exported
+from flink_jobs.metrics import INFER_TIMINGS as INFER_TIMINGS
+from flink_jobs.metrics import GaugeCounters, OutcomeRecorder
 from flink_jobs.runtime.call_process import CallProcess
 from flink_jobs.runtime.counters import StatsReporter
 from flink_jobs.runtime.inference import PromptRunner
@@ -180,8 +183,8 @@ class ShopperSessions(KeyedProcessFunction, _Counted):
         self._recent = _RecentSessions(self._config.job.session_cache_size)
         self._renderer = PromptRenderer(self._config.prompt)
         self._open_counters(runtime_context, self._config)
-        self._tally = Tally(INFER_COUNTS, INFER_TIMINGS)
-        self._tally.register(self._metrics)
+        self._outcomes = OutcomeRecorder(self._stats)
+        self._outcomes.register(self._metrics)
         quiet_http_logs()
         runner = (CallProcess if self._config.llm.call_process else PromptRunner)(self._config)
         self._outbox = Outbox(
@@ -265,11 +268,9 @@ class ShopperSessions(KeyedProcessFunction, _Counted):
         # The job's own share of the freshness (Kafka, watermark, trigger, rendering); the
         # rest of event_to_intent_ms is the outbox's queue, the LLM call and the upsert.
         waited_ms = _now_ms() - task.event_time_ms
-        self._stats.sample("event_to_prompt_ms", waited_ms)
-        self._tally.observe("event_to_prompt_ms", waited_ms)
         self._pending.update(task)
         self._outbox.submit(task)
-        self._stats.sample("outbox_in_system", self._outbox.in_system)
+        self._outcomes.sent(waited_ms, self._outbox.in_system)
         if ctx.timer_service().current_watermark() >= END_OF_INPUT_MS:
             yield from self._settle(ctx, wait=True)
             return
@@ -310,47 +311,6 @@ class ShopperSessions(KeyedProcessFunction, _Counted):
         return per_call * attempts + self._config.redis.write_retry_budget_s
 
     def _record(self, settled: Settled):
-        result, task = settled.result, settled.task
-        name = _OUTCOME_COUNTERS[result.outcome]
-        self._tally.add(name)
-        self._stats.add(name)
-        if result.dead_letter is not None:
-            self._stats.add(f"dead_letter_{result.dead_letter.stage}_{result.dead_letter.reason}")
-            yield DEAD_LETTERS, _dead_letter_json(result.dead_letter)
-        if result.attempts > 1:
-            self._tally.add("llm_retries", result.attempts - 1)
-            self._stats.add("llm_retries", result.attempts - 1)
-        if result.prompt_tokens:
-            self._tally.add("llm_prompt_tokens", result.prompt_tokens)
-            self._stats.add("llm_prompt_tokens", result.prompt_tokens)
-        if result.llm_latency_s:
-            self._stats.add("llm_calls")
-            self._stats.sample("llm_latency_ms", int(result.llm_latency_s * 1000))
-            self._tally.observe("llm_latency_ms", result.llm_latency_s * 1000)
-        elif result.outcome == "superseded" and result.attempts:
-            # Stopped while the LLM computed it: a call made, with no latency to report.
-            self._stats.add("llm_calls")
-            self._stats.add("llm_calls_stopped")
-            self._tally.add("llm_calls_stopped")
-        if result.outcome == "written":
-            freshness_ms = settled.settled_at_ms - task.event_time_ms
-            self._stats.sample("event_to_intent_ms", freshness_ms)
-            self._tally.observe("event_to_intent_ms", freshness_ms)
-            self._stats.sample("outbox_wait_ms", settled.queued_ms)
-            self._tally.observe("outbox_wait_ms", settled.queued_ms)
-
-
-_OUTCOME_COUNTERS = {
-    "written": "intents_written",
-    "stale": "intents_stale",
-    "superseded": "prompts_superseded",
-    "dead_letter": "dead_letter_inference",
-}
-#: The inference outcomes' Flink metrics (gauges, see metric_tally): counts, then timings in ms.
-INFER_COUNTS = (
-    *_OUTCOME_COUNTERS.values(),
-    "llm_retries",
-    "llm_prompt_tokens",
-    "llm_calls_stopped",
-)
-INFER_TIMINGS = ("llm_latency_ms", "event_to_intent_ms", "event_to_prompt_ms", "outbox_wait_ms")
+        self._outcomes.settled(settled)
+        if settled.result.dead_letter is not None:
+            yield DEAD_LETTERS, _dead_letter_json(settled.result.dead_letter)
