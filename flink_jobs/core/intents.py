@@ -7,6 +7,8 @@ server was asked to follow. Only a valid intent ever reaches Redis.
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cache
 from typing import Any
@@ -26,6 +28,9 @@ class Intent:
     top_label: str
     top_confidence: float
     summary: str
+    # "model" for a parsed answer, "rules" for one derived from the session's facts alone
+    # (flink_jobs.core.grounding): readers and the eval tell the two apart.
+    source: str = "model"
 
     def to_json(self) -> bytes:
         return orjson.dumps(self.body)
@@ -42,9 +47,19 @@ def _validator():
     return fastjsonschema.compile(load_schema(INTENT_SCHEMA_NAME))
 
 
-def intent_response_format() -> dict[str, Any]:
-    """The OpenAI ``response_format`` that asks the server to decode into the schema."""
+def intent_response_format(categories: Sequence[str] | None = None) -> dict[str, Any]:
+    """The OpenAI ``response_format`` that asks the server to decode into the schema.
+
+    Given ``categories`` (the session's, ``grounding.session_category_enum``), each intent's
+    ``category`` is required and must be one of them: the model cannot invent one. The
+    format travels with the request, so the prompt (and its cached prefix) is unchanged.
+    """
     schema = {k: v for k, v in load_schema(INTENT_SCHEMA_NAME).items() if not k.startswith("$")}
+    if categories:
+        schema = copy.deepcopy(schema)
+        item = schema["properties"]["intents"]["items"]
+        item["properties"]["category"] = {"type": "string", "enum": list(categories)}
+        item["required"] = [*item["required"], "category"]
     return {
         "type": "json_schema",
         "json_schema": {"name": "shopper_intent", "schema": schema, "strict": True},
