@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import dataclasses
 import json
+import re
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from functools import cache
@@ -31,6 +32,9 @@ EVENT_TYPES = ("view", "click", "add_to_cart", "remove_from_cart", "purchase", "
 MAX_CLOCK_SKEW_MS = 5 * 60 * 1000
 # Raw bytes kept in a dead letter; the rest is cut so one huge record can't bloat the topic.
 MAX_DEAD_LETTER_RAW_BYTES = 64 * 1024
+# A shopper id as the event schema admits it: a refused record's dead letter names its
+# shopper only when the id has this shape (the record's bytes keep whatever it held).
+_SHOPPER_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")
 
 
 def pickled_by_fields(cls):
@@ -78,7 +82,7 @@ class ShopperEvent:
 class DeadLetter:
     """Why a record was refused, with everything needed to find and replay it."""
 
-    stage: str  # decode | late | llm | intent
+    stage: str  # decode | late | hold | prompt | llm | intent | store
     reason: str  # a stable code, e.g. malformed_json
     detail: str  # a human sentence: what is wrong and what to fix
     shopper_id: str = ""
@@ -144,7 +148,7 @@ def decode_event(
         return refuse("malformed_json", f"record is not JSON: {exc}")
     if not isinstance(doc, dict):
         return refuse("schema_violation", f"record must be a JSON object, got {type(doc).__name__}")
-    shopper_id = doc.get("shopper_id") if isinstance(doc.get("shopper_id"), str) else ""
+    shopper_id = well_formed_shopper_id(doc.get("shopper_id"))
     try:
         _event_validator()(doc)
     except fastjsonschema.JsonSchemaValueException as exc:
@@ -185,6 +189,13 @@ def decode_event(
     )
 
 
+def well_formed_shopper_id(value: object) -> str:
+    """``value`` if it is a shopper id the event schema admits, else "": a record that fails
+    validation may hold any text there (kilobytes, line breaks), which must not reach a
+    dead letter's ``shopper_id``, logs or keys."""
+    return value if isinstance(value, str) and _SHOPPER_ID.fullmatch(value) else ""
+
+
 def parse_event_time(value: str | int) -> int | None:
     """Epoch milliseconds from RFC 3339 text (an offset is required) or epoch ms."""
     if isinstance(value, bool):
@@ -215,14 +226,15 @@ UNKEYED_DEAD_LETTERS = "\x00dead-letters"
 
 
 def record_key(record: ShopperEvent | DeadLetter) -> str:
-    """The shopper a decoded record belongs to, for ``key_by``.
+    """The shopper a decoded event belongs to, for ``key_by``; a decode dead letter's key is
+    its Kafka position.
 
-    A dead letter that names no shopper is keyed by its Kafka position, so a flood of
-    unreadable records spreads over the keyed operator's subtasks instead of landing on
-    one (they write no state, so a key each costs nothing)."""
-    if record.shopper_id:
+    A refused record's fields are unvalidated text, so none becomes a key; keyed apart,
+    a flood of unreadable records spreads over the keyed operator's subtasks instead of
+    landing on one (they write no state, so a key each costs nothing)."""
+    if isinstance(record, ShopperEvent):
         return record.shopper_id
-    source = record.source if isinstance(record, DeadLetter) else None
+    source = record.source
     if source is None:
         return UNKEYED_DEAD_LETTERS
     return f"{UNKEYED_DEAD_LETTERS}:{source.topic}:{source.partition}:{source.offset}"

@@ -38,10 +38,11 @@ def test_an_event_is_keyed_by_its_shopper() -> None:
     assert record_key(_decoded(_view())) == "shopper-00001"
 
 
-def test_a_dead_letter_that_names_its_shopper_is_keyed_by_that_shopper() -> None:
+def test_a_dead_letter_that_names_its_shopper_is_keyed_by_its_kafka_position() -> None:
+    """Its fields failed validation, so none of them becomes a key (issue 28, finding 7)."""
     refused = _decoded(_view(event_type="teleport"))
     assert isinstance(refused, DeadLetter)
-    assert record_key(refused) == "shopper-00001"
+    assert record_key(refused) == f"{UNKEYED_DEAD_LETTERS}:shopper-events:2:7"
 
 
 def test_dead_letters_without_a_shopper_are_keyed_apart_by_their_kafka_position() -> None:
