@@ -24,6 +24,7 @@ import orjson
 
 from flink_jobs.config import PromptConfig
 from flink_jobs.core.events import load_schema, pickled_by_fields
+from flink_jobs.core.grounding import grounded_facts
 from flink_jobs.core.session import SessionState
 from flink_jobs.paths import resource_dir
 
@@ -121,6 +122,8 @@ class PromptRenderer:
             "labels": self._labels,
             "history": state.history,
             "events": [_event_view(e, start) for e in events],
+            # The whole session's exact facts (grounding.py), even when the budget cut events.
+            "facts": grounded_facts(state),
         }
         try:
             module = self._template.make_module(context)
