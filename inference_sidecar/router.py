@@ -12,7 +12,8 @@ Per completion request, top to bottom:
    on the key's decode worker with the prefill's ``kv_transfer_params`` (``pd``);
 4. a worker that fails before any byte reached the client (connection error, timeout,
    5xx, a body that is not JSON) is recorded against it and the request goes to the
-   key's next worker, up to ``max_attempts`` workers;
+   key's next worker, up to ``max_attempts`` workers; nothing else (a header no worker
+   can be sent, the client leaving, a fault of the router) is charged to a worker;
 5. streamed answers are passed through chunk by chunk; the first chunk is read before
    the response starts, so a worker that fails before producing anything is retried too.
 
@@ -27,6 +28,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
@@ -60,6 +62,8 @@ WORKER_HEADER = "x-sidecar-worker"
 PREFILL_WORKER_HEADER = "x-sidecar-prefill-worker"
 #: Client headers worth passing to a worker; hop-by-hop and length headers are not.
 FORWARDED_HEADERS = ("authorization", "x-request-id", "accept")
+#: A header value as HTTP/1.1 can carry it: visible ASCII, spaces and tabs.
+_SENDABLE_HEADER_VALUE = re.compile(r"[\t\x20-\x7e]*")
 #: Bytes of an upstream error body kept when a 5xx is retried (for the error message).
 _ERROR_SNIPPET = 300
 
@@ -308,11 +312,20 @@ class Router:
     # ----- upstream calls ----------------------------------------------------------------
 
     def _headers(self, request_headers: Mapping[str, str]) -> dict[str, str]:
+        """The client headers a worker gets; one no worker can be sent (not visible ASCII)
+        is the client's error, found here before any worker is chosen and charged."""
         headers = {"content-type": JSON}
         for name in (*FORWARDED_HEADERS, *self.config.key_headers):
             value = request_headers.get(name)
-            if value is not None:
-                headers[name] = value
+            if value is None:
+                continue
+            if not _SENDABLE_HEADER_VALUE.fullmatch(value):
+                raise RequestError(
+                    f"the {name} header must be printable ASCII (RFC 9110 field value)",
+                    param=name,
+                    code="invalid_header",
+                )
+            headers[name] = value
         return headers
 
     def _begin(self, pool: RoutingPool, worker: str, key: RoutingKey) -> _Attempt:
@@ -366,8 +379,10 @@ class Router:
                 kind, text = _describe_failure(exc)
                 failures.append((worker, text))
                 self._fail(pool, worker, kind)
-            except asyncio.CancelledError:
-                attempt.ok = None  # the client went away; not the worker's fault
+            except BaseException:
+                # The client went away (cancellation) or the router failed: the worker
+                # is not to blame, so outlier detection hears nothing of it.
+                attempt.ok = None
                 raise
             finally:
                 if not attempt.handed_over:

@@ -14,78 +14,24 @@ from typing import Any
 import httpx
 import orjson
 import pytest
-from fake_workers import KV_PARAMS_FROM_PREFILL, FakeWorkers
+from fake_workers import KV_PARAMS_FROM_PREFILL
+from router_harness import (
+    BODY,
+    CHAT,
+    A,
+    B,
+    C,
+    assert_openai_error,
+    make_router,
+    metric,
+    session,
+)
 
-from inference_sidecar.config import RouterConfig
 from inference_sidecar.health import HealthConfig
 from inference_sidecar.pd import PREFILL_KV_TRANSFER_PARAMS
-from inference_sidecar.router import WORKER_HEADER, Router, build_app
+from inference_sidecar.router import WORKER_HEADER, build_app
 
 pytestmark = pytest.mark.anyio
-
-A, B, C = "http://127.0.0.1:9001", "http://127.0.0.1:9002", "http://127.0.0.1:9003"
-CHAT = "/v1/chat/completions"
-BODY: dict[str, Any] = {
-    "model": "m",
-    "messages": [{"role": "user", "content": "what will shopper 1 buy?"}],
-    "max_tokens": 50,
-    "response_format": {"type": "json_schema", "json_schema": {"name": "i", "schema": {}}},
-}
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-@pytest.fixture
-def fake() -> FakeWorkers:
-    return FakeWorkers()
-
-
-def make_router(fake: FakeWorkers, **kw: Any) -> Router:
-    kw.setdefault("workers", (A, B))
-    kw.setdefault("health_interval_s", 0)
-    return Router(RouterConfig(**kw), transport=fake.transport())
-
-
-@pytest.fixture
-async def client_for(fake: FakeWorkers) -> AsyncIterator[Any]:
-    routers: list[Router] = []
-    clients: list[httpx.AsyncClient] = []
-
-    def factory(**kw: Any) -> tuple[httpx.AsyncClient, Router]:
-        router = make_router(fake, **kw)
-        client = httpx.AsyncClient(
-            transport=httpx.ASGITransport(app=build_app(router)), base_url="http://router"
-        )
-        routers.append(router)
-        clients.append(client)
-        return client, router
-
-    yield factory
-    for client in clients:
-        await client.aclose()
-    for router in routers:
-        await router.aclose()
-
-
-def session(sid: str) -> dict[str, str]:
-    return {"X-Session-ID": sid}
-
-
-def metric(router: Router, name: str, **labels: str) -> float:
-    value = router.metrics.registry.get_sample_value(name, labels)
-    return value or 0.0
-
-
-def assert_openai_error(response: httpx.Response, status: int) -> dict[str, Any]:
-    assert response.status_code == status, response.text
-    assert response.headers["content-type"].startswith("application/json")
-    error = response.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"}
-    assert error["message"]
-    return error
 
 
 class TestPassThrough:
