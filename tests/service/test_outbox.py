@@ -3,7 +3,8 @@ time, a queued prompt replaced by the shopper's newer one (latest context wins),
 kept until collected, and a failure that must restart the job raised, not swallowed.
 
 The calls are the job's own (``PromptRunner``: the LLM client over httpx's MockTransport,
-the intent store over the test Redis), except where a test needs a call that raises."""
+the intent store over the test Redis); a call that raises is in
+``tests/unit/test_outbox.py``."""
 
 from __future__ import annotations
 
@@ -20,12 +21,11 @@ import redis
 import redis.asyncio
 
 from flink_jobs.config import AppConfig
-from flink_jobs.core.tasks import PromptTask, TaskResult
 from flink_jobs.runtime.inference import PromptRunner
 from flink_jobs.runtime.intent_store import AsyncIntentStore
 from flink_jobs.runtime.llm_client import LlmClient
-from flink_jobs.runtime.outbox import Outbox, OutboxFailed
-from tests.unit.test_inference import INTENT, LLM, completion, task
+from flink_jobs.runtime.outbox import Outbox
+from tests.service.test_inference import INTENT, LLM, completion, task
 
 WAIT_S = 10.0
 
@@ -297,24 +297,6 @@ class TestBookkeeping:
 
 
 class TestFailures:
-    def test_a_call_that_raises_fails_the_next_submit_and_collect(self) -> None:
-        async def broken(t: PromptTask) -> TaskResult:
-            raise RuntimeError("Redis unreachable for the whole budget")
-
-        outbox = Outbox(broken, capacity=4, max_concurrency=1).start()
-        try:
-            outbox.submit(task("shopper-00146", seq=1))
-            deadline = time.monotonic() + WAIT_S
-            while outbox.in_system and time.monotonic() < deadline:
-                time.sleep(0.01)
-
-            with pytest.raises(OutboxFailed, match="Redis unreachable"):
-                outbox.collect("shopper-00146")
-            with pytest.raises(OutboxFailed):
-                outbox.submit(task("shopper-00299", seq=1))
-        finally:
-            outbox.close()
-
     def test_close_cancels_calls_still_running(self, outbox_for, llm: HeldLlm) -> None:
         outbox = outbox_for()
         outbox.submit(task("shopper-00146", seq=1))

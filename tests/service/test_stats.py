@@ -30,11 +30,6 @@ def published(client: redis.Redis, prefix: str) -> dict[str, int]:
     return {k.decode(): int(v) for k, v in client.hgetall(stats_key(prefix)).items()}
 
 
-class TestKey:
-    def test_stats_live_in_one_hash_under_the_prefix(self) -> None:
-        assert stats_key("si") == "si:stats"
-
-
 class TestFlush:
     def test_counts_are_added_to_the_hash(
         self, reporter: StatsReporter, redis_client: redis.Redis, unique_name: str

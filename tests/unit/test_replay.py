@@ -1,4 +1,5 @@
-"""Replay planning and file formats, without a broker."""
+"""Replay planning and file formats, without a broker (delivery to an address where nothing
+listens, and its metrics endpoint: tests/service/test_replay_delivery.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,6 @@ import csv
 import io
 import itertools
 import socket
-import urllib.request
 from pathlib import Path
 
 import orjson
@@ -23,7 +23,6 @@ from flink_jobs.tools.replay import (
     parse_recording,
     plan_replay,
     read_records,
-    replay_records,
     shopper_key,
     write_recording,
 )
@@ -383,22 +382,6 @@ class TestFiles:
 
 
 class TestShell:
-    def test_delivery_failures_are_counted_not_raised(self):
-        # Nothing listens on port 1: every record times out in the local queue.
-        summary = replay_records(
-            "127.0.0.1:1",
-            "nowhere",
-            [event("a"), MALFORMED],
-            extra_config={"message.timeout.ms": 500, "enable.idempotence": False, "log_level": 0},
-            flush_timeout_s=10.0,
-        )
-        assert summary.records == 2
-        assert summary.sent == 0
-        assert summary.failed == 2
-        assert not summary.ok
-        assert summary.errors
-        assert "failed 2" in summary.describe("nowhere")
-
     def test_cli_refuses_conflicting_or_bad_timing(self, tmp_path: Path):
         path = tmp_path / "e.jsonl"
         path.write_bytes(event("a") + b"\n")
@@ -415,47 +398,6 @@ class TestShell:
 
 
 class TestMetrics:
-    def test_failures_and_the_plan_are_exported(self):
-        from prometheus_client.parser import text_string_to_metric_families
-
-        from flink_jobs.tools.local_services import free_port
-        from flink_jobs.tools.replay import ReplayMetrics
-
-        metrics = ReplayMetrics()
-        port = free_port()
-        server = metrics.serve(port)
-        try:
-            replay_records(
-                "127.0.0.1:1",  # nothing listens: both records time out
-                "nowhere",
-                [event("a"), MALFORMED],
-                extra_config={
-                    "message.timeout.ms": 500,
-                    "enable.idempotence": False,
-                    "log_level": 0,
-                },
-                flush_timeout_s=10.0,
-                metrics=metrics,
-            )
-            body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read()
-        finally:
-            server.shutdown()
-        samples = {
-            (s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(body.decode())
-            for s in family.samples
-        }
-        assert samples[("shopper_intents_replay_records_planned", ())] == 2
-        assert samples[("shopper_intents_replay_records_produced_total", ())] == 2
-        assert samples[("shopper_intents_replay_records_sent_total", ())] == 0
-        failed = {
-            labels: v
-            for (name, labels), v in samples.items()
-            if name == "shopper_intents_replay_records_failed_total"
-        }
-        assert sum(failed.values()) == 2
-        assert all(dict(labels)["error"] for labels in failed)
-
     def test_cli_takes_a_metrics_port(self, tmp_path: Path):
         from flink_jobs.tools.replay import _build_parser
 
