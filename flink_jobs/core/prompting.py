@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import math
 import re
+import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,24 @@ from flink_jobs.paths import resource_dir
 PROMPTS_DIR = resource_dir("prompts")
 BYTES_PER_TOKEN = 3
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+# Format characters (Unicode category Cf, as of Unicode 15): the soft hyphen, Arabic and
+# Syriac number marks, ALM, Mongolian vowel separator, zero-width characters, LRM/RLM,
+# bidi embeddings and isolates, word joiner and invisible operators, BOM, interlinear
+# annotations, Kaithi, Egyptian, shorthand and musical format controls, and the tag
+# characters. tests/unit/test_prompting_hardening.py checks it against the running Python's
+# Unicode database.
+_FORMAT = re.compile(
+    "[\u00ad\u0600-\u0605\u061c\u06dd\u070f\u0890\u0891\u08e2\u180e\u200b-\u200f"
+    "\u202a-\u202e\u2060-\u2064\u2066-\u206f\ufeff\ufff9-\ufffb\U000110bd\U000110cd"
+    "\U00013430-\U0001343f\U0001bca0-\U0001bca3\U0001d173-\U0001d17a\U000e0001"
+    "\U000e0020-\U000e007f]"
+)
+#: Brackets that read as ``<`` or ``>`` and that NFKC leaves as they are, made plain (a
+#: ``str.translate`` table).
+ANGLE_LOOKALIKES = str.maketrans(
+    dict.fromkeys("\u2039\u3008\u27e8\u02c2\u2329\u29fc\u1438", "<")
+    | dict.fromkeys("\u203a\u3009\u27e9\u02c3\u232a\u29fd\u1433", ">")
+)
 
 
 class PromptError(ValueError):
@@ -53,9 +72,16 @@ def estimate_tokens(text: str) -> int:
 
 
 def untrusted(value: Any, max_chars: int) -> str:
-    """Quote text from outside: no control characters, cut to length, JSON-escaped, and
-    no raw ``<``, so it can neither open nor close a delimiter block (``>`` alone can't)."""
-    text = _CONTROL.sub(" ", str(value))[:max_chars]
+    """Quote text from outside so that what the model reads is what a person would see,
+    and nothing in it can open or close a delimiter block: control and line-breaking
+    characters made spaces; format characters dropped (category Cf: tag characters,
+    zero-width characters, direction marks: invisible, they can hide an instruction or
+    split a word a filter looks for); NFKC-normalised (full-width and small-form lookalikes
+    become plain characters); other brackets that read as ``<`` or ``>`` made plain
+    (``ANGLE_LOOKALIKES``); cut to length; JSON-escaped; and no raw ``<`` (``>`` alone
+    can't close a block)."""
+    text = _FORMAT.sub("", _CONTROL.sub(" ", str(value)))
+    text = unicodedata.normalize("NFKC", text).translate(ANGLE_LOOKALIKES)[:max_chars]
     quoted = orjson.dumps(text).decode("utf-8")
     return quoted.replace("<", "\\u003c")
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import json
 import re
+import unicodedata
 from collections import Counter
 from dataclasses import replace
 from datetime import datetime, timedelta, timezone
@@ -36,7 +37,13 @@ from flink_jobs.core.events import (
     load_schema,
 )
 from flink_jobs.core.intents import Intent, IntentError, parse_intent
-from flink_jobs.core.prompting import PromptError, PromptRenderer, RenderedPrompt, estimate_tokens
+from flink_jobs.core.prompting import (
+    ANGLE_LOOKALIKES,
+    PromptError,
+    PromptRenderer,
+    RenderedPrompt,
+    estimate_tokens,
+)
 from flink_jobs.core.session import (
     DEDUPE_WINDOW_FACTOR,
     History,
@@ -46,7 +53,7 @@ from flink_jobs.core.session import (
     new_session_state,
 )
 from flink_jobs.tools.sample_data import PROMPT_INJECTIONS
-from tests.unit.catalogue import EARBUDS, HEADPHONES, T0
+from tests.builders import EARBUDS, HEADPHONES, T0
 
 NOW_MS = T0 + 3_600_000
 MAX_BYTES = 16 * 1024  # job.max_event_bytes default
@@ -490,7 +497,10 @@ QUESTION = "What does this shopper intend right now?"
 
 
 def cleaned(text: str, max_chars: int) -> str:
-    return _MUST_BLANK.sub(" ", text)[:max_chars]
+    """What ``untrusted`` shows of ``text``: controls blanked, format characters dropped,
+    NFKC, lookalike brackets made plain, cut (issue 28, finding 4)."""
+    visible = "".join(c for c in _MUST_BLANK.sub(" ", text) if unicodedata.category(c) != "Cf")
+    return unicodedata.normalize("NFKC", visible).translate(ANGLE_LOOKALIKES)[:max_chars]
 
 
 def quoted_values(segment: str | None) -> list[str]:
