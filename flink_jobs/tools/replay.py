@@ -74,6 +74,7 @@ __all__ = [
     "InputFormatError",
     "PlannedSend",
     "RecordSummary",
+    "ReplayCounts",
     "ReplayError",
     "ReplayMetrics",
     "ReplayProgress",
@@ -570,6 +571,87 @@ def producer_config(bootstrap: str, extra: Mapping[str, Any] | None = None) -> d
     }
 
 
+@dataclass
+class ReplayCounts:
+    """What a replay has done so far, counted in one place by the send loop and by the
+    producer's delivery callbacks (both on the replay's thread: the callbacks run inside
+    ``poll`` and ``flush``), and mirrored into ``metrics`` when given."""
+
+    metrics: ReplayMetrics | None = None
+    produced: int = 0  # handed to the producer, failed or not
+    sent: int = 0  # acknowledged by the broker
+    failed: int = 0
+    sent_bytes: int = 0
+    errors: Counter[str] = field(default_factory=Counter)  # Kafka error name -> count
+    first_error: str | None = None
+
+    def count_produced(self) -> None:
+        self.produced += 1
+        if self.metrics is not None:
+            self.metrics.produced.inc()
+
+    def count_failure(self, name: str, detail: str, amount: int = 1) -> None:
+        self.failed += amount
+        self.errors[name] += amount
+        self.first_error = self.first_error or detail
+        if self.metrics is not None:
+            self.metrics.failed.labels(name).inc(amount)
+
+    def on_delivery(self, err: Any, msg: Any) -> None:
+        """The producer's delivery callback."""
+        if err is not None:
+            self.count_failure(err.name(), str(err))
+            return
+        size = len(msg.value() or b"")
+        self.sent += 1
+        self.sent_bytes += size
+        if self.metrics is not None:
+            self.metrics.sent.inc()
+            self.metrics.bytes_sent.inc(size)
+
+    def progress(self, total: int, elapsed_s: float) -> ReplayProgress:
+        return ReplayProgress(
+            total, self.produced, self.sent, self.failed, self.sent_bytes, elapsed_s
+        )
+
+    def summary(self, total: int, elapsed_s: float) -> ReplaySummary:
+        return ReplaySummary(
+            records=total,
+            sent=self.sent,
+            failed=self.failed,
+            bytes=self.sent_bytes,
+            elapsed_s=elapsed_s,
+            errors=dict(self.errors),
+            first_error=self.first_error,
+        )
+
+
+class _ProgressReports:
+    """Hands ``callback`` the replay's progress at most every ``interval_s`` seconds (and
+    whenever forced); ``start`` is the replay clock's zero (``time.monotonic``)."""
+
+    def __init__(
+        self,
+        callback: Callable[[ReplayProgress], None] | None,
+        interval_s: float,
+        start: float,
+        total: int,
+        counts: ReplayCounts,
+    ) -> None:
+        self._callback = callback
+        self._interval_s = interval_s
+        self._start = start
+        self._last = start
+        self._total = total
+        self._counts = counts
+
+    def __call__(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if self._callback is not None and (force or now - self._last >= self._interval_s):
+            self._last = now
+            self._callback(self._counts.progress(self._total, now - self._start))
+
+
 def replay_records(
     bootstrap: str,
     topic: str,
@@ -597,112 +679,106 @@ def replay_records(
     sending starts; with "send", the time the records were stamped with), for records
     already stamped with the times they should be sent at.
     """
-    from confluent_kafka import KafkaException, Producer
+    from confluent_kafka import Producer
 
     anchor: RebaseAnchor = rebase_time if isinstance(rebase_time, str) else "first"
     producer = Producer(producer_config(bootstrap, extra_config))
     if anchor == "send" or start_at_ms is not None:
-        # Connect and learn the topic's leaders first: the first sends would otherwise
-        # wait up to a second for them, and be that much later than their stamps.
-        with contextlib.suppress(KafkaException):
-            producer.list_topics(topic, timeout=10)
+        _learn_leaders(producer, topic)
     now_ms = int(time.time() * 1000) if rebase_time else None
     plan = plan_replay(
         list(records), speed=speed, rate=rate, rebase_to_ms=now_ms, rebase_anchor=anchor
     )
-    due_from_ms = now_ms if anchor == "send" else start_at_ms
     if metrics is not None:
         metrics.planned.set(len(plan))
-
-    sent = failed = sent_bytes = produced = 0
-    errors: Counter[str] = Counter()
-    first_error: str | None = None
-
-    def count_failure(name: str, amount: int = 1) -> None:
-        nonlocal failed
-        failed += amount
-        errors[name] += amount
-        if metrics is not None:
-            metrics.failed.labels(name).inc(amount)
-
-    def on_delivery(err: Any, msg: Any) -> None:
-        nonlocal sent, sent_bytes, first_error
-        if err is None:
-            sent += 1
-            size = len(msg.value() or b"")
-            sent_bytes += size
-            if metrics is not None:
-                metrics.sent.inc()
-                metrics.bytes_sent.inc(size)
-        else:
-            count_failure(err.name())
-            first_error = first_error or str(err)
-
-    start = time.monotonic()
-    if due_from_ms is not None:
-        # Due times count from the instant the records were stamped for, not from after
-        # the planning; records already due go out at once.
-        start -= time.time() - due_from_ms / 1000
-    last_report = start
-
-    def report(force: bool = False) -> None:
-        nonlocal last_report
-        now = time.monotonic()
-        if progress is not None and (force or now - last_report >= progress_interval_s):
-            last_report = now
-            progress(ReplayProgress(len(plan), produced, sent, failed, sent_bytes, now - start))
-
+    counts = ReplayCounts(metrics)
+    start = _replay_clock_start(now_ms if anchor == "send" else start_at_ms)
+    report = _ProgressReports(progress, progress_interval_s, start, len(plan), counts)
     try:
-        for item in plan:
-            due = start + item.send_at_s
-            while (wait := due - time.monotonic()) > 0:
-                producer.poll(min(wait, 0.05))
-                report()
-            produce_deadline = time.monotonic() + flush_timeout_s
-            while True:
-                try:
-                    producer.produce(
-                        topic,
-                        value=item.value,
-                        key=item.key,
-                        timestamp=item.timestamp_ms or 0,
-                        on_delivery=on_delivery,
-                    )
-                    break
-                except BufferError:  # the local queue is full: let deliveries drain it
-                    if time.monotonic() > produce_deadline:
-                        count_failure("LOCAL_QUEUE_FULL")
-                        first_error = first_error or "local producer queue stayed full"
-                        break
-                    producer.poll(0.1)
-                except KafkaException as exc:
-                    count_failure(exc.args[0].name() if exc.args else "KafkaException")
-                    first_error = first_error or str(exc)
-                    break
-            produced += 1
-            if metrics is not None:
-                metrics.produced.inc()
-            producer.poll(0)
-            report()
+        _send_plan(producer, topic, plan, start, counts, report, flush_timeout_s)
     finally:
         undelivered = producer.flush(flush_timeout_s)
     if undelivered:
-        count_failure("NOT_DELIVERED_BEFORE_FLUSH_TIMEOUT", undelivered)
-        first_error = (
-            first_error or f"{undelivered} records not delivered within {flush_timeout_s} s"
+        counts.count_failure(
+            "NOT_DELIVERED_BEFORE_FLUSH_TIMEOUT",
+            f"{undelivered} records not delivered within {flush_timeout_s} s",
+            undelivered,
         )
     report(force=True)
-    summary = ReplaySummary(
-        records=len(plan),
-        sent=sent,
-        failed=failed,
-        bytes=sent_bytes,
-        elapsed_s=time.monotonic() - start,
-        errors=dict(errors),
-        first_error=first_error,
-    )
+    summary = counts.summary(len(plan), time.monotonic() - start)
     log.info(summary.describe(topic))
     return summary
+
+
+def _learn_leaders(producer: Any, topic: str) -> None:
+    """Connect and learn the topic's leaders before the first send, which would otherwise
+    wait up to a second for them and be that much later than its stamp."""
+    from confluent_kafka import KafkaException
+
+    with contextlib.suppress(KafkaException):
+        producer.list_topics(topic, timeout=10)
+
+
+def _replay_clock_start(due_from_ms: int | None) -> float:
+    """The replay clock's zero on ``time.monotonic``: now, or the instant the records were
+    stamped for (``due_from_ms``, wall clock), so that records already due go out at once
+    and the planning's own time is not added to every due time."""
+    start = time.monotonic()
+    if due_from_ms is not None:
+        start -= time.time() - due_from_ms / 1000
+    return start
+
+
+def _send_plan(
+    producer: Any,
+    topic: str,
+    plan: Sequence[PlannedSend],
+    start: float,
+    counts: ReplayCounts,
+    report: _ProgressReports,
+    flush_timeout_s: float,
+) -> None:
+    """Each planned record at its due time, in plan order; deliveries are served while
+    waiting."""
+    for item in plan:
+        due = start + item.send_at_s
+        while (wait := due - time.monotonic()) > 0:
+            producer.poll(min(wait, 0.05))
+            report()
+        _produce(producer, topic, item, counts, flush_timeout_s)
+        counts.count_produced()
+        producer.poll(0)
+        report()
+
+
+def _produce(
+    producer: Any, topic: str, item: PlannedSend, counts: ReplayCounts, timeout_s: float
+) -> None:
+    """Hand one record to the producer. While its local queue is full, deliveries drain it
+    for up to ``timeout_s``; a record that still finds no room, or that the producer
+    refuses, is counted as failed, not raised."""
+    from confluent_kafka import KafkaException
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            producer.produce(
+                topic,
+                value=item.value,
+                key=item.key,
+                timestamp=item.timestamp_ms or 0,
+                on_delivery=counts.on_delivery,
+            )
+            return
+        except BufferError:
+            if time.monotonic() > deadline:
+                counts.count_failure("LOCAL_QUEUE_FULL", "local producer queue stayed full")
+                return
+            producer.poll(0.1)
+        except KafkaException as exc:
+            name = exc.args[0].name() if exc.args else "KafkaException"
+            counts.count_failure(name, str(exc))
+            return
 
 
 @dataclass(frozen=True)
