@@ -344,7 +344,8 @@ def _price_band(events: Sequence[ShopperEvent]) -> PriceBand | None:
     if not prices:
         return None
     values = sorted(prices.values())
-    return PriceBand(values[0], float(statistics.median(values)), values[-1], len(values))
+    median = round(float(statistics.median(values)), 2)  # money: no float noise in the record
+    return PriceBand(values[0], median, values[-1], len(values))
 
 
 def _cart(events: Sequence[ShopperEvent]) -> tuple[CartLine, ...]:
@@ -393,8 +394,8 @@ def rules_intent(facts: GroundedFacts, state: SessionState) -> Intent:
     if facts.cart and newest is not None and newest.event_type == "add_to_cart":
         category = leaf_category(newest.category) or facts.top_leaf
         summary = (
-            f"Added {category or 'a product'} to a cart of {_items(facts.cart_items)}"
-            f" after {_looks(facts)}{band}."
+            f"Just added {category or 'a product'} to the cart ({_items(facts.cart_items)} in it)"
+            f" after viewing {_products(facts)}{band}."
         )
         return _intent([("ready_to_buy", 0.7, category)], summary)
 
@@ -462,6 +463,11 @@ def _items(n: int) -> str:
 
 def _times(n: int) -> str:
     return "once" if n == 1 else f"{n} times"
+
+
+def _products(facts: GroundedFacts) -> str:
+    n = facts.products_viewed
+    return "no product" if n == 0 else f"{n} product" + ("s" if n > 1 else "")
 
 
 def _looks(facts: GroundedFacts) -> str:
