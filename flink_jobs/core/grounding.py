@@ -14,7 +14,8 @@ Facts (:class:`GroundedFacts`):
   engaged first). An engagement is a product event other than ``remove_from_cart``. A
   category is kept as the event's path (``"Electronics > Audio > Headphones"``) with its
   leaf (``"Headphones"``), sanitised to the intent schema's category alphabet;
-- the price band: lowest, median and highest price of the distinct products seen;
+- the price band: lowest, median and highest price of the distinct products seen (the
+  median of an even count is the lower middle one: always a price the shopper saw);
 - the cart: ``add_to_cart`` adds its quantity, ``remove_from_cart`` takes its quantity
   away, ``purchase`` removes the product bought; lines in the order first added;
 - the last purchase of the session (product, category, event time);
@@ -99,7 +100,7 @@ class BrandCount:
 @dataclass(frozen=True, slots=True)
 class PriceBand:
     low: float
-    median: float
+    median: float  # the lower middle price for an even count
     high: float
     products: int  # distinct products with a price
 
@@ -344,8 +345,7 @@ def _price_band(events: Sequence[ShopperEvent]) -> PriceBand | None:
     if not prices:
         return None
     values = sorted(prices.values())
-    median = round(float(statistics.median(values)), 2)  # money: no float noise in the record
-    return PriceBand(values[0], median, values[-1], len(values))
+    return PriceBand(values[0], statistics.median_low(values), values[-1], len(values))
 
 
 def _cart(events: Sequence[ShopperEvent]) -> tuple[CartLine, ...]:

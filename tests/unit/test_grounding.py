@@ -29,7 +29,8 @@ from flink_jobs.core.grounding import (
 from flink_jobs.core.intents import Intent, intent_response_format, parse_intent
 from flink_jobs.core.session import SessionState, apply_event, new_session_state
 from flink_jobs.tools.sample_data import SampleConfig, build_catalogue, generate_sample
-from tests.unit.catalogue import EARBUDS, HEADPHONES, T0
+from tests.builders import EARBUDS, HEADPHONES, T0, session_of
+from tests.builders import numbered_event as event
 
 SESSION = SessionConfig()
 HIGH_SIGNAL = TriggerConfig().high_signal_types
@@ -55,26 +56,6 @@ TENT = {
     "brand": "Alpenfold",
     "price": 249.0,
 }
-
-
-def event(
-    n: int, event_type: str, at_s: float, product: dict | None = None, **fields
-) -> ShopperEvent:
-    return ShopperEvent(
-        event_id=f"ev-shopper-00146-{n}",
-        shopper_id="shopper-00146",
-        event_type=event_type,
-        event_time_ms=T0 + int(at_s * 1000),
-        **(product or {}),
-        **fields,
-    )
-
-
-def session_of(*events: ShopperEvent) -> SessionState:
-    state = new_session_state(events[0].shopper_id)
-    for e in events:
-        state, _ = apply_event(state, e, SESSION, HIGH_SIGNAL)
-    return state
 
 
 def facts_of(*events: ShopperEvent) -> GroundedFacts:
@@ -139,10 +120,10 @@ class TestFacts:
 
         assert facts.price_band == PriceBand(108.99, 249.0, 299.99, 3)
 
-    def test_the_median_of_two_prices_is_their_mean(self) -> None:
+    def test_the_median_of_two_prices_is_the_lower_one_a_price_seen(self) -> None:
         facts = facts_of(event(1, "view", 0, ESPRESSO), event(2, "view", 10, GREEN_TEA))
 
-        assert facts.price_band == PriceBand(12.49, 20.745, 29.0, 2)
+        assert facts.price_band == PriceBand(12.49, 12.49, 29.0, 2)
 
     def test_a_session_of_searches_has_no_price_band(self) -> None:
         facts = facts_of(event(1, "search", 0, query="green tea"))

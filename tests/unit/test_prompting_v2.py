@@ -20,15 +20,14 @@ from flink_jobs.core.grounding import session_category_enum
 from flink_jobs.core.intents import Intent, parse_intent
 from flink_jobs.core.prompting import PromptRenderer, RenderedPrompt
 from flink_jobs.core.session import SessionState, apply_event
-from tests.unit.catalogue import EARBUDS, HEADPHONES, T0
+from tests.builders import EARBUDS, HEADPHONES, T0, session_of
+from tests.builders import numbered_event as event
 from tests.unit.test_prompting import (
     SESSION,
     as_golden_text,
     assert_matches_golden,
-    event,
     first_visit_comparing_headphones,
     returning_buyer_with_a_cart,
-    session_of,
     shopper_facing_prompt_injection,
     user_message,
 )
