@@ -16,7 +16,12 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from inference_sidecar.config import DEFAULT_HOST, DEFAULT_PORT, RouterConfig
+from inference_sidecar.config import (
+    DEFAULT_HOST,
+    DEFAULT_MAX_CONCURRENT_REQUESTS,
+    DEFAULT_PORT,
+    RouterConfig,
+)
 from inference_sidecar.exceptions import SidecarError
 from inference_sidecar.policies import POLICY_NAMES
 from inference_sidecar.workers import ClusterConfig, WorkerProcesses, specs_summary
@@ -48,7 +53,19 @@ def _add_router_options(p: argparse.ArgumentParser) -> None:
         "bounded_hash chooses where to send it (default 2; 0 routes on queues alone)",
     )
     p.add_argument("--max-attempts", type=int, default=3, help="workers tried per request")
-    p.add_argument("--request-timeout", type=float, default=120.0, help="seconds per attempt")
+    p.add_argument(
+        "--request-timeout",
+        type=float,
+        default=120.0,
+        help="total seconds one attempt on one worker may take, streamed or not",
+    )
+    p.add_argument(
+        "--max-concurrent-requests",
+        type=int,
+        default=DEFAULT_MAX_CONCURRENT_REQUESTS,
+        help="completion requests served at once; more get a 429 with Retry-After "
+        "(default %(default)s)",
+    )
     p.add_argument(
         "--health-interval", type=float, default=2.0, help="seconds between probes; 0 disables"
     )
@@ -110,6 +127,7 @@ def router_config(args: argparse.Namespace, **overrides: Any) -> RouterConfig:
         "recompute_weight": args.recompute_weight,
         "max_attempts": args.max_attempts,
         "request_timeout_s": args.request_timeout,
+        "max_concurrent_requests": args.max_concurrent_requests,
         "health_interval_s": args.health_interval,
         "max_body_bytes": args.max_body_bytes,
     }

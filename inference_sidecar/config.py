@@ -15,6 +15,9 @@ DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 DEFAULT_REQUEST_TIMEOUT_S = 120.0
+DEFAULT_MAX_CONCURRENT_REQUESTS = 256
+"""Far above what the job sends (8 calls in flight per operator instance), and with
+``DEFAULT_MAX_BODY_BYTES`` at most 1 GiB of request bodies held at once."""
 
 
 def normalise_url(url: str, key: str) -> str:
@@ -46,6 +49,11 @@ class RouterConfig:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     connect_timeout_s: float = 2.0
     request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S
+    """Total seconds one attempt on one worker may take, streamed or not (httpx's own
+    timeouts bound each read, not a worker that trickles bytes)."""
+    max_concurrent_requests: int = DEFAULT_MAX_CONCURRENT_REQUESTS
+    """Client completion requests served at once; more are refused with a 429 and
+    ``Retry-After`` instead of each holding a body and a connection while they wait."""
     max_attempts: int = 3
     """Workers tried per request (per step in disaggregated mode) before giving up."""
     health_interval_s: float = 2.0
@@ -78,6 +86,8 @@ class RouterConfig:
             raise ConfigError("max_body_bytes", "must be at least 1024")
         if self.max_attempts < 1:
             raise ConfigError("max_attempts", "must be >= 1")
+        if self.max_concurrent_requests < 1:
+            raise ConfigError("max_concurrent_requests", "must be >= 1")
         if self.request_timeout_s <= 0 or self.connect_timeout_s <= 0:
             raise ConfigError("request_timeout_s", "timeouts must be > 0")
         object.__setattr__(self, "key_headers", tuple(h.lower() for h in self.key_headers))

@@ -25,6 +25,11 @@ class RouterMetrics:
             ["endpoint", "status"],
             registry=r,
         )
+        self.admitted = Gauge(
+            "inference_sidecar_requests_admitted",
+            "Client completion requests being served (at most max_concurrent_requests).",
+            registry=r,
+        )
         self.worker_requests = Counter(
             "inference_sidecar_worker_requests",
             "Requests sent to each worker (attempts, retries included).",

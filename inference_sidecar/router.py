@@ -30,7 +30,7 @@ import dataclasses
 import logging
 import re
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -64,6 +64,8 @@ PREFILL_WORKER_HEADER = "x-sidecar-prefill-worker"
 FORWARDED_HEADERS = ("authorization", "x-request-id", "accept")
 #: A header value as HTTP/1.1 can carry it: visible ASCII, spaces and tabs.
 _SENDABLE_HEADER_VALUE = re.compile(r"[\t\x20-\x7e]*")
+#: Seconds a client refused by the admission limit is asked to wait (``Retry-After``).
+RETRY_AFTER_S = 1
 #: Bytes of an upstream error body kept when a 5xx is retried (for the error message).
 _ERROR_SNIPPET = 300
 
@@ -84,9 +86,13 @@ def error_response(
     *,
     param: str | None = None,
     code: str | int | None = None,
+    headers: Mapping[str, str] | None = None,
 ) -> Response:
     return Response(
-        error_body(message, error_type, param=param, code=code), status_code=status, media_type=JSON
+        error_body(message, error_type, param=param, code=code),
+        status_code=status,
+        media_type=JSON,
+        headers=headers,
     )
 
 
@@ -131,6 +137,8 @@ class _Attempt:
     pool: RoutingPool
     worker: str
     started: float
+    deadline: float
+    """Event-loop time by which the attempt must be over, its stream included."""
     ticket: Ticket
     ok: bool | None = False
     """The outcome to record: ``None`` when the worker is not to blame (``finish``)."""
@@ -139,6 +147,37 @@ class _Attempt:
 
 
 _T = TypeVar("_T")
+
+
+class _RelayedStream(StreamingResponse):
+    """A worker's stream passed on to the client. When the response is over, however it
+    ended (finished, broken, the client gone, or never started), the relay and the
+    worker's stream are closed and ``on_close`` runs: the attempt is accounted for and
+    the admission slot given back."""
+
+    def __init__(
+        self,
+        relay: AsyncGenerator[bytes, None],
+        upstream: httpx.Response,
+        *,
+        on_close: list[Callable[[], None]],
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(relay, **kwargs)
+        self._relay = relay
+        self._upstream = upstream
+        self.on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            try:
+                await self._relay.aclose()  # a relay stopped at a yield records its outcome
+                await self._upstream.aclose()
+            finally:
+                for callback in self.on_close:
+                    callback()
 
 
 class _AttemptFailed(Exception):
@@ -221,6 +260,7 @@ class Router:
                 self.metrics.in_service.labels(pool.name, worker).set(1)
                 self.metrics.in_flight.labels(pool.name, worker).set(0)
         self._probed_ok: set[str] = set()
+        self._admitted = 0
         self._client = httpx.AsyncClient(
             transport=transport,
             timeout=httpx.Timeout(config.request_timeout_s, connect=config.connect_timeout_s),
@@ -333,7 +373,8 @@ class Router:
         ticket = pool.start(worker, key.value, key.size)
         self.metrics.worker_requests.labels(pool.name, worker).inc()
         self.metrics.in_flight.labels(pool.name, worker).set(pool.in_flight[worker])
-        return _Attempt(pool, worker, self.clock(), ticket)
+        deadline = asyncio.get_running_loop().time() + self.config.request_timeout_s
+        return _Attempt(pool, worker, self.clock(), deadline, ticket)
 
     def _end(self, attempt: _Attempt) -> None:
         pool, worker = attempt.pool, attempt.worker
@@ -400,7 +441,7 @@ class Router:
         async def post(attempt: _Attempt) -> Reply:
             # A total deadline: httpx's read timeout is per read, so a worker that
             # trickles bytes could otherwise hold the request forever.
-            async with asyncio.timeout(self.config.request_timeout_s):
+            async with asyncio.timeout_at(attempt.deadline):
                 reply = await self._client.post(
                     f"{attempt.worker}{request.path}", content=content, headers=request.headers
                 )
@@ -440,9 +481,7 @@ class Router:
             )
             upstream: httpx.Response | None = None
             try:
-                # The deadline covers the wait for the first chunk; later chunks are
-                # bounded by httpx's per-read timeout.
-                async with asyncio.timeout(self.config.request_timeout_s):
+                async with asyncio.timeout_at(attempt.deadline):
                     upstream = await self._client.send(req, stream=True)
                     if upstream.status_code >= 500:
                         body = await upstream.aread()
@@ -464,8 +503,11 @@ class Router:
                 pool.prefilled(attempt.worker, attempt.ticket)
                 self.metrics.ttft.labels(request.endpoint).observe(self.clock() - request.received)
                 attempt.handed_over = True
-                return StreamingResponse(
-                    self._relay(attempt, request, upstream, first, chunks),
+                attempt.ok = None  # until the relay starts: a client gone first is no fault
+                return _RelayedStream(
+                    self._relay(attempt, first, chunks),
+                    upstream,
+                    on_close=[lambda: self._stream_ended(attempt, request)],
                     status_code=upstream.status_code,
                     media_type=upstream.headers.get("content-type", "text/event-stream"),
                     headers={WORKER_HEADER: attempt.worker, **(extra_headers or {})},
@@ -477,31 +519,37 @@ class Router:
         return await self._on_workers(pool, request.key, open_stream)
 
     async def _relay(
-        self,
-        attempt: _Attempt,
-        request: RoutedRequest,
-        upstream: httpx.Response,
-        first: bytes,
-        chunks: AsyncIterator[bytes],
-    ) -> AsyncIterator[bytes]:
+        self, attempt: _Attempt, first: bytes, chunks: AsyncIterator[bytes]
+    ) -> AsyncGenerator[bytes, None]:
+        """The worker's chunks, until its stream ends, breaks or passes the attempt's
+        deadline; the last two end the client's stream with an SSE error event."""
         attempt.ok = False
         try:
             yield first
-            async for chunk in chunks:
+            while True:
+                async with asyncio.timeout_at(attempt.deadline):
+                    chunk = await anext(chunks, None)
+                if chunk is None:
+                    break
                 yield chunk
             attempt.ok = True
-        except httpx.HTTPError as exc:
-            self._fail(attempt.pool, attempt.worker, "stream_broken")
-            logger.warning("stream from %s broke after the first chunk: %s", attempt.worker, exc)
-            message = f"the worker failed mid-stream: {type(exc).__name__}"
-            yield b"data: " + error_body(message, "upstream_error", code=502) + b"\n\n"
+        except (httpx.HTTPError, TimeoutError) as exc:
+            if isinstance(exc, TimeoutError):
+                kind, status = "timeout", 504
+                message = f"the worker did not finish within {self.config.request_timeout_s} s"
+            else:
+                kind, status = "stream_broken", 502
+                message = f"the worker failed mid-stream: {type(exc).__name__}"
+            self._fail(attempt.pool, attempt.worker, kind)
+            logger.warning("stream from %s failed after the first chunk: %s", attempt.worker, kind)
+            yield b"data: " + error_body(message, "upstream_error", code=status) + b"\n\n"
         except BaseException:
             attempt.ok = None  # client disconnected (cancellation) or generator closed early
             raise
-        finally:
-            await upstream.aclose()
-            self._end(attempt)
-            self.metrics.latency.labels(request.endpoint).observe(self.clock() - request.received)
+
+    def _stream_ended(self, attempt: _Attempt, request: RoutedRequest) -> None:
+        self._end(attempt)
+        self.metrics.latency.labels(request.endpoint).observe(self.clock() - request.received)
 
     def _exhausted(self, pool: RoutingPool, attempts: list[tuple[str, str]]) -> UpstreamError:
         if not attempts:
@@ -537,7 +585,35 @@ class Router:
         return b"".join(parts)
 
     async def completion(self, request: Request, endpoint: str) -> Response:
-        """Handle ``POST /v1/{endpoint}``; never raises (errors become JSON bodies)."""
+        """Handle ``POST /v1/{endpoint}`` if under the admission limit, else refuse it
+        before reading its body; never raises (errors become JSON bodies)."""
+        limit = self.config.max_concurrent_requests
+        if self._admitted >= limit:
+            self.metrics.requests.labels(endpoint, "429").inc()
+            return error_response(
+                429,
+                f"the router is serving its limit of {limit} requests; retry later",
+                "rate_limit_exceeded",
+                code=429,
+                headers={"retry-after": str(RETRY_AFTER_S)},
+            )
+        self._admitted += 1
+        self.metrics.admitted.set(self._admitted)
+        response: Response | None = None
+        try:
+            response = await self._complete(request, endpoint)
+            return response
+        finally:
+            if isinstance(response, _RelayedStream):  # its slot is held until it ends
+                response.on_close.append(self._release)
+            else:
+                self._release()
+
+    def _release(self) -> None:
+        self._admitted -= 1
+        self.metrics.admitted.set(self._admitted)
+
+    async def _complete(self, request: Request, endpoint: str) -> Response:
         received = self.clock()
         try:
             raw = await self._read_body(request)
@@ -628,13 +704,17 @@ class Router:
         """Proxy ``GET /v1/models`` to the first serving worker that answers."""
         pool = self.serving_pool
         attempts: list[tuple[str, str]] = []
+        timeout_s = self.config.request_timeout_s
         for worker in pool.candidates()[: self.config.max_attempts]:
             try:
-                reply = await self._client.get(f"{worker}/v1/models")
+                async with asyncio.timeout(timeout_s):
+                    reply = await self._client.get(f"{worker}/v1/models")
                 if reply.status_code < 500:
                     orjson.loads(reply.content)
                     return Response(reply.content, reply.status_code, media_type=JSON)
                 attempts.append((worker, f"HTTP {reply.status_code}"))
+            except TimeoutError:
+                attempts.append((worker, f"no answer within {timeout_s} s"))
             except (httpx.HTTPError, orjson.JSONDecodeError) as exc:
                 attempts.append((worker, f"{type(exc).__name__}: {exc}"))
         error = self._exhausted(pool, attempts)

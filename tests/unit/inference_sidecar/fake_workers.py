@@ -1,8 +1,8 @@
 """A scriptable stand-in for vLLM workers, behind ``httpx.MockTransport``.
 
 Each worker URL gets a behaviour ("ok", "down", "error500", "garbage", "slow", "hang",
-"break_stream", "bad_request"); every request a worker receives is recorded so tests can
-check what the router sent where.
+"break_stream", "stall_stream", "bad_request"); every request a worker receives is
+recorded so tests can check what the router sent where.
 """
 
 from __future__ import annotations
@@ -59,6 +59,8 @@ class FakeWorkers:
         if request.url.path == "/health":
             return httpx.Response(200 if mode != "unhealthy" else 503)
         if request.url.path == "/v1/models":
+            if mode == "hang":
+                await asyncio.sleep(30)
             return httpx.Response(200, json={"object": "list", "data": [{"id": "m"}]})
         content = await request.aread()
         self.received.append(Received(worker, request.url.path, dict(request.headers), content))
@@ -87,7 +89,12 @@ class FakeWorkers:
         if body.get("stream"):
             return httpx.Response(
                 200,
-                content=self._stream(worker, broken=mode == "break_stream", request=request),
+                content=self._stream(
+                    worker,
+                    broken=mode == "break_stream",
+                    stalled=mode == "stall_stream",
+                    request=request,
+                ),
                 headers={"content-type": "text/event-stream"},
             )
         reply: dict[str, Any] = {
@@ -101,10 +108,12 @@ class FakeWorkers:
         return httpx.Response(200, json=reply)
 
     async def _stream(
-        self, worker: str, broken: bool, request: httpx.Request
+        self, worker: str, broken: bool, stalled: bool, request: httpx.Request
     ) -> AsyncIterator[bytes]:
         for i in range(3):
             yield f'data: {{"worker": "{worker}", "i": {i}}}\n\n'.encode()
             if broken and i == 1:
                 raise httpx.ReadError("connection reset", request=request)
+            if stalled:  # alive but silent after its first chunk
+                await asyncio.sleep(30)
         yield b"data: [DONE]\n\n"

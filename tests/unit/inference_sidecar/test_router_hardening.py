@@ -4,13 +4,18 @@ worker URLs that carry credentials."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import httpx
+import orjson
 import pytest
 from fake_workers import FakeWorkers
-from router_harness import BODY, CHAT, A, B, assert_openai_error, make_router, metric
+from router_harness import BODY, CHAT, A, B, assert_openai_error, make_router, metric, session
 
+from inference_sidecar import cli
+from inference_sidecar.config import DEFAULT_MAX_CONCURRENT_REQUESTS, RouterConfig
+from inference_sidecar.exceptions import ConfigError
 from inference_sidecar.router import build_app
 
 pytestmark = pytest.mark.anyio
@@ -67,3 +72,97 @@ class TestMalformedHeaders:
             sum(metric(router, errors, pool="worker", worker=w, kind="transport") for w in (A, B))
             == 0
         )
+
+
+async def until(condition: Any, timeout_s: float = 5.0) -> None:
+    async with asyncio.timeout(timeout_s):
+        while not condition():
+            await asyncio.sleep(0.01)
+
+
+class TestAdmission:
+    async def test_a_request_over_the_limit_is_a_429_with_retry_after(
+        self, fake: FakeWorkers, client_for: Any
+    ) -> None:
+        client, router = client_for(max_concurrent_requests=2)
+        fake.delay_s = 0.5
+        held = [
+            asyncio.create_task(client.post(CHAT, json=BODY, headers=session(f"s{i}")))
+            for i in range(2)
+        ]
+        await until(lambda: len(fake.received) == 2)
+        refused = await client.post(CHAT, json=BODY, headers=session("s3"))
+        error = assert_openai_error(refused, 429)
+        assert error["code"] == 429
+        assert int(refused.headers["retry-after"]) >= 1
+        assert len(fake.received) == 2  # the refused request reached no worker
+        assert [r.status_code for r in await asyncio.gather(*held)] == [200, 200]
+        requests = "inference_sidecar_requests_total"
+        assert metric(router, requests, endpoint="chat/completions", status="429") == 1
+
+    async def test_a_slot_is_free_again_when_its_request_ends(
+        self, fake: FakeWorkers, client_for: Any
+    ) -> None:
+        client, _ = client_for(max_concurrent_requests=1)
+        fake.behaviour = {A: "bad_request", B: "bad_request"}
+        assert (await client.post(CHAT, json=BODY)).status_code == 400  # a worker's 4xx
+        assert (await client.post(CHAT, content=b"{not json")).status_code == 400  # the router's
+        fake.behaviour = {}
+        assert (await client.post(CHAT, json=BODY)).status_code == 200
+
+    async def test_a_stream_holds_its_slot_until_it_ends(
+        self, fake: FakeWorkers, client_for: Any
+    ) -> None:
+        client, _ = client_for(workers=(A,), max_concurrent_requests=1, request_timeout_s=0.5)
+        fake.behaviour = {A: "stall_stream"}
+        stream = asyncio.create_task(client.post(CHAT, json={**BODY, "stream": True}))
+        await until(lambda: len(fake.received) == 1)
+        await asyncio.sleep(0.1)  # its first chunk has been relayed by now
+        assert (await client.post(CHAT, json=BODY)).status_code == 429
+        await stream
+        fake.behaviour = {}
+        assert (await client.post(CHAT, json=BODY)).status_code == 200
+
+    def test_the_limit_is_a_flag_with_a_default(self) -> None:
+        default = cli.router_config(cli.build_parser().parse_args(["router"]), workers=(A,))
+        assert default.max_concurrent_requests == DEFAULT_MAX_CONCURRENT_REQUESTS > 0
+        args = cli.build_parser().parse_args(["router", "--max-concurrent-requests", "16"])
+        assert cli.router_config(args, workers=(A,)).max_concurrent_requests == 16
+        with pytest.raises(ConfigError) as err:
+            RouterConfig(workers=(A,), max_concurrent_requests=0)
+        assert err.value.key == "max_concurrent_requests"
+
+
+class TestDeadlines:
+    async def test_a_stream_that_stalls_after_its_first_chunk_ends_at_the_deadline(
+        self, fake: FakeWorkers, client_for: Any
+    ) -> None:
+        client, router = client_for(workers=(A,), request_timeout_s=0.3)
+        fake.behaviour = {A: "stall_stream"}
+        async with asyncio.timeout(5):
+            response = await client.post(CHAT, json={**BODY, "stream": True})
+        events = [e for e in response.text.split("\n\n") if e]
+        assert len(events) == 2  # the worker's first chunk, then the router's error event
+        error = orjson.loads(events[-1].removeprefix("data: "))["error"]
+        assert error["code"] == 504 and error["type"] == "upstream_error"
+        errors = "inference_sidecar_worker_errors_total"
+        assert metric(router, errors, pool="worker", worker=A, kind="timeout") == 1
+        assert router.pools["worker"].in_flight == {A: 0}
+
+    async def test_models_skips_a_worker_that_never_answers(
+        self, fake: FakeWorkers, client_for: Any
+    ) -> None:
+        client, _ = client_for(workers=(A, B), request_timeout_s=0.2)
+        fake.behaviour = {A: "hang"}
+        async with asyncio.timeout(5):
+            response = await client.get("/v1/models")
+        assert response.status_code == 200 and response.json()["data"][0]["id"] == "m"
+
+    async def test_models_with_every_worker_hanging_is_a_502_naming_them(
+        self, fake: FakeWorkers, client_for: Any
+    ) -> None:
+        client, _ = client_for(workers=(A, B), request_timeout_s=0.2)
+        fake.behaviour = {A: "hang", B: "hang"}
+        async with asyncio.timeout(5):
+            error = assert_openai_error(await client.get("/v1/models"), 502)
+        assert A in error["message"] and B in error["message"]
