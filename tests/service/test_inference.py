@@ -17,7 +17,6 @@ import redis
 import redis.asyncio
 
 from flink_jobs.config import AppConfig, LlmConfig
-from flink_jobs.core.prompting import RenderedPrompt
 from flink_jobs.runtime.inference import (
     PromptRunner,
     PromptTask,
@@ -34,8 +33,10 @@ from flink_jobs.runtime.intent_store import (
 )
 from flink_jobs.runtime.llm_client import LlmClient
 from flink_jobs.tools.local_services import free_port
+from tests import builders
+from tests.builders import T0
+from tests.builders import prompt_task as task
 
-T0 = 1_780_304_400_000  # 2026-06-01T09:00:00Z
 MODEL = "SmolLM2-135M-Instruct"
 LLM = LlmConfig(base_url="http://llm.test/v1", model=MODEL, max_attempts=1)
 BUDGET_S = 5.0
@@ -54,14 +55,7 @@ Handler = Callable[[httpx.Request], Awaitable[httpx.Response]]
 def completion(
     content: str, model: str = "smollm2-served", finish_reason: str = "stop"
 ) -> httpx.Response:
-    body = {
-        "model": model,
-        "choices": [
-            {"message": {"role": "assistant", "content": content}, "finish_reason": finish_reason}
-        ],
-        "usage": {"prompt_tokens": 412, "completion_tokens": 30},
-    }
-    return httpx.Response(200, content=orjson.dumps(body))
+    return builders.completion(content, model=model, finish_reason=finish_reason)
 
 
 def answering(content: str = orjson.dumps(INTENT).decode(), **kwargs: Any) -> Handler:
@@ -71,34 +65,15 @@ def answering(content: str = orjson.dumps(INTENT).decode(), **kwargs: Any) -> Ha
     return handler
 
 
-def task(shopper_id: str = "shopper-00146", seq: int = 3, at_s: float = 95) -> PromptTask:
-    prompt = RenderedPrompt(
-        messages=(
-            {"role": "system", "content": "You infer a shopper's current shopping intent."},
-            {"role": "user", "content": f"<events>\n+01:35 view seq={seq}\n</events>"},
-        ),
-        template="shopper_intent_v1.j2",
-        template_hash="56171ff6b9a3",
-        estimated_tokens=400,
-        events_included=6,
-        events_dropped=0,
-    )
-    time_ms = T0 + int(at_s * 1000)
-    return PromptTask(shopper_id, seq, version_ts=time_ms, event_time_ms=time_ms, prompt=prompt)
-
-
 def stored_record(shopper_id: str, version_ts: int, seq: int) -> IntentRecord:
-    return IntentRecord(
-        shopper_id=shopper_id,
-        version_ts=version_ts,
-        version_seq=seq,
-        intent_json=orjson.dumps(INTENT).decode(),
+    return builders.intent_record(
+        shopper_id,
+        version_ts,
+        seq,
+        intent=INTENT,
         top_label="ready_to_buy",
         top_confidence=0.9,
         summary="newer",
-        event_time_ms=version_ts,
-        template="shopper_intent_v1.j2",
-        template_hash="56171ff6b9a3",
         model=MODEL,
     )
 

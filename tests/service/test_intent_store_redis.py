@@ -38,6 +38,7 @@ from flink_jobs.runtime.intent_store import (
     is_newer,
 )
 from flink_jobs.tools.local_services import free_port, start_redis
+from tests.builders import intent_record
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -45,17 +46,12 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 def make_record(shopper_id: str = "shopper-1", ts: int = 1_000, seq: int = 0) -> IntentRecord:
     """A record whose payload names its version, so the stored payload can be checked."""
     tag = f"{ts}.{seq}"
-    return IntentRecord(
-        shopper_id=shopper_id,
-        version_ts=ts,
-        version_seq=seq,
-        intent_json=orjson.dumps(
-            {"intents": [{"label": "compare", "confidence": 0.8}], "summary": tag}
-        ).decode(),
-        top_label="compare",
-        top_confidence=0.8,
-        summary=tag,
-        event_time_ms=ts,
+    intent = {"intents": [{"label": "compare", "confidence": 0.8}], "summary": tag}
+    return intent_record(
+        shopper_id,
+        ts,
+        seq,
+        intent=intent,
         template="intent_v1",
         template_hash="abc123",
         model="smollm2-135m",

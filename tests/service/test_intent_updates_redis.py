@@ -19,7 +19,6 @@ import redis.asyncio
 
 from flink_jobs.runtime.intent_store import (
     AsyncIntentStore,
-    IntentRecord,
     IntentStore,
     Notify,
 )
@@ -27,10 +26,13 @@ from intent_reader.updates import (
     IntentUpdates,
     MalformedUpdateError,
 )
+from tests.builders import intent_record
 
 
 def record(shopper: str = "s-1", ts: int = 1_000, seq: int = 0, label: str = "browsing"):
-    return IntentRecord(shopper, ts, seq, "{}", label, 0.5, "summary", ts, "t", "h", "m")
+    return intent_record(
+        shopper, ts, seq, top_label=label, template="t", template_hash="h", model="m"
+    )
 
 
 @pytest.fixture

@@ -6,30 +6,12 @@ from __future__ import annotations
 
 import urllib.request
 
-import orjson
-
 from flink_jobs.tools.replay import replay_records
-
-T0 = 1_780_304_400_000  # 2026-06-01T09:00:00.000Z
+from tests.builders import raw_event
 
 
 def event(shopper: str = "s1", seconds: float = 0.0, event_id: str | None = None, **extra) -> bytes:
-    t = T0 + int(seconds * 1000)
-    doc = {
-        "event_id": event_id or f"e-{shopper}-{t}",
-        "shopper_id": shopper,
-        "event_type": "search",
-        "event_time": _iso(t),
-        "query": "running shoes",
-        **extra,
-    }
-    return orjson.dumps(doc)
-
-
-def _iso(ms: int) -> str:
-    from flink_jobs.tools.sample_data import format_event_time
-
-    return format_event_time(ms)
+    return raw_event(shopper, seconds, event_id=event_id, **{"query": "running shoes", **extra})
 
 
 MALFORMED = b'{"event_id": "x", "shopper_id": "s9"'

@@ -69,6 +69,7 @@ from flink_jobs.tools.local_services import (
     redis_server_binary,
 )
 from intent_reader import IntentReader, ReaderUnavailableError
+from tests.builders import intent_record
 
 REDIS_PASSWORD = "Rp-7f3c9e-s3cret"
 WRONG_PASSWORD = "Wp-41d0aa-notit"
@@ -101,19 +102,7 @@ def exception_chain(exc: BaseException) -> list[str]:
 
 
 def record(shopper_id: str, version_ts: int = T0) -> IntentRecord:
-    return IntentRecord(
-        shopper_id=shopper_id,
-        version_ts=version_ts,
-        version_seq=1,
-        intent_json=orjson.dumps(INTENT).decode(),
-        top_label="comparing_options",
-        top_confidence=0.7,
-        summary=INTENT["summary"],
-        event_time_ms=version_ts,
-        template="shopper_intent_v1.j2",
-        template_hash="56171ff6b9a3",
-        model="SmolLM2-135M-Instruct",
-    )
+    return intent_record(shopper_id, version_ts, 1, intent=INTENT)
 
 
 def prompt_task(shopper_id: str = "shopper-sec-1") -> PromptTask:

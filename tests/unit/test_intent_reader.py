@@ -7,7 +7,6 @@ own ``flink_jobs.runtime.intent_store.upsert_args``, so reader and writer agree 
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 
 import pytest
@@ -23,6 +22,7 @@ from intent_reader import (
     parse_intent,
 )
 from intent_reader.client import FIELDS
+from tests.builders import intent_record
 
 NOW_MS = 1_800_000_000_000
 INTENT = {
@@ -82,18 +82,8 @@ class FakeRedis:
 
 
 def record(shopper_id: str = "s-1", event_ms: int = NOW_MS - 5_000, seq: int = 3) -> IntentRecord:
-    return IntentRecord(
-        shopper_id=shopper_id,
-        version_ts=event_ms,
-        version_seq=seq,
-        intent_json=json.dumps(INTENT),
-        top_label="ready_to_buy",
-        top_confidence=0.8,
-        summary=INTENT["summary"],
-        event_time_ms=event_ms,
-        template="shopper_intent_v1.j2",
-        template_hash="abc123",
-        model="SmolLM2-135M-Instruct",
+    return intent_record(
+        shopper_id, event_ms, seq, intent=INTENT, top_label="ready_to_buy", template_hash="abc123"
     )
 
 

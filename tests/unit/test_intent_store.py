@@ -5,7 +5,6 @@ ordering rule and record checks. Its behaviour against a real Redis is in
 
 from __future__ import annotations
 
-import orjson
 import pytest
 
 from flink_jobs.runtime.intent_store import (
@@ -17,22 +16,18 @@ from flink_jobs.runtime.intent_store import (
     parse_stored,
     upsert_args,
 )
+from tests.builders import intent_record
 
 
 def make_record(shopper_id: str = "shopper-1", ts: int = 1_000, seq: int = 0) -> IntentRecord:
     """A record whose payload names its version, so the stored payload can be checked."""
     tag = f"{ts}.{seq}"
-    return IntentRecord(
-        shopper_id=shopper_id,
-        version_ts=ts,
-        version_seq=seq,
-        intent_json=orjson.dumps(
-            {"intents": [{"label": "compare", "confidence": 0.8}], "summary": tag}
-        ).decode(),
-        top_label="compare",
-        top_confidence=0.8,
-        summary=tag,
-        event_time_ms=ts,
+    intent = {"intents": [{"label": "compare", "confidence": 0.8}], "summary": tag}
+    return intent_record(
+        shopper_id,
+        ts,
+        seq,
+        intent=intent,
         template="intent_v1",
         template_hash="abc123",
         model="smollm2-135m",

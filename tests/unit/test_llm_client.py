@@ -31,6 +31,7 @@ from flink_jobs.runtime.llm_client import (
     proxy_for,
     read_answer,
 )
+from tests import builders
 
 SHOPPER = "shopper-00146"
 PROMPT = RenderedPrompt(
@@ -59,14 +60,9 @@ CONFIG = LlmConfig(
 
 
 def completion(text: str = INTENT_TEXT, **extra: Any) -> httpx.Response:
-    body = {
-        "id": "cmpl-1",
-        "model": "SmolLM2-135M-Instruct",
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": text}}],
-        "usage": {"prompt_tokens": 40, "completion_tokens": 21},
-        **extra,
-    }
-    return httpx.Response(200, content=orjson.dumps(body))
+    return builders.completion(
+        text, finish_reason=None, prompt_tokens=40, completion_tokens=21, **extra
+    )
 
 
 @dataclass

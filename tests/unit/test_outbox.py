@@ -11,7 +11,7 @@ import pytest
 
 from flink_jobs.core.tasks import PromptTask, TaskResult
 from flink_jobs.runtime.outbox import Outbox, OutboxFailed
-from tests.service.test_inference import task
+from tests.builders import prompt_task as task
 
 WAIT_S = 10.0
 

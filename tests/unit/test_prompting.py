@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from flink_jobs.config import PromptConfig, SessionConfig, TriggerConfig
-from flink_jobs.core.events import DeadLetter, ShopperEvent, decode_event, parse_event_time
+from flink_jobs.core.events import DeadLetter, decode_event, parse_event_time
 from flink_jobs.core.prompting import (
     PROMPTS_DIR,
     PromptError,
@@ -30,7 +30,8 @@ from flink_jobs.core.prompting import (
 )
 from flink_jobs.core.session import Outcome, SessionState, apply_event, new_session_state
 from flink_jobs.tools.sample_data import PROMPT_INJECTIONS, SampleConfig, generate_sample
-from tests.unit.catalogue import EARBUDS, HEADPHONES, T0
+from tests.builders import EARBUDS, HEADPHONES, session_of
+from tests.builders import numbered_event as event
 
 GOLDEN_DIR = Path(__file__).parent / "golden"
 UPDATE_GOLDEN = os.environ.get("SI_UPDATE_GOLDEN") == "1"
@@ -55,33 +56,6 @@ GREEN_TEA = {
 
 
 # --- helpers -------------------------------------------------------------------------------
-
-
-def event(
-    n: int,
-    event_type: str,
-    at_s: float,
-    product: dict | None = None,
-    query: str = "",
-    quantity: int = 1,
-    shopper_id: str = "shopper-00146",
-) -> ShopperEvent:
-    return ShopperEvent(
-        event_id=f"ev-{shopper_id}-{n}",
-        shopper_id=shopper_id,
-        event_type=event_type,
-        event_time_ms=T0 + int(at_s * 1000),
-        query=query,
-        quantity=quantity,
-        **(product or {}),
-    )
-
-
-def session_of(*events: ShopperEvent) -> SessionState:
-    state = new_session_state(events[0].shopper_id)
-    for e in events:
-        state, _ = apply_event(state, e, SESSION, HIGH_SIGNAL)
-    return state
 
 
 def renderer(**overrides) -> PromptRenderer:

@@ -26,28 +26,17 @@ from flink_jobs.tools.replay import (
     shopper_key,
     write_recording,
 )
-from flink_jobs.tools.sample_data import BadRecords, SampleConfig, generate_sample
-
-T0 = 1_780_304_400_000  # 2026-06-01T09:00:00.000Z
+from flink_jobs.tools.sample_data import (
+    BadRecords,
+    SampleConfig,
+    format_event_time,
+    generate_sample,
+)
+from tests.builders import T0, raw_event
 
 
 def event(shopper: str = "s1", seconds: float = 0.0, event_id: str | None = None, **extra) -> bytes:
-    t = T0 + int(seconds * 1000)
-    doc = {
-        "event_id": event_id or f"e-{shopper}-{t}",
-        "shopper_id": shopper,
-        "event_type": "search",
-        "event_time": _iso(t),
-        "query": "running shoes",
-        **extra,
-    }
-    return orjson.dumps(doc)
-
-
-def _iso(ms: int) -> str:
-    from flink_jobs.tools.sample_data import format_event_time
-
-    return format_event_time(ms)
+    return raw_event(shopper, seconds, event_id=event_id, **{"query": "running shoes", **extra})
 
 
 MALFORMED = b'{"event_id": "x", "shopper_id": "s9"'
@@ -182,7 +171,7 @@ class TestRebase:
             b' "query":"caf\\u00e9 \\"event_time\\": x"}'
         )
         (planned,) = plan_replay([original], rebase_to_ms=self.NOW)
-        new_time = _iso(self.NOW).encode()
+        new_time = format_event_time(self.NOW).encode()
         assert planned.value == original.replace(b"2026-06-01T09:00:00.000Z", new_time)
 
     def test_epoch_millisecond_times_stay_integers(self):
@@ -217,7 +206,7 @@ class TestRebase:
         records = [SourceRecord(event("a", 10), key=b"a", timestamp_ms=T0 + 10_000, recorded=True)]
         (planned,) = plan_replay(records, rebase_to_ms=self.NOW)
         assert planned.timestamp_ms == self.NOW
-        assert orjson.loads(planned.value)["event_time"] == _iso(self.NOW)
+        assert orjson.loads(planned.value)["event_time"] == format_event_time(self.NOW)
 
     def test_send_anchor_with_speed_follows_the_replay_clock(self):
         values = [event("a", 0), event("b", 60), event("c", 30), MALFORMED, event("a", 120)]

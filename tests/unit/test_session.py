@@ -4,8 +4,6 @@ quiet gap closes the session into history, and everything kept is bounded."""
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 
 from flink_jobs.config import SessionConfig, TriggerConfig
@@ -20,13 +18,12 @@ from flink_jobs.core.session import (
     mark_prompted,
     new_session_state,
 )
-from tests.unit.catalogue import EARBUDS, HEADPHONES, T0
+from tests.builders import EARBUDS, HEADPHONES, T0, shopper_event
 
 SHOPPER = "shopper-00146"
 CONFIG = SessionConfig(max_events=40, gap_s=30 * 60, max_lateness_s=10 * 60)
 HIGH_SIGNAL = TriggerConfig().high_signal_types
 
-_ids = itertools.count()
 
 SHOES = {
     "product_id": "sku-970664",
@@ -44,14 +41,9 @@ def event(
     event_id: str | None = None,
     query: str = "",
 ) -> ShopperEvent:
-    fields = {} if event_type == "search" else (product or HEADPHONES)
-    return ShopperEvent(
-        event_id=event_id or f"ev-{next(_ids):06d}",
-        shopper_id=SHOPPER,
-        event_type=event_type,
-        event_time_ms=T0 + int(at_s * 1000),
-        query=query,
-        **fields,
+    product = {} if event_type == "search" else (product or HEADPHONES)
+    return shopper_event(
+        event_type, at_s, product, shopper_id=SHOPPER, event_id=event_id, query=query
     )
 
 

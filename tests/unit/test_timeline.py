@@ -3,7 +3,6 @@ and the trigger fires at event times, so the prompts depend on the topic alone."
 
 from __future__ import annotations
 
-import itertools
 import random
 
 from hypothesis import given, settings
@@ -14,28 +13,16 @@ from flink_jobs.core.events import ShopperEvent
 from flink_jobs.core.prompting import PromptRenderer
 from flink_jobs.core.session import Outcome
 from flink_jobs.core.timeline import Step, hold, on_event, on_timer, release
-from tests.unit.catalogue import EARBUDS, HEADPHONES, T0
+from tests.builders import EARBUDS, HEADPHONES, T0, at, shopper_event
 
 SHOPPER = "shopper-00321"
 CONFIG = AppConfig()
 RENDER = PromptRenderer(PromptConfig()).render
 NO_WATERMARK = -(2**63)
 
-_ids = itertools.count()
-
 
 def event(event_type: str = "view", at_s: float = 0, product: dict | None = None) -> ShopperEvent:
-    return ShopperEvent(
-        event_id=f"ev-{next(_ids):06d}",
-        shopper_id=SHOPPER,
-        event_type=event_type,
-        event_time_ms=T0 + int(at_s * 1000),
-        **(product or HEADPHONES),
-    )
-
-
-def at(seconds: float) -> int:
-    return T0 + int(seconds * 1000)
+    return shopper_event(event_type, at_s, product or HEADPHONES, shopper_id=SHOPPER)
 
 
 class FlinkKey:

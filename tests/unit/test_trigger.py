@@ -4,24 +4,20 @@ one shopper are spaced by the min interval, and nothing fires when nothing chang
 
 from __future__ import annotations
 
-import itertools
-
 from flink_jobs.config import SessionConfig, TriggerConfig
 from flink_jobs.core.events import ShopperEvent
 from flink_jobs.core.session import (
     SessionState,
-    apply_event,
     clear_pending,
     mark_prompted,
     new_session_state,
 )
 from flink_jobs.core.trigger import Verdict, decide, material_fingerprint
+from tests.builders import at as ms
+from tests.builders import session_of, shopper_event
 
-T0 = 1_780_304_400_000  # 2026-06-01T09:00:00Z
 SESSION = SessionConfig()
 TRIGGER = TriggerConfig(quiet_s=5.0, max_wait_s=20.0, min_interval_s=10.0)
-
-_ids = itertools.count()
 
 KETTLE = {
     "product_id": "sku-204311",
@@ -46,25 +42,16 @@ GRINDER = {
 }
 
 
-def ms(seconds: float) -> int:
-    return T0 + int(seconds * 1000)
+SHOPPER = "shopper-00299"
 
 
 def event(event_type: str, at_s: float, product: dict | None = None) -> ShopperEvent:
-    return ShopperEvent(
-        event_id=f"ev-{next(_ids):06d}",
-        shopper_id="shopper-00299",
-        event_type=event_type,
-        event_time_ms=ms(at_s),
-        **(product or KETTLE),
-    )
+    return shopper_event(event_type, at_s, product or KETTLE, shopper_id=SHOPPER)
 
 
 def session(*events: ShopperEvent, state: SessionState | None = None) -> SessionState:
-    state = state or new_session_state("shopper-00299")
-    for e in events:
-        state, _ = apply_event(state, e, SESSION, TRIGGER.high_signal_types)
-    return state
+    state = state or new_session_state(SHOPPER)
+    return session_of(*events, config=SESSION, high_signal=TRIGGER.high_signal_types, state=state)
 
 
 def prompted_at(state: SessionState, at_s: float) -> SessionState:
