@@ -24,9 +24,9 @@ from flink_jobs.runtime.call_process import CallProcess, CallProcessExited
 from flink_jobs.runtime.inference import RedisUnavailable
 from flink_jobs.runtime.intent_store import IntentStore
 from flink_jobs.tools.local_services import free_port
+from tests.builders import EARBUDS, HEADPHONES, T0, session_of
+from tests.builders import numbered_event as event
 from tests.service.job_process import call_processes
-from tests.unit.catalogue import EARBUDS, HEADPHONES, T0
-from tests.unit.test_prompting import event, session_of
 
 
 def prompt_task(shopper_id: str) -> PromptTask:
