@@ -38,7 +38,8 @@ import statistics
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -271,22 +272,64 @@ def tokenize(worker: str, model: str, messages) -> int:
     return int(reply.json()["count"])
 
 
+@dataclass
+class JobSetup:
+    """The embedded stack with the job running on it (:func:`running_job`)."""
+
+    stack: Any
+    up_s: float  # from the run's start, the sample's generation included
+    config: Any
+    client: redis.Redis
+    store: Any
+
+
+@dataclass
+class Replayed:
+    """The sample as the run sends it (event time = send time, from ``t0``), the same
+    events decoded for the offline pieces, and the thread sending them."""
+
+    t0: int
+    plan: list
+    events: list
+    timelines: dict[str, list]
+    qualifying: dict[str, list[int]]  # per shopper, the qualifying events' times
+    event_times: dict[str, list[int]]  # per shopper, every event's time
+    producer: threading.Thread
+
+
+@dataclass
+class Measured:
+    """What the job and Redis showed: during the run, and once it settled."""
+
+    stats: dict[str, int]
+    series: list[dict[str, Any]]
+    staleness_during: list[float]
+    staleness_at_end: list[float]
+    freshness_ms: list[int]
+    llm_ms: list[int]
+    outbox_wait_ms: list[int]
+
+
+@dataclass
+class Offline:
+    """The comparisons computed from the events rather than run: the call-per-event
+    baseline and the trigger policy replayed."""
+
+    baseline_calls: int
+    baseline_tokens: int
+    fires: dict[str, list[int]]
+    delays: list[float]
+    across_samples: list[dict[str, Any]]
+
+
 def run(args) -> dict[str, Any]:
-    from flink_jobs.config import load_config
-    from flink_jobs.core.events import decode_event
-    from flink_jobs.core.prompting import PromptRenderer
-    from flink_jobs.job import create_job
-    from flink_jobs.runtime.intent_store import IntentStore
-    from flink_jobs.tools.embedded_stack import start_embedded_stack
-    from flink_jobs.tools.replay import SourceRecord, plan_replay, replay_records
-    from flink_jobs.tools.run_summary import is_settled, latency_summary, read_samples, read_stats
+    """Set up the stack and the job, replay the sample, measure, compute the offline
+    comparisons while a worker is still up to tokenize, then the result document."""
     from flink_jobs.tools.sample_data import BadRecords, SampleConfig, generate_sample
 
     started = time.monotonic()
     memory = PeakMemory()
     name = f"fresh-{int(time.time())}"
-    topics = [f"{name}-events", f"{name}-dlq"]
-    workdir = Path(tempfile.mkdtemp(prefix="si-bench-freshness-"))
     sample = generate_sample(
         SampleConfig(
             shoppers=args.shoppers,
@@ -295,180 +338,295 @@ def run(args) -> dict[str, Any]:
             bad=BadRecords.none(),
         )
     )
+    with running_job(args, name, started, memory) as setup:
+        replayed = start_replay(args, setup.config, sample.records)
+        measured = measure(args, setup, name, replayed, memory)
+        offline = offline_comparisons(args, setup, replayed)
+        memory.sample()
+    figures = result_figures(args, len(sample.records), setup, replayed, measured, offline)
+    figures["memory_peak"] = memory.summary()
+    return result_doc(BENCHMARK, started, freshness_targets(figures), NOTES, **figures)
+
+
+@contextlib.contextmanager
+def running_job(args, name: str, started: float, memory: PeakMemory) -> Iterator[JobSetup]:
+    """The embedded stack and the job as deployed, on topics and a key prefix of their own
+    (``name``); the job is cancelled and the stack stopped on the way out."""
+    from flink_jobs.config import load_config
+    from flink_jobs.job import create_job
+    from flink_jobs.runtime.intent_store import IntentStore
+    from flink_jobs.tools.embedded_stack import start_embedded_stack
+
+    topics = [f"{name}-events", f"{name}-dlq"]
+    workdir = Path(tempfile.mkdtemp(prefix="si-bench-freshness-"))
     stack = start_embedded_stack(workdir, topics, llm_workers=args.llm_workers)
-    stack_up_s = time.monotonic() - started
+    up_s = time.monotonic() - started
     try:
         memory.sample()
-        overrides = stack.config_overrides()
-        overrides["kafka"].update(
-            {
-                "events_topic": topics[0],
-                "dead_letter_topic": topics[1],
-                "group_id": name,
-                "starting_offsets": "earliest",
-            }
-        )
-        overrides["redis"]["key_prefix"] = name
-        overrides["job"] = {"name": name, "stats_flush_s": "0.5"}
-        config = load_config(overrides=overrides)
+        config = load_config(overrides=job_overrides(stack.config_overrides(), name, topics))
         job = create_job(config).execute_async(name)
         client = redis.Redis.from_url(config.redis.url)
-        store = IntentStore(client, name)
         try:
-            # Wait for the job to be reading (a probe-free check: the source has started
-            # when the stats hash appears after the first event; give start-up 20 s).
-            time.sleep(args.job_start_s)
-            t0 = int(time.time() * 1000) + 500
-            plan = plan_replay(sample.records, speed=1.0, rebase_to_ms=t0, rebase_anchor="send")
-            recorded = [SourceRecord(p.value, p.key, p.timestamp_ms, recorded=True) for p in plan]
-            events = [decode_event(p.value, None, t0 + 10**9, 1 << 20) for p in plan]
-            timelines = shopper_timelines(events, config.session, config.trigger)
-            qualifying = {
-                s: [e.event_time_ms for e, _a, q, _s in rows if q] for s, rows in timelines.items()
-            }
-            event_times = {s: [e.event_time_ms for e, *_ in rows] for s, rows in timelines.items()}
-            result: dict[str, Any] = {}
-            producer = threading.Thread(
-                target=lambda: result.setdefault(
-                    "replay",
-                    replay_records(
-                        config.kafka.bootstrap_servers,
-                        topics[0],
-                        recorded,
-                        speed=1.0,
-                        start_at_ms=t0,
-                    ),
-                ),
-                daemon=True,
-            )
-            producer.start()
-            snapshots: list[float] = []
-            series: list[dict[str, Any]] = []
-            settled_since = None
-            deadline = time.monotonic() + args.duration_s + args.timeout_s
-            while time.monotonic() < deadline:
-                time.sleep(1.0)
-                now_ms = int(time.time() * 1000)
-                memory.sample()
-                stats = read_stats(client, name)
-                series.append({"t_s": round((now_ms - t0) / 1000, 1), **stats})
-                active = [
-                    s
-                    for s, times in event_times.items()
-                    if (seen := latest_before(times, now_ms)) is not None
-                    and now_ms - seen <= config.session.gap_s * 1000
-                ]
-                covered = _covered(store, active)
-                for s in active:
-                    latest = latest_before(qualifying[s], now_ms)
-                    v = staleness_s(latest, covered.get(s), now_ms)
-                    if v is not None:
-                        snapshots.append(v)
-                if not producer.is_alive() and is_settled(stats, len(plan)):
-                    settled_since = settled_since or time.monotonic()
-                    if time.monotonic() - settled_since >= config.trigger.max_wait_s + 2:
-                        break
-                else:
-                    settled_since = None
-            stats = read_stats(client, name)
-            final_covered = _covered(store, list(qualifying))
-            final_staleness = [
-                (last_q[-1] - final_covered[s]) / 1000
-                if final_covered.get(s) is not None and final_covered[s] < last_q[-1]
-                else 0.0
-                for s, last_q in qualifying.items()
-                if last_q
-            ]
-            freshness_ms = read_samples(client, name, "event_to_intent_ms")
-            llm_ms = read_samples(client, name, "llm_latency_ms")
-            outbox_wait_ms = read_samples(client, name, "outbox_wait_ms")
-            renderer = PromptRenderer(config.prompt)
-            baseline = baseline_prompts(timelines, renderer)
-            worker = stack.llm.worker_urls[0]
-            baseline_tokens = [tokenize(worker, config.llm.model, p.messages) for _, p in baseline]
-            valid = [e for e in events if not hasattr(e, "reason")]
-            fires = policy_fire_times(valid, config, renderer.render)
-            delays = policy_delays_s(qualifying, fires)
-            across_samples = policy_across_samples(
-                args.policy_seeds, args.shoppers, args.duration_s, config, renderer.render
-            )
-            memory.sample()
+            yield JobSetup(stack, up_s, config, client, IntentStore(client, name))
         finally:
             with contextlib.suppress(Exception):
                 job.cancel().result()
     finally:
         stack.stop()
 
+
+def job_overrides(overrides: dict[str, Any], name: str, topics: list[str]) -> dict[str, Any]:
+    """The stack's configuration with the run's own topics, consumer group and key prefix,
+    read from the start, and the stats flushed every half second."""
+    overrides["kafka"].update(
+        {
+            "events_topic": topics[0],
+            "dead_letter_topic": topics[1],
+            "group_id": name,
+            "starting_offsets": "earliest",
+        }
+    )
+    overrides["redis"]["key_prefix"] = name
+    overrides["job"] = {"name": name, "stats_flush_s": "0.5"}
+    return overrides
+
+
+def start_replay(args, config, records) -> Replayed:
+    """Give the job ``args.job_start_s`` to start reading, then send ``records`` at their
+    own pace from half a second on, on a thread of their own."""
+    from flink_jobs.core.events import decode_event
+    from flink_jobs.tools.replay import SourceRecord, plan_replay, replay_records
+
+    time.sleep(args.job_start_s)
+    t0 = int(time.time() * 1000) + 500
+    plan = plan_replay(records, speed=1.0, rebase_to_ms=t0, rebase_anchor="send")
+    recorded = [SourceRecord(p.value, p.key, p.timestamp_ms, recorded=True) for p in plan]
+    events = [decode_event(p.value, None, t0 + 10**9, 1 << 20) for p in plan]
+    timelines = shopper_timelines(events, config.session, config.trigger)
+    producer = threading.Thread(
+        target=replay_records,
+        args=(config.kafka.bootstrap_servers, config.kafka.events_topic, recorded),
+        kwargs={"speed": 1.0, "start_at_ms": t0},
+        daemon=True,
+    )
+    replayed = Replayed(
+        t0=t0,
+        plan=plan,
+        events=events,
+        timelines=timelines,
+        qualifying={
+            s: [e.event_time_ms for e, _a, q, _s in rows if q] for s, rows in timelines.items()
+        },
+        event_times={s: [e.event_time_ms for e, *_ in rows] for s, rows in timelines.items()},
+        producer=producer,
+    )
+    producer.start()
+    return replayed
+
+
+def measure(args, setup: JobSetup, name: str, replayed: Replayed, memory: PeakMemory) -> Measured:
+    """Watch the run until it settles, then read the job's final stats and samples."""
+    from flink_jobs.tools.run_summary import read_samples, read_stats
+
+    series, during = watch_run(args, setup, name, replayed, memory)
+    stats = read_stats(setup.client, name)
+    covered = _covered(setup.store, list(replayed.qualifying))
+    return Measured(
+        stats=stats,
+        series=series,
+        staleness_during=during,
+        staleness_at_end=staleness_at_end(replayed.qualifying, covered),
+        freshness_ms=read_samples(setup.client, name, "event_to_intent_ms"),
+        llm_ms=read_samples(setup.client, name, "llm_latency_ms"),
+        outbox_wait_ms=read_samples(setup.client, name, "outbox_wait_ms"),
+    )
+
+
+def watch_run(
+    args, setup: JobSetup, name: str, replayed: Replayed, memory: PeakMemory
+) -> tuple[list[dict[str, Any]], list[float]]:
+    """Every second, the job's stats and the active shoppers' staleness, until the replay
+    is done and the job has stayed settled for ``max_wait_s`` + 2 s (or the deadline)."""
+    from flink_jobs.tools.run_summary import is_settled, read_stats
+
+    config = setup.config
+    series: list[dict[str, Any]] = []
+    staleness: list[float] = []
+    settled_since = None
+    deadline = time.monotonic() + args.duration_s + args.timeout_s
+    while time.monotonic() < deadline:
+        time.sleep(1.0)
+        now_ms = int(time.time() * 1000)
+        memory.sample()
+        stats = read_stats(setup.client, name)
+        series.append({"t_s": round((now_ms - replayed.t0) / 1000, 1), **stats})
+        staleness.extend(staleness_now(setup.store, replayed, now_ms, config.session.gap_s))
+        if not replayed.producer.is_alive() and is_settled(stats, len(replayed.plan)):
+            settled_since = settled_since or time.monotonic()
+            if time.monotonic() - settled_since >= config.trigger.max_wait_s + 2:
+                break
+        else:
+            settled_since = None
+    return series, staleness
+
+
+def staleness_now(store, replayed: Replayed, now_ms: int, gap_s: float) -> list[float]:
+    """The staleness of each shopper active in the last ``gap_s`` seconds who has a
+    qualifying event."""
+    active = [
+        s
+        for s, times in replayed.event_times.items()
+        if (seen := latest_before(times, now_ms)) is not None and now_ms - seen <= gap_s * 1000
+    ]
+    covered = _covered(store, active)
+    values = []
+    for s in active:
+        latest = latest_before(replayed.qualifying[s], now_ms)
+        v = staleness_s(latest, covered.get(s), now_ms)
+        if v is not None:
+            values.append(v)
+    return values
+
+
+def staleness_at_end(
+    qualifying: dict[str, list[int]], covered: dict[str, int | None]
+) -> list[float]:
+    """Per shopper with a qualifying event, how far their intent is behind the last one
+    once the run is over (0 when it covers it; a shopper with no intent counts as 0)."""
+    return [
+        (times[-1] - covered[s]) / 1000
+        if covered.get(s) is not None and covered[s] < times[-1]
+        else 0.0
+        for s, times in qualifying.items()
+        if times
+    ]
+
+
+def offline_comparisons(args, setup: JobSetup, replayed: Replayed) -> Offline:
+    """The call-per-event baseline (tokenized by one of the stack's workers) and the
+    trigger policy replayed over the run's events and over ``--policy-seeds`` samples."""
+    from flink_jobs.core.prompting import PromptRenderer
+
+    config = setup.config
+    renderer = PromptRenderer(config.prompt)
+    baseline = baseline_prompts(replayed.timelines, renderer)
+    worker = setup.stack.llm.worker_urls[0]
+    tokens = [tokenize(worker, config.llm.model, p.messages) for _, p in baseline]
+    valid = [e for e in replayed.events if not hasattr(e, "reason")]
+    fires = policy_fire_times(valid, config, renderer.render)
+    return Offline(
+        baseline_calls=len(baseline),
+        baseline_tokens=sum(tokens),
+        fires=fires,
+        delays=policy_delays_s(replayed.qualifying, fires),
+        across_samples=policy_across_samples(
+            args.policy_seeds, args.shoppers, args.duration_s, config, renderer.render
+        ),
+    )
+
+
+def result_figures(
+    args,
+    events: int,
+    setup: JobSetup,
+    replayed: Replayed,
+    measured: Measured,
+    offline: Offline,
+) -> dict[str, Any]:
+    """The result document's own keys (``bench/README.md`` lists them), in their order;
+    ``memory_peak`` is added last by :func:`run`."""
+    from flink_jobs.tools.run_summary import is_settled, latency_summary
+
+    stats = measured.stats
     accepted = stats.get("events_accepted", 0) + stats.get("events_late_folded", 0)
+    fresh = latency_summary(measured.freshness_ms)
+    llm = latency_summary(measured.llm_ms)
+    return {
+        "workload": workload_figures(args, events, setup.config.trigger),
+        "stack_start_s": round(setup.up_s, 1),
+        "settled": is_settled(stats, len(replayed.plan)),
+        "stats": stats,
+        "freshness_s": {**fresh, "samples": len(measured.freshness_ms)},
+        "llm_latency_s": {**llm, "samples": len(measured.llm_ms)},
+        "freshness_p99_minus_llm_p99_s": rounded(fresh["p99"] - llm["p99"]),
+        "outside_call": outside_call(
+            measured.freshness_ms, measured.llm_ms, measured.outbox_wait_ms
+        ),
+        "calls": call_figures(stats, accepted, offline),
+        "policy": policy_figures(offline, accepted),
+        "staleness_s": {
+            "during_run": summarise(measured.staleness_during),
+            "at_end": summarise(measured.staleness_at_end),
+            "shoppers_with_qualifying_events": sum(1 for v in replayed.qualifying.values() if v),
+        },
+        "freshness_ms": measured.freshness_ms,
+        "llm_latency_ms": measured.llm_ms,
+        "outbox_wait_ms": measured.outbox_wait_ms,
+        "series": measured.series,
+    }
+
+
+def workload_figures(args, events: int, trigger) -> dict[str, Any]:
+    return {
+        "shoppers": args.shoppers,
+        "events": events,
+        "event_time_span_s": args.duration_s,
+        "speed": 1.0,
+        "events_per_s": rounded(events / args.duration_s),
+        "seed": args.seed,
+        "llm_workers": args.llm_workers,
+        "trigger": {
+            "quiet_s": trigger.quiet_s,
+            "max_wait_s": trigger.max_wait_s,
+            "min_interval_s": trigger.min_interval_s,
+            "high_signal_types": list(trigger.high_signal_types),
+        },
+    }
+
+
+def call_figures(stats: dict[str, int], accepted: int, offline: Offline) -> dict[str, Any]:
+    """Prompts, LLM calls and prompt tokens per accepted event, beside the baseline's."""
     prompts = stats.get("prompts_sent", 0)
     calls = stats.get("llm_calls", 0)
     tokens = stats.get("llm_prompt_tokens", 0)
-    fresh = latency_summary(freshness_ms)
-    llm = latency_summary(llm_ms)
-    figures = {
-        "workload": {
-            "shoppers": args.shoppers,
-            "events": len(sample.records),
-            "event_time_span_s": args.duration_s,
-            "speed": 1.0,
-            "events_per_s": rounded(len(sample.records) / args.duration_s),
-            "seed": args.seed,
-            "llm_workers": args.llm_workers,
-            "trigger": {
-                "quiet_s": config.trigger.quiet_s,
-                "max_wait_s": config.trigger.max_wait_s,
-                "min_interval_s": config.trigger.min_interval_s,
-                "high_signal_types": list(config.trigger.high_signal_types),
-            },
-        },
-        "stack_start_s": round(stack_up_s, 1),
-        "settled": is_settled(stats, len(plan)),
-        "stats": stats,
-        "freshness_s": {**fresh, "samples": len(freshness_ms)},
-        "llm_latency_s": {**llm, "samples": len(llm_ms)},
-        "freshness_p99_minus_llm_p99_s": rounded(fresh["p99"] - llm["p99"]),
-        "outside_call": outside_call(freshness_ms, llm_ms, outbox_wait_ms),
-        "calls": {
-            "accepted_events": accepted,
-            "prompts_sent": prompts,
-            "llm_calls": calls,
-            "llm_calls_stopped": stats.get("llm_calls_stopped", 0),
-            "prompts_per_event": rounded(ratio(prompts, accepted)),
-            "llm_calls_per_event": rounded(ratio(calls, accepted)),
-            "prompt_tokens": tokens,
-            "prompt_tokens_per_event": rounded(ratio(tokens, accepted), 1),
-            "baseline_calls": len(baseline),
-            "baseline_calls_per_event": rounded(ratio(len(baseline), accepted)),
-            "baseline_prompt_tokens": sum(baseline_tokens),
-            "baseline_prompt_tokens_per_event": rounded(
-                ratio(sum(baseline_tokens), len(baseline)), 1
-            ),
-            "calls_over_baseline": rounded(ratio(calls, len(baseline))),
-            "prompt_tokens_over_baseline": rounded(ratio(tokens, sum(baseline_tokens))),
-        },
-        "policy": {
-            "prompts_per_event_offline": rounded(
-                ratio(sum(len(v) for v in fires.values()), accepted)
-            ),
-            "delay_to_prompt_s": summarise(delays),
-            "across_samples": across_samples,
-            "prompts_per_event_across_samples": {
-                "min": min((r["prompts_per_event"] for r in across_samples), default=None),
-                "max": max((r["prompts_per_event"] for r in across_samples), default=None),
-            },
-        },
-        "staleness_s": {
-            "during_run": summarise(snapshots),
-            "at_end": summarise(final_staleness),
-            "shoppers_with_qualifying_events": sum(1 for v in qualifying.values() if v),
-        },
-        "freshness_ms": freshness_ms,
-        "llm_latency_ms": llm_ms,
-        "outbox_wait_ms": outbox_wait_ms,
-        "series": series,
-        "memory_peak": memory.summary(),
+    baseline_calls, baseline_tokens = offline.baseline_calls, offline.baseline_tokens
+    return {
+        "accepted_events": accepted,
+        "prompts_sent": prompts,
+        "llm_calls": calls,
+        "llm_calls_stopped": stats.get("llm_calls_stopped", 0),
+        "prompts_per_event": rounded(ratio(prompts, accepted)),
+        "llm_calls_per_event": rounded(ratio(calls, accepted)),
+        "prompt_tokens": tokens,
+        "prompt_tokens_per_event": rounded(ratio(tokens, accepted), 1),
+        "baseline_calls": baseline_calls,
+        "baseline_calls_per_event": rounded(ratio(baseline_calls, accepted)),
+        "baseline_prompt_tokens": baseline_tokens,
+        "baseline_prompt_tokens_per_event": rounded(ratio(baseline_tokens, baseline_calls), 1),
+        "calls_over_baseline": rounded(ratio(calls, baseline_calls)),
+        "prompt_tokens_over_baseline": rounded(ratio(tokens, baseline_tokens)),
     }
-    targets = [
+
+
+def policy_figures(offline: Offline, accepted: int) -> dict[str, Any]:
+    """The trigger policy replayed offline: prompts per event, delay to the prompt, and
+    how both vary over other samples."""
+    across = offline.across_samples
+    return {
+        "prompts_per_event_offline": rounded(
+            ratio(sum(len(v) for v in offline.fires.values()), accepted)
+        ),
+        "delay_to_prompt_s": summarise(offline.delays),
+        "across_samples": across,
+        "prompts_per_event_across_samples": {
+            "min": min((r["prompts_per_event"] for r in across), default=None),
+            "max": max((r["prompts_per_event"] for r in across), default=None),
+        },
+    }
+
+
+def freshness_targets(figures: dict[str, Any]) -> list[dict[str, Any]]:
+    return [
         target(
             "freshness p99 - LLM p99 (s)",
             figures["freshness_p99_minus_llm_p99_s"],
@@ -496,21 +654,22 @@ def run(args) -> dict[str, Any]:
             "sampled every second",
         ),
     ]
-    notes = [
-        "Freshness counts from the event time the prompt was triggered at: a high-signal "
-        "event's own time, or the end of the quiet period or max wait that fired it. The "
-        "policy's own wait before that is the 'trigger policy' target.",
-        "Staleness is end to end: from the latest qualifying event until an intent covering "
-        "it is in Redis, so it holds the policy's wait (at most max_wait_s), the job's and the "
-        "LLM call's time; with CPU workers taking seconds per call it cannot stay under 5 s.",
-        "The baseline is computed, not run: one prompt per accepted event, tokenized by vLLM.",
-        "LLM calls include those stopped while the model computed them, because a newer "
-        "prompt of the shopper came (calls.llm_calls_stopped).",
-        "Calls per event depend on the sample: the policy sends about one prompt per "
-        "qualifying event, and every shopper's first event qualifies; policy.across_samples "
-        "replays the policy offline over other seeds of the same size.",
-    ]
-    return result_doc(BENCHMARK, started, targets, notes, **figures)
+
+
+NOTES = [
+    "Freshness counts from the event time the prompt was triggered at: a high-signal "
+    "event's own time, or the end of the quiet period or max wait that fired it. The "
+    "policy's own wait before that is the 'trigger policy' target.",
+    "Staleness is end to end: from the latest qualifying event until an intent covering "
+    "it is in Redis, so it holds the policy's wait (at most max_wait_s), the job's and the "
+    "LLM call's time; with CPU workers taking seconds per call it cannot stay under 5 s.",
+    "The baseline is computed, not run: one prompt per accepted event, tokenized by vLLM.",
+    "LLM calls include those stopped while the model computed them, because a newer "
+    "prompt of the shopper came (calls.llm_calls_stopped).",
+    "Calls per event depend on the sample: the policy sends about one prompt per "
+    "qualifying event, and every shopper's first event qualifies; policy.across_samples "
+    "replays the policy offline over other seeds of the same size.",
+]
 
 
 def _covered(store, shoppers: Sequence[str]) -> dict[str, int | None]:
