@@ -21,6 +21,7 @@ from inference_sidecar.config import (
     DEFAULT_MAX_CONCURRENT_REQUESTS,
     DEFAULT_PORT,
     RouterConfig,
+    redact_url,
 )
 from inference_sidecar.exceptions import SidecarError
 from inference_sidecar.policies import POLICY_NAMES
@@ -161,7 +162,7 @@ def serve(config: RouterConfig, log_level: str) -> None:
         config.port,
         config.mode,
         config.policy,
-        ", ".join(config.workers or (*config.prefill, *config.decode)),
+        ", ".join(redact_url(u) for u in config.workers or (*config.prefill, *config.decode)),
     )
     uvicorn.run(
         create_app(config),

@@ -20,12 +20,24 @@ DEFAULT_MAX_CONCURRENT_REQUESTS = 256
 ``DEFAULT_MAX_BODY_BYTES`` at most 1 GiB of request bodies held at once."""
 
 
+def redact_url(url: str) -> str:
+    """``url`` as it may be shown (logs, errors, ``/health``, metric labels): a user name
+    and password, which httpx sends to the worker as Basic auth, become ``***``. Works on
+    strings that do not parse as URLs too, since it also guards error messages."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        scheme, rest = "", url
+    if "@" not in rest:
+        return url
+    return f"{scheme}{sep}***@{rest.rpartition('@')[2]}"
+
+
 def normalise_url(url: str, key: str) -> str:
     """``http://host:port`` without a trailing slash; raises ``ConfigError`` naming ``key``."""
     url = url.strip().rstrip("/")
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ConfigError(key, f"expected an http(s)://host:port URL, got {url!r}")
+        raise ConfigError(key, f"expected an http(s)://host:port URL, got {redact_url(url)!r}")
     if parts.path.endswith("/v1"):
         url = url[: -len("/v1")]
     return url
@@ -63,10 +75,14 @@ class RouterConfig:
     max_connections: int = 512
 
     def __post_init__(self) -> None:
+        shown_as: dict[str, str] = {}
         for name in ("workers", "prefill", "decode"):
             urls = tuple(normalise_url(u, name) for u in getattr(self, name))
-            if len(set(urls)) != len(urls):
+            if len({redact_url(u) for u in urls}) != len(urls):
                 raise ConfigError(name, "the same URL is listed twice")
+            for url in urls:  # the router knows a worker by its redacted URL
+                if shown_as.setdefault(redact_url(url), url) != url:
+                    raise ConfigError(name, f"{redact_url(url)} is listed with two credentials")
             object.__setattr__(self, name, urls)
         if self.workers and (self.prefill or self.decode):
             raise ConfigError("workers", "give either workers or prefill+decode, not both")

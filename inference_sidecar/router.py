@@ -43,7 +43,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from inference_sidecar import pd
-from inference_sidecar.config import RouterConfig
+from inference_sidecar.config import RouterConfig, redact_url
 from inference_sidecar.exceptions import NoWorkerAvailable, RequestError, UpstreamError
 from inference_sidecar.health import HealthEvent
 from inference_sidecar.metrics import RouterMetrics
@@ -240,10 +240,13 @@ class Router:
             if config.mode == "aggregated"
             else {"prefill": config.prefill, "decode": config.decode}
         )
+        # Workers are known by their URLs without credentials, which are what logs, errors,
+        # /health and metric labels show; _urls gives the URL to send to.
+        self._urls = {redact_url(u): u for urls in roles.values() for u in urls}
         self.pools: dict[str, RoutingPool] = {
             role: RoutingPool(
                 role,
-                urls,
+                [redact_url(u) for u in urls],
                 make_policy(
                     config.policy,
                     load_factor=config.load_factor,
@@ -305,7 +308,9 @@ class Router:
 
     async def _probe(self, worker: str) -> bool:
         try:
-            reply = await self._client.get(f"{worker}/health", timeout=self.config.health_timeout_s)
+            reply = await self._client.get(
+                f"{self._urls[worker]}/health", timeout=self.config.health_timeout_s
+            )
         except httpx.HTTPError:
             return False
         return reply.status_code == 200
@@ -443,7 +448,9 @@ class Router:
             # trickles bytes could otherwise hold the request forever.
             async with asyncio.timeout_at(attempt.deadline):
                 reply = await self._client.post(
-                    f"{attempt.worker}{request.path}", content=content, headers=request.headers
+                    f"{self._urls[attempt.worker]}{request.path}",
+                    content=content,
+                    headers=request.headers,
                 )
             if reply.status_code >= 500:
                 raise _AttemptFailed(
@@ -477,7 +484,10 @@ class Router:
 
         async def open_stream(attempt: _Attempt) -> Response:
             req = self._client.build_request(
-                "POST", f"{attempt.worker}{request.path}", content=content, headers=request.headers
+                "POST",
+                f"{self._urls[attempt.worker]}{request.path}",
+                content=content,
+                headers=request.headers,
             )
             upstream: httpx.Response | None = None
             try:
@@ -708,7 +718,7 @@ class Router:
         for worker in pool.candidates()[: self.config.max_attempts]:
             try:
                 async with asyncio.timeout(timeout_s):
-                    reply = await self._client.get(f"{worker}/v1/models")
+                    reply = await self._client.get(f"{self._urls[worker]}/v1/models")
                 if reply.status_code < 500:
                     orjson.loads(reply.content)
                     return Response(reply.content, reply.status_code, media_type=JSON)

@@ -5,6 +5,7 @@ worker URLs that carry credentials."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 import httpx
@@ -14,9 +15,9 @@ from fake_workers import FakeWorkers
 from router_harness import BODY, CHAT, A, B, assert_openai_error, make_router, metric, session
 
 from inference_sidecar import cli
-from inference_sidecar.config import DEFAULT_MAX_CONCURRENT_REQUESTS, RouterConfig
+from inference_sidecar.config import DEFAULT_MAX_CONCURRENT_REQUESTS, RouterConfig, redact_url
 from inference_sidecar.exceptions import ConfigError
-from inference_sidecar.router import build_app
+from inference_sidecar.router import WORKER_HEADER, build_app
 
 pytestmark = pytest.mark.anyio
 
@@ -166,3 +167,67 @@ class TestDeadlines:
         async with asyncio.timeout(5):
             error = assert_openai_error(await client.get("/v1/models"), 502)
         assert A in error["message"] and B in error["message"]
+
+
+PASSWORD = "s3cr3t-pw"
+A_WITH_CREDENTIALS = A.replace("http://", f"http://ops:{PASSWORD}@")
+A_SHOWN = A.replace("http://", "http://***@")
+
+
+class TestRedaction:
+    @pytest.mark.parametrize(
+        ("url", "shown"),
+        [
+            (A_WITH_CREDENTIALS, A_SHOWN),
+            (f"https://ops:{PASSWORD}@llm.internal/v1", "https://***@llm.internal/v1"),
+            (f"http://ops:pa/ss@w0rd@{A[7:]}", A_SHOWN),  # '/' and '@' in the password
+            (f"ops:{PASSWORD}@127.0.0.1:9001", "***@127.0.0.1:9001"),  # no scheme at all
+            (A, A),
+        ],
+    )
+    def test_credentials_are_replaced(self, url: str, shown: str) -> None:
+        assert redact_url(url) == shown
+
+    @pytest.mark.parametrize(
+        "bad", [f"ftp://ops:{PASSWORD}@127.0.0.1:21", f"ops:{PASSWORD}@127.0.0.1:9001"]
+    )
+    def test_a_bad_worker_url_is_named_without_its_password(self, bad: str) -> None:
+        with pytest.raises(ConfigError) as err:
+            RouterConfig(workers=(bad,))
+        assert PASSWORD not in str(err.value) and "***@127.0.0.1" in str(err.value)
+
+    def test_one_worker_with_two_credentials_is_refused(self) -> None:
+        other = A.replace("http://", "http://u:v@")
+        with pytest.raises(ConfigError, match="listed twice") as err:
+            RouterConfig(workers=(A_WITH_CREDENTIALS, other))
+        assert PASSWORD not in str(err.value)
+        with pytest.raises(ConfigError, match="two credentials") as err:
+            RouterConfig(prefill=(A_WITH_CREDENTIALS,), decode=(other,))
+        assert PASSWORD not in str(err.value)
+
+    async def test_health_metrics_headers_and_errors_show_no_credentials(
+        self, fake: FakeWorkers, client_for: Any
+    ) -> None:
+        client, _ = client_for(workers=(A_WITH_CREDENTIALS,))
+        answered = await client.post(CHAT, json=BODY)
+        assert answered.status_code == 200
+        assert fake.received[0].headers["authorization"].startswith("Basic ")  # still sent
+        assert answered.headers[WORKER_HEADER] == A_SHOWN
+        fake.behaviour = {A: "error500"}
+        failed = await client.post(CHAT, json=BODY)
+        assert failed.status_code == 502 and A_SHOWN in failed.json()["error"]["message"]
+        health = (await client.get("/health")).text
+        metrics = (await client.get("/metrics")).text
+        assert A_SHOWN in health and f'worker="{A_SHOWN}"' in metrics
+        for shown in (answered.headers[WORKER_HEADER], failed.text, health, metrics):
+            assert PASSWORD not in shown
+
+    def test_the_start_up_log_shows_no_credentials(
+        self, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        import uvicorn
+
+        monkeypatch.setattr(uvicorn, "run", lambda app, **kw: None)
+        with caplog.at_level(logging.INFO, logger="inference_sidecar"):
+            cli.serve(RouterConfig(workers=(A_WITH_CREDENTIALS,)), "info")
+        assert A_SHOWN in caplog.text and PASSWORD not in caplog.text
