@@ -17,7 +17,7 @@ Per completion request, top to bottom:
 5. streamed answers are passed through chunk by chunk; the first chunk is read before
    the response starts, so a worker that fails before producing anything is retried too.
 
-Routing decisions, in-flight counts and health live in ``RoutingPool`` objects, which
+Routing decisions, in-flight counts and health live in ``RoutingState`` objects, which
 are synchronous: the asyncio code here only moves bytes and feeds them outcomes.
 Errors are OpenAI-style JSON bodies; no path waits without a timeout.
 """
@@ -48,12 +48,12 @@ from inference_sidecar.exceptions import NoWorkerAvailable, RequestError, Upstre
 from inference_sidecar.health import HealthEvent
 from inference_sidecar.metrics import RouterMetrics
 from inference_sidecar.policies import make_policy
-from inference_sidecar.pool import RoutingPool, Ticket
 from inference_sidecar.routing_key import (
     RoutingKey,
     estimate_prompt_tokens,
     extract_routing_key,
 )
+from inference_sidecar.routing_state import RoutingState, Ticket
 
 logger = logging.getLogger(__name__)
 
@@ -134,7 +134,7 @@ class RoutedRequest:
 class _Attempt:
     """One worker trying one request: what its end reports to the routing state."""
 
-    pool: RoutingPool
+    pool: RoutingState
     worker: str
     started: float
     deadline: float
@@ -243,8 +243,8 @@ class Router:
         # Workers are known by their URLs without credentials, which are what logs, errors,
         # /health and metric labels show; _urls gives the URL to send to.
         self._urls = {redact_url(u): u for urls in roles.values() for u in urls}
-        self.pools: dict[str, RoutingPool] = {
-            role: RoutingPool(
+        self.pools: dict[str, RoutingState] = {
+            role: RoutingState(
                 role,
                 [redact_url(u) for u in urls],
                 make_policy(
@@ -290,7 +290,7 @@ class Router:
         await self._client.aclose()
 
     @property
-    def serving_pool(self) -> RoutingPool:
+    def serving_pool(self) -> RoutingState:
         """The pool that produces answers (decode in disaggregated mode)."""
         return self.pools.get("worker") or self.pools["decode"]
 
@@ -373,7 +373,7 @@ class Router:
             headers[name] = value
         return headers
 
-    def _begin(self, pool: RoutingPool, worker: str, key: RoutingKey) -> _Attempt:
+    def _begin(self, pool: RoutingState, worker: str, key: RoutingKey) -> _Attempt:
         """Account for a request sent to ``worker``."""
         ticket = pool.start(worker, key.value, key.size)
         self.metrics.worker_requests.labels(pool.name, worker).inc()
@@ -390,10 +390,10 @@ class Router:
         )
         self.metrics.in_flight.labels(pool.name, worker).set(pool.in_flight[worker])
 
-    def _fail(self, pool: RoutingPool, worker: str, kind: str) -> None:
+    def _fail(self, pool: RoutingState, worker: str, kind: str) -> None:
         self.metrics.worker_errors.labels(pool.name, worker, kind).inc()
 
-    def _choose(self, pool: RoutingPool, key: RoutingKey, tried: list[str]) -> str | None:
+    def _choose(self, pool: RoutingState, key: RoutingKey, tried: list[str]) -> str | None:
         choice = pool.choose(key.value, exclude=tried, size=key.size)
         if choice is None:
             return None
@@ -405,7 +405,7 @@ class Router:
 
     async def _on_workers(
         self,
-        pool: RoutingPool,
+        pool: RoutingState,
         key: RoutingKey,
         attempt_once: Callable[[_Attempt], Awaitable[_T]],
     ) -> _T:
@@ -436,7 +436,7 @@ class Router:
             logger.info("worker %s failed (%s); trying another", worker, failures[-1][1])
         raise self._exhausted(pool, failures)
 
-    async def exchange(self, pool: RoutingPool, request: RoutedRequest, content: bytes) -> Reply:
+    async def exchange(self, pool: RoutingState, request: RoutedRequest, content: bytes) -> Reply:
         """POST ``content`` and read the whole answer, retrying other workers on failure.
 
         A 2xx answer must be JSON (else the worker is faulty); a 4xx is the client's
@@ -473,7 +473,7 @@ class Router:
 
     async def stream(
         self,
-        pool: RoutingPool,
+        pool: RoutingState,
         request: RoutedRequest,
         content: bytes,
         extra_headers: Mapping[str, str] | None = None,
@@ -561,7 +561,7 @@ class Router:
         self._end(attempt)
         self.metrics.latency.labels(request.endpoint).observe(self.clock() - request.received)
 
-    def _exhausted(self, pool: RoutingPool, attempts: list[tuple[str, str]]) -> UpstreamError:
+    def _exhausted(self, pool: RoutingState, attempts: list[tuple[str, str]]) -> UpstreamError:
         if not attempts:
             return NoWorkerAvailable(f"no worker available in the {pool.name} pool")
         detail = "; ".join(f"{w}: {reason}" for w, reason in attempts)
@@ -697,7 +697,7 @@ class Router:
             return await self._serve(prefill_pool, request, whole, {})
 
     async def _serve(
-        self, pool: RoutingPool, request: RoutedRequest, content: bytes, extra: dict[str, str]
+        self, pool: RoutingState, request: RoutedRequest, content: bytes, extra: dict[str, str]
     ) -> Response:
         """Send the answering request to ``pool``, streamed or not."""
         if request.streaming:

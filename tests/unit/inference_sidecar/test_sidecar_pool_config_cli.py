@@ -1,4 +1,4 @@
-"""Pool bookkeeping, router configuration, PD rewriting and the command line."""
+"""A pool's routing state, router configuration, PD rewriting and the command line."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from inference_sidecar.config import RouterConfig
 from inference_sidecar.exceptions import ConfigError
 from inference_sidecar.health import HealthEvent
 from inference_sidecar.policies import make_policy
-from inference_sidecar.pool import Choice, RoutingPool, classify
+from inference_sidecar.routing_state import Choice, RoutingState, classify
 
 A, B, C = "http://127.0.0.1:9001", "http://127.0.0.1:9002", "http://127.0.0.1:9003"
 
@@ -24,9 +24,9 @@ class TestClassify:
         assert classify(A, B, [B]) == "failed_over"
 
 
-class TestRoutingPool:
-    def pool(self, **kw) -> RoutingPool:
-        return RoutingPool("worker", [A, B, C], make_policy("bounded_hash"), **kw)
+class TestRoutingState:
+    def pool(self, **kw) -> RoutingState:
+        return RoutingState("worker", [A, B, C], make_policy("bounded_hash"), **kw)
 
     def test_placed_then_sticky_then_failed_over_when_home_excluded(self) -> None:
         pool = self.pool()
@@ -88,9 +88,9 @@ class TestRoutingPool:
         assert pool.is_in_service(A) and pool.health.get(A).outcomes == ()
 
     def test_duplicates_and_empty(self) -> None:
-        assert RoutingPool("p", [A, A, B], make_policy("round_robin")).workers == (A, B)
+        assert RoutingState("p", [A, A, B], make_policy("round_robin")).workers == (A, B)
         with pytest.raises(ValueError):
-            RoutingPool("p", [], make_policy("round_robin"))
+            RoutingState("p", [], make_policy("round_robin"))
 
 
 class TestRouterConfig:

@@ -1,4 +1,5 @@
-"""One pool of interchangeable workers: its policy, in-flight counts and health.
+"""The routing state of one pool of interchangeable workers: its policy, in-flight
+counts and health (the worker processes themselves are ``workers.py``'s).
 
 Synchronous and free of I/O on purpose: the router's asyncio code calls ``choose``,
 ``start`` and ``finish`` between awaits, so no lock is needed, and tests drive a pool
@@ -37,7 +38,7 @@ class Choice:
 def classify(home: str | None, chosen: str, candidates: Sequence[str]) -> Decision:
     """Sticky: the key's home. Spilled: home was usable but over the bound or dearer
     than another worker. Failed over: home was out of service or already tried.
-    Balanced: no affinity. (``RoutingPool.choose`` adds "placed": a key seen for the
+    Balanced: no affinity. (``RoutingState.choose`` adds "placed": a key seen for the
     first time, put where the policy found it cheapest.)"""
     if home is None:
         return "balanced"
@@ -46,7 +47,7 @@ def classify(home: str | None, chosen: str, candidates: Sequence[str]) -> Decisi
     return "spilled" if home in candidates else "failed_over"
 
 
-class RoutingPool:
+class RoutingState:
     """Workers of one role ("worker", "prefill" or "decode") and their routing state."""
 
     def __init__(
