@@ -1,77 +1,41 @@
 """Rendezvous hashing with a bound on each worker's load, and token-aware spilling.
 
-Five rules, from hard to soft (the fifth is hard again, for new keys only):
+The policy keeps each key (shopper) on the worker that holds its prompt prefix in its KV
+cache, unless that costs more than recomputing the prefix elsewhere. Five rules, from
+hard to soft (the fifth is hard again, for new keys only):
 
-1. **The load bound** (Mirrokni, Thorup and Zadimoghaddam, 2016) is a hard limit: a
-   worker may take a request only while its in-flight load is below
-   ``ceil(c * (total in flight + 1) / n)`` (the +1 being the request now placed), so no
-   worker ever exceeds it because of a pick. Since the mean is below the bound for any
-   ``c >= 1``, some worker always qualifies. A floor under the bound (``min_bound``,
-   default 3) keeps a handful of requests from spilling: at 3 in flight over 3 workers
-   c=1.25 alone says 2, and a shopper whose worker already serves two others would
-   recompute a 2-4k-token prefix elsewhere (measured in bench/routing.py: 19 of 150
-   requests spilled that way).
+1. **The load bound** (Mirrokni, Thorup and Zadimoghaddam, 2016): a worker may take a
+   request only while its in-flight load is below ``ceil(c * (total in flight + 1) / n)``,
+   and never below ``min_bound`` (default 3, so a handful of requests do not spill a
+   shopper off its prefix). Some worker always qualifies: the mean is below the bound.
+2. **Affinity**: per key, a bounded LRU remembers the last workers that served it and
+   its prompt size there; on those only the prompt's new tail is uncached. Keys never seen
+   are ordered by rendezvous hashing: a stable preference order without virtual nodes, so
+   a lost worker's keys spread over the survivors and separate routers agree on an idle
+   cluster.
+3. **Cost** (Dynamo's KV-aware routing, reduced to what a router knows alone): among the
+   workers under the bound, take the one minimising
+   ``recompute_weight * uncached(key, worker) + queued(worker)``, ``queued`` being the
+   uncached tokens sent there still without a first byte plus ``request_cost`` per request
+   in flight; ties go to the key's most recent worker, then to rendezvous order. A
+   recompute counts twice by default: in this request's wait, and in the capacity it takes
+   from everyone else on the worker it lands on.
+4. **Speed**, for new keys only: their cost is scaled by the worker's recent latency over
+   its peers' median (clamped to ``SLOWNESS_RANGE``; 1 within ``SLOWNESS_DEAD_BAND`` and
+   until two workers answered within ``LATENCY_MEMORY_S``), so they go where they will be
+   served soonest. A key with history keeps the token cost alone: it must not leave its
+   cached prefix for a faster worker.
+5. **Residency**, for new keys only: a new key goes only to a worker whose resident
+   prompt tokens (the last prompt of every key homed there) are at most ``load_factor``
+   times the mean, rule 1 applied to what the KV caches must hold. It comes before speed,
+   which alone herds new keys onto one worker until its cache overflows.
 
-2. **Affinity**: the policy remembers, per key, the last workers that served it and how
-   long that prompt was (a bounded LRU, ``history_size`` keys). A key's prompt grows by
-   a few events per request, so on a worker that served it before only the new tail is
-   uncached; anywhere else the whole prompt is. Keys the policy has never seen are
-   ordered by rendezvous (highest-random-weight) hashing: a full, stable preference
-   order over the workers with no virtual nodes, so a lost worker's keys spread over the
-   survivors instead of piling onto one neighbour, and separate routers (or a restarted
-   one) agree on an idle cluster.
+Without a size (``size=0``: the caller could not estimate the prompt) this is plain
+bounded-load hashing: the first worker under the bound in the key's order.
 
-3. **Cost** (Dynamo's KV-aware routing, reduced to what a router can know without the
-   workers' help): among workers under the bound, take the one minimising::
-
-       recompute_weight * uncached(key, worker) + queued(worker)
-
-   where ``uncached`` is the prompt tokens the worker must compute for this request
-   (estimated from the history above) and ``queued`` is the prefill work already sent
-   there and not yet done (the uncached tokens of its requests still without a first
-   byte) plus ``request_cost`` per request in flight. Ties go to the key's most recent
-   worker, then to rendezvous order. So a hot key leaves its worker only when that
-   worker's queue costs more than recomputing the prefix elsewhere; when it does, a
-   worker that served the key recently (its prefix may still be cached) is cheapest; and
-   a key with no history anywhere (a new shopper, whose prompt costs the same on every
-   worker) goes to the worker with the least queued work, which keeps the hot keys'
-   workers free for them. ``recompute_weight`` (default 2) counts a recompute twice:
-   once in this request's wait, once in the capacity it takes from everyone else on the
-   worker it lands on, which matters under load, when spilling helps least.
-
-4. **Speed**, for keys the policy has never seen: their cost is scaled by how slow the
-   worker has been lately: the moving average of its request latencies over the median
-   of its peers' (clamped to 0.5-4; 1 within 0.8-1.25 or 0.1 s of the median, and until
-   two workers have answered within ``LATENCY_MEMORY_S``). Workers are not equal: a
-   degraded GPU, a busier host, or (in ``bench/routing.py``) two workers sharing a core
-   answer slower for the same work, and latency also rises with a worker's own load, so
-   new keys go where they will be served soonest. A key with history keeps the token
-   cost alone: scaling it too made keys leave the prefix they had cached for a faster
-   worker (measured: 10 spills and 1.16x vllm-router's computed tokens in the skewed
-   phase, against 1 and 1.07x before speed was weighed at all). Throughput (work per busy
-   second) instead of latency was tried once and did worse in every skewed figure (p99
-   25.7 s against vllm-router's 9.7 s, in-flight max/mean 1.76); the skewed phase's p99
-   varies a lot from run to run (vllm-router's own between 9.7 and 19.8 s in four runs),
-   so one run each decides little, and latency stays.
-
-5. **Residency**, for keys the policy has never seen: a new key goes only to a worker
-   whose resident prompt tokens (the last prompt size of every remembered key homed
-   there) are at most ``load_factor`` times the mean; the load bound of 1, applied to
-   what the workers' KV caches must hold rather than to their requests in flight. Speed
-   alone herds: in ``bench/routing.py`` a worker whose core-mate happened to be idle
-   answered fastest, took 17 of the 29 new shoppers and 103 of 150 requests, and its
-   cache could not hold their prefixes (1.23x the minimum tokens computed, against
-   1.08-1.11x in the runs before). The working set is larger than one cache and smaller
-   than all of them together, so it fits only spread evenly. Residency comes before
-   speed: a worker slower than its peers, but not slow enough to be ejected
-   (``health.py``), still takes its share of new keys.
-
-Without a size (``size=0``: the caller could not estimate the prompt) the policy falls
-back to plain bounded-load hashing: the first worker under the bound in the key's order.
-
-Caveats, measured or not: the history does not know when a worker evicted a key's
-blocks (an LRU cache evicts under pressure; the estimate then errs towards staying),
-and several router replicas keep separate histories (they agree on idle workers only).
+Limits: the history does not see a worker evict a key's blocks (the estimate then errs
+towards staying), and router replicas keep separate histories. The runs behind rules 1,
+4 and 5 are in bench/README.md ("Measurements behind rules in the code").
 """
 
 from __future__ import annotations
@@ -104,9 +68,7 @@ must not herd new keys."""
 LATENCY_MEMORY_S = 60.0
 """How long a worker's latency average is trusted after its last answer. Older, it counts
 as unknown: a worker that new keys avoided gets no answers to refresh its figure, so
-without this it would be starved on one old measurement (seen in bench/routing.py: two
-slow answers early in the steady phase left a worker 2 of 150 requests, and the stale
-figures then steered the skewed phase's new shoppers onto a core-sharing worker)."""
+without this it would be starved on one old measurement."""
 
 
 def rendezvous_score(key: str, worker: str) -> int:
