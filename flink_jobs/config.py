@@ -157,9 +157,14 @@ class SessionConfig:
     state_ttl_s: int = 24 * 3600
     # Events older than this behind the shopper's newest one are too late to matter.
     max_lateness_s: float = 10 * 60
+    # Events of one shopper held until the watermark passes them (up to 5 min ahead of the
+    # clock are accepted); beyond this the next one is dead-lettered (timeline.hold_event).
+    # A person's events while the watermark waits are a few; 500 is a clock 5 min ahead at
+    # more than one event a second.
+    max_held_events: int = 500
 
     def validate(self) -> None:
-        for name in ("max_events", "gap_s", "state_ttl_s", "max_lateness_s"):
+        for name in ("max_events", "gap_s", "state_ttl_s", "max_lateness_s", "max_held_events"):
             _positive(getattr(self, name), "session", name)
 
 
@@ -326,9 +331,17 @@ def read_property_groups(path: Path) -> dict[str, dict[str, Any]]:
             f"{path}: expected a JSON list of {{PropertyGroupId, PropertyMap}} objects"
         )
     groups: dict[str, dict[str, Any]] = {}
-    for entry in raw:
-        if not isinstance(entry, dict) or "PropertyGroupId" not in entry:
-            raise ConfigError(f"{path}: every entry needs a PropertyGroupId (got {entry!r})")
+    for position, entry in enumerate(raw, start=1):
+        # Named by position and keys only: the values may be passwords.
+        if not isinstance(entry, dict):
+            raise ConfigError(
+                f"{path}: entry {position} is a {type(entry).__name__}, not an object"
+                " with a PropertyGroupId"
+            )
+        if "PropertyGroupId" not in entry:
+            raise ConfigError(
+                f"{path}: entry {position} has no PropertyGroupId (its keys: {sorted(entry)})"
+            )
         group = entry["PropertyGroupId"]
         if group in _SECTIONS:
             groups.setdefault(group, {}).update(entry.get("PropertyMap") or {})
