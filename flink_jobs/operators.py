@@ -22,14 +22,20 @@ from pyflink.common import Row, Time
 from pyflink.common.typeinfo import Types
 from pyflink.datastream import OutputTag, RuntimeContext, TimeDomain
 from pyflink.datastream.functions import KeyedProcessFunction, ProcessFunction
-from pyflink.datastream.state import StateTtlConfig, ValueState, ValueStateDescriptor
+from pyflink.datastream.state import (
+    ListState,
+    ListStateDescriptor,
+    StateTtlConfig,
+    ValueState,
+    ValueStateDescriptor,
+)
 
 from flink_jobs.config import AppConfig
 from flink_jobs.core.events import DeadLetter, ShopperEvent, SourcePosition, decode_event
 from flink_jobs.core.prompting import PromptRenderer
 from flink_jobs.core.session import SessionState
 from flink_jobs.core.tasks import PromptTask, TaskResult
-from flink_jobs.core.timeline import Step, is_held, on_event, on_timer
+from flink_jobs.core.timeline import Step, hold_event, is_held, on_event, on_timer
 from flink_jobs.metrics import INFER_COUNTS as INFER_COUNTS  # the gauges' names, re-exported
 from flink_jobs.metrics import INFER_TIMINGS as INFER_TIMINGS
 from flink_jobs.metrics import GaugeCounters, OutcomeRecorder
@@ -115,22 +121,39 @@ class DecodeEvents(ProcessFunction, _Counted):
         yield result
 
 
-def session_states(runtime_context: RuntimeContext, config: AppConfig) -> tuple[ValueState, ...]:
-    """The session operator's keyed state: the session, the events held until the watermark
-    passes them, and the prompt in flight; each dropped ``session.state_ttl_s`` after its
-    last write."""
-    ttl = (
+def _state_ttl(config: AppConfig) -> StateTtlConfig:
+    return (
         StateTtlConfig.new_builder(Time.seconds(config.session.state_ttl_s))
         .set_update_type(StateTtlConfig.UpdateType.OnCreateAndWrite)
         .set_state_visibility(StateTtlConfig.StateVisibility.NeverReturnExpired)
         .build()
     )
+
+
+def session_states(runtime_context: RuntimeContext, config: AppConfig) -> tuple[ValueState, ...]:
+    """The session operator's keyed state: the session, the events held until the watermark
+    passes them as one value (``held-events``: now only read, to move what a snapshot of an
+    earlier version holds into ``held_states``), and the prompt in flight; each dropped
+    ``session.state_ttl_s`` after its last write."""
+    ttl = _state_ttl(config)
     states = []
     for name in ("session", "held-events", "pending-prompt"):
         descriptor = ValueStateDescriptor(name, Types.PICKLED_BYTE_ARRAY())
         descriptor.enable_time_to_live(ttl)
         states.append(runtime_context.get_state(descriptor))
     return tuple(states)
+
+
+def held_states(runtime_context: RuntimeContext, config: AppConfig) -> tuple[ListState, ValueState]:
+    """The events held until the watermark passes them, in arrival order, and their count:
+    holding one appends it and rewrites the count only, whatever the number held
+    (``timeline.hold_event``)."""
+    ttl = _state_ttl(config)
+    events = ListStateDescriptor("held-list", Types.PICKLED_BYTE_ARRAY())
+    events.enable_time_to_live(ttl)
+    count = ValueStateDescriptor("held-count", Types.INT())
+    count.enable_time_to_live(ttl)
+    return runtime_context.get_list_state(events), runtime_context.get_state(count)
 
 
 class _RecentSessions:
@@ -179,7 +202,10 @@ class ShopperSessions(KeyedProcessFunction, _Counted):
         self._config = config
 
     def open(self, runtime_context: RuntimeContext) -> None:
-        self._session, self._held, self._pending = session_states(runtime_context, self._config)
+        self._session, self._legacy_held, self._pending = session_states(
+            runtime_context, self._config
+        )
+        self._held, self._held_count = held_states(runtime_context, self._config)
         self._recent = _RecentSessions(self._config.job.session_cache_size)
         self._renderer = PromptRenderer(self._config.prompt)
         self._open_counters(runtime_context, self._config)
@@ -207,14 +233,17 @@ class ShopperSessions(KeyedProcessFunction, _Counted):
             yield DEAD_LETTERS, _dead_letter_json(event)
             return
         watermark = ctx.timer_service().current_watermark()
-        step = on_event(
-            None if is_held(event, watermark) else self._session_of(event.shopper_id),
-            self._held.value() or (),
-            event,
-            watermark,
-            self._config,
-            self._renderer.render,
-        )
+        if is_held(event, watermark):  # appended: neither the session nor the held are read
+            step = hold_event(event, self._held_count.value() or 0, self._config)
+        else:
+            step = on_event(
+                self._session_of(event.shopper_id),
+                self._held_events(),
+                event,
+                watermark,
+                self._config,
+                self._renderer.render,
+            )
         yield from self._commit(step, ctx)
 
     def on_timer(self, timestamp: int, ctx: KeyedProcessFunction.OnTimerContext):
@@ -226,7 +255,7 @@ class ShopperSessions(KeyedProcessFunction, _Counted):
             return
         step = on_timer(
             self._session_of(ctx.get_current_key()),
-            self._held.value() or (),
+            self._held_events(),
             timestamp,
             self._config,
             self._renderer.render,
@@ -236,14 +265,30 @@ class ShopperSessions(KeyedProcessFunction, _Counted):
     def _session_of(self, shopper_id: str) -> SessionState | None:
         return self._recent.get(shopper_id, self._session.value)
 
+    def _held_events(self) -> list[ShopperEvent]:
+        """The held events, in arrival order (the timeline orders them); those a snapshot of
+        an earlier version kept in one value come first and move over with the next write."""
+        held = list(self._held.get() or ())
+        legacy = self._legacy_held.value()
+        if legacy:
+            self._legacy_held.clear()
+            held = [*legacy, *held]
+        return held
+
     def _commit(self, step: Step, ctx):
         if step.state is not None:
             self._session.update(step.state)
             self._recent.put(step.state.shopper_id, step.state)
-        if step.held:
-            self._held.update(step.held)
+        if step.held is None:  # appended to, the others untouched
+            if step.held_added:
+                self._held.add_all(list(step.held_added))
+                self._held_count.update((self._held_count.value() or 0) + len(step.held_added))
+        elif step.held:
+            self._held.update(list(step.held))
+            self._held_count.update(len(step.held))
         else:
             self._held.clear()
+            self._held_count.clear()
         for when in step.timers:
             ctx.timer_service().register_event_time_timer(when)
         for name, amount in step.counts.items():

@@ -21,16 +21,27 @@ watermark has passed. ``session.apply_event`` then judges it against the shopper
 event: folded into the context if within ``session.max_lateness_s`` (a late click is
 still signal), else dropped and dead-lettered.
 
-:func:`on_event` and :func:`on_timer` are pure: ``operators.ShopperSessions`` stores the
-:class:`Step` they return, registers its timers and emits its prompt and dead letters.
+Held events are bounded per shopper (``session.max_held_events``): events may be stamped
+up to five minutes ahead, and a producer that floods one shopper with them must not grow
+that shopper's state without end. The event beyond the bound is dead-lettered (stage
+``hold``, reason ``too_many_held``, the event inside) and counted in
+``events_held_overflow``. Holding an event costs the same however many are held: the
+operator appends it to a list state (:func:`hold_event` says what to append, and needs
+only the count), and the held events are read, in arrival order, only when a timer or an
+event behind the watermark needs them (:func:`on_timer` orders them).
+
+:func:`on_event`, :func:`hold_event` and :func:`on_timer` are pure:
+``operators.ShopperSessions`` stores the :class:`Step` they return, registers its timers and
+emits its prompt and dead letters.
 """
 
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from itertools import groupby
+from operator import attrgetter
 
 from flink_jobs.config import AppConfig
 from flink_jobs.core.events import DeadLetter, ShopperEvent
@@ -51,8 +62,13 @@ Renderer = Callable[[SessionState], RenderedPrompt]
 
 @dataclass(slots=True)
 class Step:
+    """What one event or timer changed. ``held``: the shopper's held events after it, in
+    event-time order; None when they are the ones before plus ``held_added`` (appended, the
+    others untouched: all the operator writes for an event it holds)."""
+
     state: SessionState | None
-    held: tuple[ShopperEvent, ...]
+    held: tuple[ShopperEvent, ...] | None
+    held_added: tuple[ShopperEvent, ...] = ()
     counts: dict[str, int] = field(default_factory=dict)
     timers: list[int] = field(default_factory=list)
     dead_letters: list[DeadLetter] = field(default_factory=list)
@@ -77,6 +93,14 @@ def release(
     return held[:at], held[at:]
 
 
+def in_time_order(held: Iterable[ShopperEvent]) -> tuple[ShopperEvent, ...]:
+    """Held events as appended (arrival order) sorted by event time, ties in arrival order."""
+    return tuple(sorted(held, key=_event_time))
+
+
+_event_time = attrgetter("event_time_ms")
+
+
 def is_held(event: ShopperEvent, watermark_ms: int) -> bool:
     """Whether :func:`on_event` will hold ``event`` (and so needs no session state)."""
     return event.event_time_ms > watermark_ms
@@ -84,15 +108,18 @@ def is_held(event: ShopperEvent, watermark_ms: int) -> bool:
 
 def on_event(
     state: SessionState | None,
-    held: tuple[ShopperEvent, ...],
+    held: Iterable[ShopperEvent],
     event: ShopperEvent,
     watermark_ms: int,
     config: AppConfig,
     render: Renderer,
 ) -> Step:
+    """Hold ``event`` or, behind the watermark, apply it; ``held`` in any order. An operator
+    that holds the event needs only :func:`hold_event` (no held events read)."""
     if is_held(event, watermark_ms):
-        step = Step(state, hold(held, event), timers=[earliest_fire_ms(event, config.trigger)])
-        step.count("events_held")
+        held = in_time_order(held)
+        step = hold_event(event, len(held), config, state)
+        step.held = hold(held, event) if step.held_added else held
         return step
     # Held events the watermark has passed may wait for a later timer (earliest_fire_ms).
     step = on_timer(state, held, watermark_ms, config, render)
@@ -101,14 +128,41 @@ def on_event(
     return step
 
 
+def hold_event(
+    event: ShopperEvent, held_count: int, config: AppConfig, state: SessionState | None = None
+) -> Step:
+    """Hold ``event``, which is ahead of the watermark, given how many the shopper holds: it
+    is appended (``Step.held_added``) with a timer at the first time it could make the
+    trigger fire, or, with ``session.max_held_events`` held already, dead-lettered."""
+    if held_count >= config.session.max_held_events:
+        step = Step(state, None)
+        step.count("events_held_overflow")
+        step.dead_letters.append(
+            DeadLetter(
+                "hold",
+                "too_many_held",
+                f"the shopper already has {held_count} events waiting for the watermark "
+                f"(session.max_held_events); events stamped ahead of the clock arrive faster "
+                "than event time passes them",
+                shopper_id=event.shopper_id,
+                context={"event": event},
+            )
+        )
+        return step
+    step = Step(state, None, (event,), timers=[earliest_fire_ms(event, config.trigger)])
+    step.count("events_held")
+    return step
+
+
 def on_timer(
     state: SessionState | None,
-    held: tuple[ShopperEvent, ...],
+    held: Iterable[ShopperEvent],
     timestamp_ms: int,
     config: AppConfig,
     render: Renderer,
 ) -> Step:
-    due, rest = release(held, timestamp_ms)
+    """Replay the shopper's timeline up to ``timestamp_ms``; ``held`` in any order."""
+    due, rest = release(in_time_order(held), timestamp_ms)
     step = Step(state, rest)
     for at_ms, same_time in groupby(due, key=lambda e: e.event_time_ms):
         _wake(step, at_ms - 1, config, render)

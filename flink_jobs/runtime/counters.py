@@ -7,7 +7,7 @@ about once a second, and once more when the operator closes. The hash is what th
 progress line and the integration test's accounting read:
 
     events_in = events_accepted + events_late_folded + events_duplicate
-              + events_late_dropped + dead_letter_decode
+              + events_late_dropped + events_held_overflow + dead_letter_decode
 
 Timings (LLM latency, event-to-intent latency) are kept as samples: the newest
 ``MAX_SAMPLES`` values of each in a list at ``{prefix}:samples:<name>``, for percentiles.

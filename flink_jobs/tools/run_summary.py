@@ -4,7 +4,7 @@ the vLLM workers' own metrics. Shared by the demo's console and the integration 
 The accounting identity every run must satisfy (see ``stats.py`` for the counters)::
 
     events_in = events_accepted + events_late_folded + events_duplicate
-              + events_late_dropped + dead_letter_decode
+              + events_late_dropped + events_held_overflow + dead_letter_decode
 
 and every prompt sent ends as exactly one of: an intent written, a stale write skipped
 (a newer intent was already there), superseded by a newer prompt (before it was sent,
@@ -31,6 +31,7 @@ EVENT_OUTCOMES = (
     "events_late_folded",
     "events_duplicate",
     "events_late_dropped",
+    "events_held_overflow",
     "dead_letter_decode",
 )
 PROMPT_OUTCOMES = (
