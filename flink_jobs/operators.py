@@ -94,9 +94,7 @@ class DecodeEvents(ProcessFunction, _Counted):
     Both go out on the main output, and the keyed operator emits the dead letters (it
     has that side output anyway). With a side output of its own, PyFlink does not chain
     this operator with ``key_by``'s key selector: two calls into the interpreter per
-    record instead of one, measured as 0.05 ms more JVM CPU per record (0.25 against
-    0.195 ms in ``bench/pyflink_floor.py``'s ``job_decode`` shape), about a tenth of the
-    job's.
+    record instead of one (the cost, in ``bench/README.md``).
     """
 
     def __init__(self, config: AppConfig) -> None:
@@ -158,9 +156,9 @@ def held_states(runtime_context: RuntimeContext, config: AppConfig) -> tuple[Lis
 
 class _RecentSessions:
     """The newest session states by shopper, as objects: a read from keyed state unpickles
-    the whole session (tens of microseconds for forty events), and the operator is the only
-    writer of that state, so what it last wrote is what the state holds. Rebuilt empty
-    whenever the operator opens (a restore included)."""
+    the whole session, and the operator is the only writer of that state, so what it last
+    wrote is what the state holds. Rebuilt empty whenever the operator opens (a restore
+    included)."""
 
     def __init__(self, size: int) -> None:
         self._size = size
