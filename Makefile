@@ -4,12 +4,18 @@ SHELL := /bin/bash
 VENV := $(or $(SI_CACHE_DIR),$(CURDIR)/.cache)/venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo test unit service model lint format bench bench-routing
+.PHONY: setup demo eval test unit service model lint format bench bench-routing
 setup:
 	@bash scripts/setup.sh
 
 demo: setup
 	$(PY) -m flink_jobs.tools demo $(ARGS)
+
+# Intent quality with the real model (flink_jobs/tools/eval_runner.py): every template arm over
+# the same events, scored against what each shopper did next; bench/results/intent_quality.*.
+# ARGS="--events data/complete_journey.jsonl --dataset complete_journey" for the second dataset.
+eval: setup
+	$(PY) -m flink_jobs.tools eval $(ARGS)
 
 test: setup
 	$(PY) -m pytest tests $(ARGS)

@@ -9,6 +9,10 @@
 
 ``shopper-intents run``
     Runs the job against the endpoints in the configuration (env / properties file).
+
+``shopper-intents eval``
+    Runs the job bounded with the real model once per template arm over the same events
+    and scores every intent against what the shopper did next (``eval_runner``).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import redis
 
 from flink_jobs.config import ConfigError, load_config
 from flink_jobs.paths import cache_dir, resource_dir
+from flink_jobs.tools import eval_runner
 from flink_jobs.tools.local_services import stop_on_sigterm
 from flink_jobs.tools.run_summary import (
     events_accounted,
@@ -68,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         "--timeout", type=float, default=1200.0, help="give up after this many seconds"
     )
     sub.add_parser("run", help="run the job against the configured endpoints")
+    eval_runner.add_parser(sub)
     args = parser.parse_args(argv)
     stop_on_sigterm()
     logging.basicConfig(
@@ -81,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
 
             run_job()
             return 0
+        if args.command == "eval":
+            return eval_runner.run_eval(args)
         return run_demo(args)
     except ConfigError as exc:
         log.error("configuration error: %s", exc)

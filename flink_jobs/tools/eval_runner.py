@@ -1,0 +1,377 @@
+"""``shopper-intents eval``: the real job, bounded, with the real model, once per template
+arm over the same events; every intent write scored against what the shopper did next.
+
+Steps, in the order :func:`run_eval` takes them:
+
+1. read the events file, keep the first ``--shoppers`` shoppers, and move every event
+   time by one delta so the newest lands on the wall clock (spacing and order kept, so
+   sessions and trigger points are those of the file);
+2. start the embedded stack (broker, Redis, vLLM workers on the CPU, the router) and
+   write the events to one topic;
+3. per arm: run the job bounded (``kafka.bounded``) from the topic's start with the
+   arm's template, its own key prefix and notification stream, and ``llm.latest_wins``
+   off, so every trigger point gets a model answer whatever the model's speed; read
+   every landed write from the stream, and the cost from the counters (the job's LLM
+   calls, vLLM's prompt, output and prefix-cache tokens);
+4. score with :func:`flink_jobs.tools.intent_eval.evaluate`: every arm's model writes
+   beside the rules-only intent and no intent on the same writes, both over each arm's
+   own writes and over the trigger points every arm answered (like with like);
+5. write ``bench/results/intent_quality.json`` (one entry per dataset), a markdown
+   report beside it and a plot.
+
+Greedy decoding (``llm.temperature`` 0) and seeded candidates make a rerun on the same
+host give the same figures, up to the order in which a worker batches requests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+import redis
+from prometheus_client.parser import text_string_to_metric_families
+
+from flink_jobs.config import load_config
+from flink_jobs.core.events import ShopperEvent, decode_event
+from flink_jobs.paths import cache_dir, resource_dir
+from flink_jobs.tools import intent_eval
+from flink_jobs.tools.run_summary import read_stats
+
+log = logging.getLogger(__name__)
+
+RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
+DEFAULT_TEMPLATES = ("shopper_intent_v1.j2", "shopper_intent_v2.j2")
+DEFAULT_SHOPPERS = 40
+#: vLLM's counters read per arm (their deltas are the arm's cost).
+VLLM_COUNTERS = (
+    "vllm:prompt_tokens",
+    "vllm:generation_tokens",
+    "vllm:prefix_cache_queries",
+    "vllm:prefix_cache_hits",
+    "vllm:request_success",
+)
+
+
+@dataclass
+class ArmRun:
+    template: str
+    prefix: str
+    writes: list[intent_eval.IntentWrite]
+    stats: dict[str, int]
+    cost: dict[str, float]
+    elapsed_s: float
+    dead_letters: dict[str, int] = field(default_factory=dict)
+
+
+# --- the events ------------------------------------------------------------------------------
+
+
+def select_records(path: Path, shoppers: int) -> list[bytes]:
+    """The records of the first ``shoppers`` shoppers of the file (0: all), bad ones dropped:
+    the eval scores intents, the bad records have their own tests."""
+    from flink_jobs.tools.cli import first_shoppers
+    from flink_jobs.tools.replay import read_records
+
+    kept = first_shoppers(read_records(path), shoppers)
+    return [r.value for r in kept if _parsed(r.value) is not None]
+
+
+def _parsed(value: bytes) -> dict[str, Any] | None:
+    try:
+        doc = orjson.loads(value)
+    except orjson.JSONDecodeError:
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def moved_to_now(values: Sequence[bytes], now_ms: int) -> tuple[list[bytes], list[ShopperEvent]]:
+    """The records with every event time moved by one delta so the newest is ``now_ms``,
+    and the events they decode to (what the job will see, for scoring)."""
+    from flink_jobs.tools.replay import plan_replay
+
+    planned = plan_replay(list(values), rebase_to_ms=now_ms, rebase_anchor="last")
+    records = [p.value for p in planned]
+    events = []
+    for raw in records:
+        decoded = decode_event(raw, None, now_ms=now_ms, max_bytes=len(raw) + 1)
+        if isinstance(decoded, ShopperEvent):
+            events.append(decoded)
+    return records, events
+
+
+# --- one arm -----------------------------------------------------------------------------------
+
+
+def read_vllm_counters(worker_urls: Sequence[str]) -> dict[str, float]:
+    totals = dict.fromkeys(VLLM_COUNTERS, 0.0)
+    for url in worker_urls:
+        text = httpx.get(f"{url.rstrip('/')}/metrics", timeout=5.0).text
+        for family in text_string_to_metric_families(text):
+            if family.name in totals:
+                totals[family.name] += sum(
+                    s.value for s in family.samples if s.name.endswith("_total")
+                )
+    return totals
+
+
+def read_writes(client: redis.Redis, stream: str) -> list[intent_eval.IntentWrite]:
+    """Every landed write announced on the arm's notification stream, oldest first."""
+    writes = []
+    for _entry_id, fields in client.xrange(stream):
+        record = {k.decode(): v.decode() for k, v in fields.items()}
+        if "intent" not in record:
+            raise RuntimeError(
+                f"{stream}: notification entries carry no intent; the job's writer predates"
+                " the eval's needs"
+            )
+        writes.append(intent_eval.IntentWrite.from_record(record["shopper_id"], record))
+    return writes
+
+
+def run_arm(
+    template: str, index: int, topic: str, overrides: dict[str, dict[str, Any]], workers: list[str]
+) -> ArmRun:
+    from flink_jobs.job import create_job
+
+    prefix = f"eval{index}-{time.strftime('%H%M%S')}"
+    arm = {
+        **overrides,
+        "kafka": {
+            **overrides["kafka"],
+            "events_topic": topic,
+            "dead_letter_topic": f"{prefix}-dlq",
+            "group_id": prefix,
+            "starting_offsets": "earliest",
+            "bounded": True,
+        },
+        "redis": {**overrides["redis"], "key_prefix": prefix, "notify_stream": f"{prefix}:updates"},
+        "prompt": {"template": template},
+        "llm": {**overrides["llm"], "latest_wins": False},
+    }
+    config = load_config(overrides=arm)
+    before = read_vllm_counters(workers)
+    started = time.monotonic()
+    log.info("arm %s: running the job bounded over %s", template, topic)
+    create_job(config).execute(f"eval-{prefix}")
+    elapsed = time.monotonic() - started
+    after = read_vllm_counters(workers)
+    client = redis.Redis.from_url(config.redis.url)
+    try:
+        stats = read_stats(client, prefix)
+        writes = [w for w in read_writes(client, config.redis.notify_stream) if w.source == "model"]
+    finally:
+        client.close()
+    delta = {name.removeprefix("vllm:"): after[name] - before[name] for name in VLLM_COUNTERS}
+    cost = {
+        "llm_calls": stats.get("llm_calls", 0),
+        "prompt_tokens": delta["prompt_tokens"],
+        "output_tokens": delta["generation_tokens"],
+        "prefix_cache_hit_ratio": (
+            delta["prefix_cache_hits"] / delta["prefix_cache_queries"]
+            if delta["prefix_cache_queries"]
+            else None
+        ),
+        "prompt_tokens_per_call": delta["prompt_tokens"] / max(1.0, delta["request_success"]),
+        "computed_prompt_tokens_per_call": (delta["prompt_tokens"] - delta["prefix_cache_hits"])
+        / max(1.0, delta["request_success"]),
+    }
+    dead = {k: v for k, v in stats.items() if k.startswith("dead_letter")}
+    log.info("arm %s: %d model writes in %.0f s", template, len(writes), elapsed)
+    return ArmRun(template, prefix, writes, stats, cost, elapsed, dead)
+
+
+# --- the result --------------------------------------------------------------------------------
+
+
+def common_points(arms: Sequence[ArmRun]) -> set[tuple[str, int]]:
+    """The (shopper, version) points every arm wrote a model intent for."""
+    sets = [{(w.shopper_id, w.version_ts) for w in arm.writes} for arm in arms]
+    return set.intersection(*sets) if sets else set()
+
+
+def score(
+    events: Sequence[ShopperEvent], arms: Sequence[ArmRun], session_gap_s: float
+) -> dict[str, Any]:
+    common = common_points(arms)
+    every = [w for arm in arms for w in arm.writes]
+    shared = [w for w in every if (w.shopper_id, w.version_ts) in common]
+    all_writes = intent_eval.evaluate(events, every, session_gap_s=session_gap_s)
+    like = intent_eval.evaluate(events, shared, session_gap_s=session_gap_s)
+    return {
+        "common_points": len(common),
+        "own_writes": all_writes.as_dict(),
+        "same_writes": like.as_dict(),
+        "table_own": intent_eval.format_table(all_writes),
+        "table_same": intent_eval.format_table(like),
+        "grounded_categories": grounded_share(arms),
+        "browsing_with_signal": {g.template: g.intent.browsing_with_signal for g in like.groups},
+    }
+
+
+def grounded_share(arms: Sequence[ArmRun]) -> dict[str, dict[str, int]]:
+    """Per arm: model writes, and how many named a category outside the session's (the job
+    dead-letters those, so they show as ``dead_letter`` counts, never as writes)."""
+    return {
+        arm.template: {
+            "model_writes": len(arm.writes),
+            "ungrounded_dead_letters": arm.stats.get("dead_letter_intent_ungrounded_category", 0),
+        }
+        for arm in arms
+    }
+
+
+def write_results(dataset: str, document: dict[str, Any], out_dir: Path) -> Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "intent_quality.json"
+    existing = orjson.loads(path.read_bytes()) if path.exists() else {"datasets": {}}
+    existing["datasets"][dataset] = document
+    path.write_bytes(orjson.dumps(existing, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS))
+    (out_dir / "intent_quality.md").write_text(render_markdown(existing))
+    _plot(existing, out_dir / "intent_quality.png")
+    return path
+
+
+def render_markdown(results: dict[str, Any]) -> str:
+    lines = ["# Intent quality (`shopper-intents eval`)", ""]
+    for name, doc in sorted(results["datasets"].items()):
+        lines += [
+            f"## {name}: {doc['events']} events of {doc['shoppers']} shoppers, "
+            f"{doc['scores']['common_points']} trigger points answered by every arm",
+            "",
+            f"Run {doc['when']} on {doc['host']}; {doc['elapsed_s']:.0f} s.",
+            "",
+            "Like with like (the points every arm answered):",
+            "",
+            doc["scores"]["table_same"],
+            "",
+            "Each arm's own writes:",
+            "",
+            doc["scores"]["table_own"],
+            "",
+            "| arm | model writes | LLM calls | prompt tokens/call | computed/call | output tokens"
+            " | prefix-cache hit ratio | dead letters |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        ]
+        for arm in doc["arms"]:
+            c = arm["cost"]
+            ratio = c["prefix_cache_hit_ratio"]
+            lines.append(
+                f"| {arm['template']} | {arm['model_writes']} | {c['llm_calls']} "
+                f"| {c['prompt_tokens_per_call']:.0f} | {c['computed_prompt_tokens_per_call']:.0f} "
+                f"| {c['output_tokens']:.0f} | {'' if ratio is None else f'{ratio:.3f}'} "
+                f"| {arm['dead_letters']} |"
+            )
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _plot(results: dict[str, Any], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log.info("matplotlib is not installed (make bench installs it): no plot")
+        return
+    names = sorted(results["datasets"])
+    fig, axes = plt.subplots(1, len(names), figsize=(6 * len(names), 4), squeeze=False)
+    for ax, name in zip(axes[0], names, strict=True):
+        groups = results["datasets"][name]["scores"]["same_writes"]["groups"]
+        labels, values = [], []
+        for g in groups:
+            for arm in ("intent", "rules", "no_intent"):
+                labels.append(f"{g['template'].removeprefix('shopper_intent_')}\n{arm}")
+                values.append(g[arm].get("ndcg_at_10") or 0.0)
+        ax.bar(range(len(values)), values)
+        ax.set_xticks(range(len(values)), labels, fontsize=7)
+        ax.set_title(f"{name}: re-ranking NDCG@10 (same writes)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+# --- the command -------------------------------------------------------------------------------
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    import platform
+
+    from flink_jobs.tools.embedded_stack import start_embedded_stack
+    from flink_jobs.tools.replay import replay_records
+
+    values = select_records(args.events, args.shoppers)
+    records, events = moved_to_now(values, int(time.time() * 1000))
+    shoppers = len({e.shopper_id for e in events})
+    log.info("eval over %d events of %d shoppers from %s", len(events), shoppers, args.events)
+    workdir = args.workdir or cache_dir() / "eval"
+    topic = "eval-events"
+    started = time.monotonic()
+    with start_embedded_stack(workdir, [topic], llm_workers=args.llm_workers) as stack:
+        summary = replay_records(stack.bootstrap, topic, records)
+        if not summary.ok:
+            raise RuntimeError(summary.describe(topic))
+        overrides = stack.config_overrides()
+        arms = [
+            run_arm(t, i, topic, overrides, stack.llm.worker_urls)
+            for i, t in enumerate(args.templates)
+        ]
+    config = load_config(environ={})
+    document = {
+        "dataset": args.dataset,
+        "events_file": str(args.events),
+        "events": len(events),
+        "shoppers": shoppers,
+        "when": time.strftime("%Y-%m-%d %H:%M"),
+        "host": platform.processor() or platform.machine(),
+        "elapsed_s": time.monotonic() - started,
+        "arms": [
+            {
+                "template": a.template,
+                "model_writes": len(a.writes),
+                "cost": a.cost,
+                "stats": a.stats,
+                "dead_letters": a.dead_letters,
+                "elapsed_s": a.elapsed_s,
+            }
+            for a in arms
+        ],
+        "scores": score(events, arms, config.session.gap_s),
+    }
+    path = write_results(args.dataset, document, args.out)
+    print(document["scores"]["table_same"])
+    print(f"\nwritten to {path} and {path.with_suffix('.md')}")
+    return 0
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("eval", help="score intents against what shoppers did next (real model)")
+    p.add_argument(
+        "--events",
+        type=Path,
+        default=resource_dir("sample") / "sample_sessions.jsonl",
+        help="events file (JSONL/CSV)",
+    )
+    p.add_argument("--dataset", default="sample", help="the name its figures are filed under")
+    p.add_argument(
+        "--shoppers",
+        type=int,
+        default=DEFAULT_SHOPPERS,
+        help="the first N shoppers (default %(default)s; 0: all)",
+    )
+    p.add_argument(
+        "--templates",
+        type=lambda s: tuple(t for t in s.split(",") if t),
+        default=DEFAULT_TEMPLATES,
+        help="comma-separated template arms (default %(default)s)",
+    )
+    p.add_argument("--llm-workers", type=int, default=2, help="vLLM workers (one core each)")
+    p.add_argument("--workdir", type=Path, default=None, help="logs (default: <cache>/eval)")
+    p.add_argument("--out", type=Path, default=RESULTS, help="results folder (bench/results)")

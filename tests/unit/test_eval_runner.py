@@ -1,0 +1,37 @@
+"""The eval command's pure steps: the events it replays, the points it compares, its report."""
+
+from __future__ import annotations
+
+import orjson
+
+from flink_jobs.core.events import parse_event_time
+from flink_jobs.tools import eval_runner
+from flink_jobs.tools.intent_eval import IntentWrite
+from intent_reader.client import IntentLabel
+from tests.builders import raw_event
+
+
+def _time(value: bytes) -> int:
+    return parse_event_time(orjson.loads(value)["event_time"])
+
+
+def test_moved_events_keep_their_spacing_and_the_newest_lands_on_now():
+    values = [raw_event(at_s=s, event_id=i, query="shoes") for i, s in (("a", 0.0), ("b", 30.0))]
+    now = 1_800_000_000_000
+    records, events = eval_runner.moved_to_now(values, now)
+    assert [_time(r) for r in records] == [now - 30_000, now]
+    assert [e.event_time_ms for e in events] == [now - 30_000, now]
+
+
+def test_only_points_every_arm_answered_are_common():
+    def write(shopper: str, version: int) -> IntentWrite:
+        return IntentWrite(shopper, version, (IntentLabel("browsing", 0.5, None),))
+
+    def arm(*writes: IntentWrite) -> eval_runner.ArmRun:
+        return eval_runner.ArmRun("t", "p", list(writes), {}, {}, 0.0)
+
+    arms = [
+        arm(write("s1", 1), write("s1", 2), write("s2", 1)),
+        arm(write("s1", 2), write("s2", 1)),
+    ]
+    assert eval_runner.common_points(arms) == {("s1", 2), ("s2", 1)}
