@@ -4,8 +4,12 @@
 
     reader = IntentReader.from_url("redis://cache:6379/0", max_age_s=900)
     intent = reader.get("shopper-42")                    # ShopperIntent | None
+    intent.facts, intent.source                          # grounded facts; "model" | "rules"
     intents = reader.get_many(["shopper-42", "s-7"])     # one round trip
     ranked = rerank([Candidate("p1", 0.8, "Running Shoes"), ...], intent)
+
+    reader = AsyncIntentReader.from_url("redis://cache:6379/0")   # asyncio services
+    intent = await reader.get("shopper-42")
 
     updates = IntentUpdates.from_url("redis://cache:6379/0", "si:intent-updates")
     for update in updates.follow():                      # when redis.notify_stream is set
@@ -15,6 +19,7 @@ The Redis layout is documented in ``docs/redis_layout.md``.
 """
 
 from intent_reader.client import (
+    AsyncIntentReader,
     IntentLabel,
     IntentReader,
     IntentReaderError,
@@ -28,6 +33,7 @@ from intent_reader.rerank import Candidate, Ranked, RerankWeights, rerank
 from intent_reader.updates import IntentUpdate, IntentUpdates, MalformedUpdateError
 
 __all__ = [
+    "AsyncIntentReader",
     "Candidate",
     "IntentLabel",
     "IntentReader",

@@ -15,12 +15,20 @@ Behaviour:
   is treated as missing and logged, or raises :class:`MalformedIntentError` when the
   reader is ``strict``.
 
+Beside the model's answer a record carries what the job knows exactly (``facts``: the
+session's categories, brands, price band, cart, last purchase and searches, decoded JSON)
+and what made it (``source``: ``"model"``, or ``"rules"`` for the rules-only record the job
+writes the moment a prompt fires, which the model's answer then replaces). Records written
+before those fields existed read with ``facts=None`` and ``source="model"``.
+
 ``age_ms`` is the reader's clock minus ``version_ts``: how long ago the newest event the
 intent reflects happened (clamped at 0 for clocks that disagree). ``written_age_ms`` is the
 same for the time the intent landed in Redis (``written_at_ms``, Redis server time).
 
 A batch is one pipelined round trip of ``HMGET`` calls (not a transaction; on Redis
 Cluster each key is read from its own slot by a cluster-aware client).
+:class:`IntentReader` reads over ``redis.Redis``, :class:`AsyncIntentReader` (the same API,
+coroutines) over ``redis.asyncio.Redis``.
 
 Errors::
 
@@ -39,8 +47,15 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import redis
+import redis.asyncio
 
-from intent_reader.layout import DEFAULT_PREFIX, HASH_FIELDS, intent_key
+from intent_reader.layout import (
+    DEFAULT_PREFIX,
+    DEFAULT_SOURCE,
+    HASH_FIELDS,
+    OPTIONAL_FIELDS,
+    intent_key,
+)
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +119,15 @@ class ShopperIntent:
     written_age_ms: int
     stale: bool
     intent_json: str
+    # What made the intent: "model", or "rules" (see the module docstring).
+    source: str = DEFAULT_SOURCE
+    # The session's grounded facts (decoded JSON, docs/redis_layout.md); None when absent.
+    facts: Any = None
+
+    @property
+    def is_rules_only(self) -> bool:
+        """Whether the model has not answered for this version yet (or failed to)."""
+        return self.source == "rules"
 
     @property
     def age_s(self) -> float:
@@ -160,10 +184,10 @@ def parse_intent(
     if all(v is None for v in values):
         return None
     data = dict(zip(FIELDS, values, strict=True))
-    absent = [name for name, value in data.items() if value is None]
+    absent = [name for name, value in data.items() if value is None and name not in OPTIONAL_FIELDS]
     if absent:
         raise MalformedIntentError(shopper_id, f"missing fields {', '.join(absent)}")
-    text = {name: _text(value) for name, value in data.items()}  # type: ignore[arg-type]
+    text = {name: _text(value) for name, value in data.items() if value is not None}
     try:
         version_ts = int(text["version_ts"])
         written_at_ms = int(text["written_at_ms"])
@@ -186,6 +210,8 @@ def parse_intent(
             written_age_ms=max(0, now_ms - written_at_ms),
             stale=age_ms > max_age_ms,
             intent_json=text["intent"],
+            source=text.get("source") or DEFAULT_SOURCE,
+            facts=json.loads(text["facts"]) if text.get("facts") else None,
         )
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise MalformedIntentError(shopper_id, str(e)) from e
@@ -194,15 +220,12 @@ def parse_intent(
 # --- the client --------------------------------------------------------------------------
 
 
-class IntentReader:
-    """Get and batch-get intents over a ``redis.Redis`` client (thread-safe like the client).
-
-    ``max_age_s`` and ``stale`` set the default staleness rule; each call may override them.
-    """
+class _ReaderSettings:
+    """What both readers share: the staleness rule and turning replies into intents."""
 
     def __init__(
         self,
-        client: redis.Redis,
+        client: Any,
         prefix: str = DEFAULT_PREFIX,
         max_age_s: float = DEFAULT_MAX_AGE_S,
         stale: StalePolicy = "flag",
@@ -219,36 +242,15 @@ class IntentReader:
         self.strict = strict
         self._clock = clock
 
-    @classmethod
-    def from_url(cls, url: str, timeout_s: float = 0.05, **kwargs: Any) -> IntentReader:
-        """A reader with its own client; the timeouts suit a ranking request's budget."""
-        client = redis.Redis.from_url(
-            url, socket_timeout=timeout_s, socket_connect_timeout=max(timeout_s, 0.5)
-        )
-        return cls(client, **kwargs)
-
-    def get(
+    def _results(
         self,
-        shopper_id: str,
-        max_age_s: float | None = None,
-        stale: StalePolicy | None = None,
-    ) -> ShopperIntent | None:
-        """The intent of ``shopper_id``; None when missing (or stale, with ``stale="drop"``)."""
-        return self.get_many([shopper_id], max_age_s, stale)[shopper_id]
-
-    def get_many(
-        self,
-        shopper_ids: Iterable[str],
-        max_age_s: float | None = None,
-        stale: StalePolicy | None = None,
+        ids: Sequence[str],
+        replies: Sequence[Sequence[Any]],
+        max_age_s: float | None,
+        stale: StalePolicy | None,
     ) -> dict[str, ShopperIntent | None]:
-        """Each requested shopper mapped to its intent or None, in order (one round trip)."""
-        ids = list(dict.fromkeys(shopper_ids))
-        if not ids:
-            return {}
         policy = self.stale if stale is None else _check_policy(stale)
         max_age_ms = int((self.max_age_s if max_age_s is None else max_age_s) * 1000)
-        replies = self._hmget_all(ids)
         now_ms = int(self._clock() * 1000)
         out: dict[str, ShopperIntent | None] = {}
         for shopper_id, values in zip(ids, replies, strict=True):
@@ -270,6 +272,48 @@ class IntentReader:
             log.warning("%s; treated as missing", e)
             return None
 
+
+def _client_timeouts(timeout_s: float) -> dict[str, float]:
+    """Timeouts that suit a ranking request's budget."""
+    return {"socket_timeout": timeout_s, "socket_connect_timeout": max(timeout_s, 0.5)}
+
+
+class IntentReader(_ReaderSettings):
+    """Get and batch-get intents over a ``redis.Redis`` client (thread-safe like the client).
+
+    ``max_age_s`` and ``stale`` set the default staleness rule; each call may override them.
+    """
+
+    client: redis.Redis
+
+    @classmethod
+    def from_url(cls, url: str, timeout_s: float = 0.05, **kwargs: Any) -> IntentReader:
+        """A reader with its own client; the timeouts suit a ranking request's budget."""
+        return cls(redis.Redis.from_url(url, **_client_timeouts(timeout_s)), **kwargs)
+
+    def get(
+        self,
+        shopper_id: str,
+        max_age_s: float | None = None,
+        stale: StalePolicy | None = None,
+    ) -> ShopperIntent | None:
+        """The intent of ``shopper_id``; None when missing (or stale, with ``stale="drop"``)."""
+        return self.get_many([shopper_id], max_age_s, stale)[shopper_id]
+
+    def get_many(
+        self,
+        shopper_ids: Iterable[str],
+        max_age_s: float | None = None,
+        stale: StalePolicy | None = None,
+    ) -> dict[str, ShopperIntent | None]:
+        """Each requested shopper mapped to its intent or None, in order (one round trip)."""
+        ids = list(dict.fromkeys(shopper_ids))
+        if not ids:
+            return {}
+        if stale is not None:
+            _check_policy(stale)
+        return self._results(ids, self._hmget_all(ids), max_age_s, stale)
+
     def _hmget_all(self, ids: Sequence[str]) -> list[Sequence[Any]]:
         try:
             with self.client.pipeline(transaction=False) as pipe:
@@ -284,3 +328,51 @@ def _check_policy(stale: str) -> StalePolicy:
     if stale not in ("flag", "drop"):
         raise ValueError(f"stale must be 'flag' or 'drop', got {stale!r}")
     return stale  # type: ignore[return-value]
+
+
+class AsyncIntentReader(_ReaderSettings):
+    """:class:`IntentReader` for asyncio services, over a ``redis.asyncio.Redis`` client:
+    the same settings and results, ``get`` and ``get_many`` awaited."""
+
+    client: redis.asyncio.Redis
+
+    @classmethod
+    def from_url(cls, url: str, timeout_s: float = 0.05, **kwargs: Any) -> AsyncIntentReader:
+        """A reader with its own client; the timeouts suit a ranking request's budget."""
+        return cls(redis.asyncio.Redis.from_url(url, **_client_timeouts(timeout_s)), **kwargs)
+
+    async def get(
+        self,
+        shopper_id: str,
+        max_age_s: float | None = None,
+        stale: StalePolicy | None = None,
+    ) -> ShopperIntent | None:
+        """The intent of ``shopper_id``; None when missing (or stale, with ``stale="drop"``)."""
+        return (await self.get_many([shopper_id], max_age_s, stale))[shopper_id]
+
+    async def get_many(
+        self,
+        shopper_ids: Iterable[str],
+        max_age_s: float | None = None,
+        stale: StalePolicy | None = None,
+    ) -> dict[str, ShopperIntent | None]:
+        """Each requested shopper mapped to its intent or None, in order (one round trip)."""
+        ids = list(dict.fromkeys(shopper_ids))
+        if not ids:
+            return {}
+        if stale is not None:
+            _check_policy(stale)
+        return self._results(ids, await self._hmget_all(ids), max_age_s, stale)
+
+    async def _hmget_all(self, ids: Sequence[str]) -> list[Sequence[Any]]:
+        try:
+            async with self.client.pipeline(transaction=False) as pipe:
+                for shopper_id in ids:
+                    pipe.hmget(intent_key(shopper_id, self.prefix), FIELDS)
+                return list(await pipe.execute())
+        except (redis.ConnectionError, redis.TimeoutError) as e:
+            raise ReaderUnavailableError(f"Redis unavailable: {e}") from e
+
+    async def aclose(self) -> None:
+        """Close the client (a reader made by :meth:`from_url` owns it)."""
+        await self.client.aclose()

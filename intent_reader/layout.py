@@ -14,8 +14,14 @@ DEFAULT_PREFIX = "si"
 #: How long a shopper's intent hash lives after its last write.
 DEFAULT_TTL_MS = 24 * 60 * 60 * 1000
 
-#: The two fields that order writes: a write lands only if its pair is newer.
+#: The two fields that order writes, with the rank of ``source`` (below) as the third term.
 VERSION_FIELDS = ("version_ts", "version_seq")
+
+#: What made a record: the model's answer, or the rules alone (``flink_jobs.core.grounding``)
+#: written the moment its prompt fired. At an equal ``(version_ts, version_seq)`` the higher
+#: rank wins; a record without ``source`` (written before the field existed) ranks as model.
+SOURCE_RANKS = {"rules": 0, "model": 1}
+DEFAULT_SOURCE = "model"
 
 #: Fields written by every successful upsert, in this order (after the two version fields).
 RECORD_FIELDS = (
@@ -27,7 +33,13 @@ RECORD_FIELDS = (
     "template",
     "template_hash",
     "model",
+    "facts",
+    "source",
 )
+
+#: Fields of :data:`RECORD_FIELDS` that records written before them lack: readers take a
+#: missing ``source`` as :data:`DEFAULT_SOURCE` and a missing ``facts`` as unknown.
+OPTIONAL_FIELDS = ("facts", "source")
 
 #: Set by the script itself when a write lands (Redis's clock, not the writer's).
 WRITTEN_AT_FIELD = "written_at_ms"
@@ -35,8 +47,12 @@ WRITTEN_AT_FIELD = "written_at_ms"
 #: Every field of an intent hash, in the order readers fetch them (HMGET).
 HASH_FIELDS = (*VERSION_FIELDS, *RECORD_FIELDS, WRITTEN_AT_FIELD)
 
-#: Fields of each update notification (an entry of ``redis.notify_stream``), in this order.
-NOTIFY_FIELDS = ("shopper_id", "version_ts", "version_seq", "top_label", WRITTEN_AT_FIELD)
+#: Fields every update notification (an entry of ``redis.notify_stream``) carries.
+NOTIFY_REQUIRED_FIELDS = ("shopper_id", "version_ts", "version_seq", "top_label", WRITTEN_AT_FIELD)
+
+#: Fields of each update notification, in this order: the required ones, then what the write
+#: was (entries appended before these existed lack them).
+NOTIFY_FIELDS = (*NOTIFY_REQUIRED_FIELDS, "source", "template", "model", "intent")
 
 
 def intent_key(shopper_id: str, prefix: str = DEFAULT_PREFIX) -> str:

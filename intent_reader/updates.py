@@ -3,7 +3,11 @@
 The job appends one entry per landed intent write to the stream named by
 ``redis.notify_stream`` (off by default; ``docs/redis_layout.md``, "Update notifications"):
 
-    shopper_id  version_ts  version_seq  top_label  written_at_ms
+    shopper_id  version_ts  version_seq  top_label  written_at_ms  source  template  model
+    intent
+
+(entries appended by a job older than ``source``, ``template``, ``model`` and ``intent``
+lack those four: they parse with ``source="model"`` and the others empty)::
 
     updates = IntentUpdates.from_url("redis://cache:6379/0", "si:intent-updates")
     for update in updates.follow(idle_timeout_s=30):   # IntentUpdate, oldest first
@@ -28,6 +32,7 @@ stream; this helper is the single-reader case.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -36,7 +41,7 @@ from typing import Any
 import redis
 
 from intent_reader.client import IntentReaderError, ReaderUnavailableError
-from intent_reader.layout import NOTIFY_FIELDS
+from intent_reader.layout import DEFAULT_SOURCE, NOTIFY_FIELDS, NOTIFY_REQUIRED_FIELDS
 
 #: The fields of each stream entry.
 UPDATE_FIELDS = NOTIFY_FIELDS
@@ -56,10 +61,19 @@ class IntentUpdate:
     version_seq: int
     top_label: str
     written_at_ms: int
+    source: str = DEFAULT_SOURCE  # "model" or "rules"
+    template: str = ""
+    model: str = ""
+    intent_json: str = ""  # the intent written (JSON), "" in entries that predate it
 
     @property
     def version(self) -> tuple[int, int]:
         return (self.version_ts, self.version_seq)
+
+    @property
+    def intent(self) -> Any:
+        """The intent written, decoded (None when the entry does not carry it)."""
+        return json.loads(self.intent_json) if self.intent_json else None
 
 
 def _text(value: bytes | str) -> str:
@@ -69,7 +83,7 @@ def _text(value: bytes | str) -> str:
 def parse_update(entry_id: bytes | str, fields: Mapping[Any, Any]) -> IntentUpdate:
     """An :class:`IntentUpdate` from one ``XREAD`` entry; raises :class:`MalformedUpdateError`."""
     data = {_text(k): _text(v) for k, v in fields.items()}
-    missing = [name for name in UPDATE_FIELDS if name not in data]
+    missing = [name for name in NOTIFY_REQUIRED_FIELDS if name not in data]
     if missing:
         raise MalformedUpdateError(f"entry {_text(entry_id)}: missing {', '.join(missing)}")
     try:
@@ -80,6 +94,10 @@ def parse_update(entry_id: bytes | str, fields: Mapping[Any, Any]) -> IntentUpda
             version_seq=int(data["version_seq"]),
             top_label=data["top_label"],
             written_at_ms=int(data["written_at_ms"]),
+            source=data.get("source") or DEFAULT_SOURCE,
+            template=data.get("template", ""),
+            model=data.get("model", ""),
+            intent_json=data.get("intent", ""),
         )
     except ValueError as e:
         raise MalformedUpdateError(f"entry {_text(entry_id)}: {e}") from e

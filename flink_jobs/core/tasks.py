@@ -2,7 +2,9 @@
 its outcome.
 
 Plain data, so the pure timeline can create tasks and the runtime can run them without
-either importing the other.
+either importing the other. A task carries everything its writes need that the session
+knows exactly (the grounded facts, the rules-only intent, the categories the model may
+name), computed when the prompt fired: the runtime computes nothing from the session.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from dataclasses import dataclass
 import orjson
 
 from flink_jobs.core.events import DeadLetter, pickled_by_fields
+from flink_jobs.core.intents import Intent
 from flink_jobs.core.prompting import RenderedPrompt
 
 
@@ -26,6 +29,15 @@ class PromptTask:
     # max wait that fired it. Freshness is measured from here.
     event_time_ms: int
     prompt: RenderedPrompt
+    # The rest defaults, so a task pickled by an earlier version (keyed state) still loads.
+    # ``grounding.GroundedFacts.to_json()`` of the session the prompt covers.
+    facts_json: str = ""
+    # The intent ``grounding.rules_intent`` gives that session: written the moment the prompt
+    # fires (the outbox's rules lane), replaced by the model's answer. None: no rules write.
+    rules: Intent | None = None
+    # ``grounding.session_category_enum``: the categories the model's answer may name (the
+    # request's response_format enum, checked again when the answer returns). Empty: any.
+    categories: tuple[str, ...] = ()
 
     def audit_json(self) -> str:
         """The record of ``kafka.prompts_topic``: the rendered prompt and its digest."""
@@ -51,3 +63,5 @@ class TaskResult:
     attempts: int = 0
     llm_latency_s: float = 0.0
     prompt_tokens: int = 0
+    # Which write this is the outcome of: the model's answer, or the rules-only record.
+    source: str = "model"

@@ -30,6 +30,10 @@ operator appends it to a list state (:func:`hold_event` says what to append, and
 only the count), and the held events are read, in arrival order, only when a timer or an
 event behind the watermark needs them (:func:`on_timer` orders them).
 
+A prompt that fires carries, beside the rendered messages, what the session says exactly:
+its grounded facts, the rules-only intent and the categories the model may name
+(``grounding``), so the calls' runtime computes nothing from the session.
+
 :func:`on_event`, :func:`hold_event` and :func:`on_timer` are pure:
 ``operators.ShopperSessions`` stores the :class:`Step` they return, registers its timers and
 emits its prompt and dead letters.
@@ -45,6 +49,7 @@ from operator import attrgetter
 
 from flink_jobs.config import AppConfig
 from flink_jobs.core.events import DeadLetter, ShopperEvent
+from flink_jobs.core.grounding import grounded_facts, rules_intent, session_category_enum
 from flink_jobs.core.prompting import PromptError, RenderedPrompt
 from flink_jobs.core.session import (
     Outcome,
@@ -230,12 +235,21 @@ def _evaluate(
             )
             step.state = clear_pending(state)
             return
+        facts = grounded_facts(state)
+        rules = rules_intent(facts, state)
         state = step.state = mark_prompted(state, now_ms, decision.fingerprint)
         step.count("prompts_sent")
         step.count(f"prompts_reason_{decision.reason.replace(' ', '_').replace('-', '_')}")
         step.prompts.append(
             PromptTask(
-                state.shopper_id, state.prompt_seq, state.newest_event_ms, trigger_event_ms, prompt
+                state.shopper_id,
+                state.prompt_seq,
+                state.newest_event_ms,
+                trigger_event_ms,
+                prompt,
+                facts_json=facts.to_json().decode(),
+                rules=rules,
+                categories=session_category_enum(facts),
             )
         )
     elif decision.verdict is Verdict.UNCHANGED:

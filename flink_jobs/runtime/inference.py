@@ -119,8 +119,34 @@ async def write(
     redis_retry_budget_s: float,
 ) -> TaskResult:
     """The Redis step of :func:`run_task`: the versioned upsert of the answered intent."""
-    intent = answered.intent
-    record = IntentRecord(
+    record = intent_record(task, answered.intent, answered.model or model)
+    return await _upsert(
+        task,
+        record,
+        store,
+        redis_retry_budget_s,
+        attempts=answered.attempts,
+        llm_latency_s=answered.llm_latency_s,
+        prompt_tokens=answered.prompt_tokens,
+    )
+
+
+async def write_rules(
+    task: PromptTask, store: AsyncIntentStore, redis_retry_budget_s: float
+) -> TaskResult:
+    """The rules-only record of ``task`` (``task.rules``), upserted the moment the prompt
+    fires: no LLM call. The same Redis policy as :func:`write` (retried within the budget,
+    then :class:`RedisUnavailable`; a key that cannot take it dead-letters); its outcome's
+    ``source`` is ``rules``."""
+    if task.rules is None:
+        raise ValueError(f"prompt {task.seq} of {task.shopper_id} carries no rules intent")
+    record = intent_record(task, task.rules, "")
+    return await _upsert(task, record, store, redis_retry_budget_s)
+
+
+def intent_record(task: PromptTask, intent: Intent, model: str) -> IntentRecord:
+    """The record of ``intent`` for ``task``'s version, with the task's grounded facts."""
+    return IntentRecord(
         shopper_id=task.shopper_id,
         version_ts=task.version_ts,
         version_seq=task.seq,
@@ -131,8 +157,19 @@ async def write(
         event_time_ms=task.event_time_ms,
         template=task.prompt.template,
         template_hash=task.prompt.template_hash,
-        model=answered.model or model,
+        model=model,
+        facts_json=task.facts_json,
+        source=intent.source,
     )
+
+
+async def _upsert(
+    task: PromptTask,
+    record: IntentRecord,
+    store: AsyncIntentStore,
+    redis_retry_budget_s: float,
+    **cost,
+) -> TaskResult:
     try:
         written = await upsert_with_retry(store, record, redis_retry_budget_s)
     except KeyRejectedError as exc:
@@ -146,17 +183,12 @@ async def write(
                 f"{exc.detail}",
                 intent=record.intent_json,
                 model=record.model,
+                source=record.source,
             ),
-            attempts=answered.attempts,
-            llm_latency_s=answered.llm_latency_s,
-            prompt_tokens=answered.prompt_tokens,
+            source=record.source,
+            **cost,
         )
-    return TaskResult(
-        "written" if written else "stale",
-        attempts=answered.attempts,
-        llm_latency_s=answered.llm_latency_s,
-        prompt_tokens=answered.prompt_tokens,
-    )
+    return TaskResult("written" if written else "stale", source=record.source, **cost)
 
 
 async def run_task(

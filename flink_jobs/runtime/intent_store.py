@@ -18,7 +18,9 @@ summary            the short summary of the shopper's session
 event_time_ms      epoch ms (event time) the prompt was triggered at
 template           name of the prompt template
 template_hash      hash of that template
-model              the model that produced the intent
+model              the model that produced the intent ("" for a rules-only record)
+facts              the session's grounded facts as JSON (``grounding.GroundedFacts``)
+source             ``model`` (the model's answer) or ``rules`` (derived by rules alone)
 written_at_ms      Redis server time (epoch ms) of the write
 =================  =====================================================================
 
@@ -30,11 +32,15 @@ landing on an expired key. Readers that need a few fields use ``HMGET``;
 
 Write rule
 ----------
-A write carries a version, the pair ``(version_ts, version_seq)``. It is applied only when
-that pair is strictly greater, compared lexicographically, than the stored pair (or when
-the key does not exist): a newer event time wins; for equal event times the higher prompt
-sequence wins; an equal version is a no-op. A write replaces every field above and resets
-the expiry. An older result never overwrites a newer one, whatever the order in which
+A write carries a version, the triple ``(version_ts, version_seq, rank)`` where ``rank`` is
+its source's (``rules`` 0, ``model`` 1; a stored record without ``source``, written before
+the field existed, ranks as model). It is applied only when that triple is strictly
+greater, compared lexicographically, than the stored one (or when the key does not exist):
+a newer event time wins; for equal event times the higher prompt sequence wins; for the
+same prompt the model's answer wins over the rules-only record written when the prompt
+fired (two speeds: the rules record lands at once, the model's replaces it), never the
+reverse; an equal version is a no-op. A write replaces every field above and resets the
+expiry. An older result never overwrites a newer one, whatever the order in which
 concurrent writers arrive.
 
 Re-evaluation (``reevaluate``, ``redis.reevaluate``): a backfill that replays recorded
@@ -56,7 +62,8 @@ Update notifications (optional)
 With ``notify_stream`` set (``redis.notify_stream``), a write that lands also appends one
 entry to that stream in the same script (``XADD key MAXLEN ~ maxlen *``)::
 
-    shopper_id  version_ts  version_seq  top_label  written_at_ms
+    shopper_id  version_ts  version_seq  top_label  written_at_ms  source  template  model
+    intent
 
 A refused (stale or equal) write appends nothing. The script then touches two keys, so
 it needs a non-cluster Redis (one primary with replicas); ``intent_reader.IntentUpdates``
@@ -92,8 +99,10 @@ import redis.exceptions
 
 from intent_reader.layout import (
     DEFAULT_PREFIX,
+    DEFAULT_SOURCE,
     DEFAULT_TTL_MS,
     RECORD_FIELDS,
+    SOURCE_RANKS,
     intent_key,
 )
 
@@ -102,27 +111,38 @@ log = logging.getLogger(__name__)
 DEFAULT_NOTIFY_MAXLEN = 100_000
 
 # KEYS[1] = the shopper's hash; ARGV[1] = version_ts; ARGV[2] = version_seq; ARGV[3] = TTL ms;
-# ARGV[4..] = field, value, field, value, ... (RECORD_FIELDS). Returns 1 if written; else 0,
-# or -1 when the version is equal and the stored intent was made by another template or
-# model (what a re-evaluation replaces). A refused write extends the key's expiry to TTL ms
+# ARGV[4..] = field, value, field, value, ... (RECORD_FIELDS). The version is the triple
+# (version_ts, version_seq, rank of source: rules 0, model or absent 1). Returns 1 if written;
+# else 0, or -1 when the version is equal and the stored intent was made by another template
+# or model (what a re-evaluation replaces). A refused write extends the key's expiry to TTL ms
 # if it would end sooner. With KEYS[2] (the notification stream) the last three ARGV are the
 # stream's approximate MAXLEN, the shopper id and the top label, and a landed write also
 # appends NOTIFY_FIELDS.
 _SCRIPT_TEMPLATE = """
 local ts = tonumber(ARGV[1])
 local seq = tonumber(ARGV[2])
+local rank = 1
+if ARGV[@SOURCE@] == 'rules' then
+  rank = 0
+end
 local last = #ARGV
 if KEYS[2] then
   last = last - 3
 end
-local stored = redis.call('HMGET', KEYS[1], 'version_ts', 'version_seq', 'template_hash', 'model')
+local stored = redis.call('HMGET', KEYS[1], 'version_ts', 'version_seq', 'template_hash', 'model',
+                          'source')
 local stored_ts = tonumber(stored[1])
 if stored_ts then
   local stored_seq = tonumber(stored[2]) or -1
+  local stored_rank = 1
+  if stored[5] == 'rules' then
+    stored_rank = 0
+  end
   local refused = 0
-  if ts < stored_ts or (ts == stored_ts and seq < stored_seq) then
+  if ts < stored_ts or (ts == stored_ts and (seq < stored_seq
+      or (seq == stored_seq and rank < stored_rank))) then
     refused = 0
-  elseif ts == stored_ts and seq == stored_seq then
+  elseif ts == stored_ts and seq == stored_seq and rank == stored_rank then
     if stored[3] == ARGV[@TEMPLATE_HASH@] and stored[4] == ARGV[@MODEL@] then
       refused = 0
     elseif @REEVALUATE@ then
@@ -150,7 +170,9 @@ redis.call('PEXPIRE', KEYS[1], ARGV[3])
 if KEYS[2] then
   redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[last + 1], '*',
              'shopper_id', ARGV[last + 2], 'version_ts', ARGV[1], 'version_seq', ARGV[2],
-             'top_label', ARGV[last + 3], 'written_at_ms', written_at_ms)
+             'top_label', ARGV[last + 3], 'written_at_ms', written_at_ms,
+             'source', ARGV[@SOURCE@], 'template', ARGV[@TEMPLATE@], 'model', ARGV[@MODEL@],
+             'intent', ARGV[@INTENT@])
 end
 return 1
 """
@@ -164,7 +186,10 @@ def _value_index(field: str) -> str:
 def _script(reevaluate: bool) -> str:
     return (
         _SCRIPT_TEMPLATE.replace("@TEMPLATE_HASH@", _value_index("template_hash"))
+        .replace("@TEMPLATE@", _value_index("template"))
         .replace("@MODEL@", _value_index("model"))
+        .replace("@SOURCE@", _value_index("source"))
+        .replace("@INTENT@", _value_index("intent"))
         .replace("@REEVALUATE@", "true" if reevaluate else "false")
     )
 
@@ -218,8 +243,11 @@ class KeyRejectedError(IntentStoreError):
 class IntentRecord:
     """One inferred intent to store for a shopper.
 
-    ``intent_json`` is the intent as JSON text (already validated against the schema).
-    The version is ``(version_ts, version_seq)``: see the module docstring.
+    ``intent_json`` is the intent as JSON text (already validated against the schema);
+    ``facts_json`` the session's grounded facts as JSON; ``source`` what made the intent
+    (``model`` or ``rules``). The version is ``(version_ts, version_seq)``, with the
+    source's rank as the third term of the order (:attr:`ordered_version`): see the module
+    docstring.
     """
 
     shopper_id: str
@@ -233,10 +261,16 @@ class IntentRecord:
     template: str
     template_hash: str
     model: str
+    facts_json: str = ""
+    source: str = DEFAULT_SOURCE
 
     def __post_init__(self) -> None:
         if not self.shopper_id:
             raise ValueError("shopper_id must not be empty")
+        if self.source not in SOURCE_RANKS:
+            raise ValueError(
+                f"source must be one of {', '.join(SOURCE_RANKS)}, got {self.source!r}"
+            )
         for name in ("version_ts", "version_seq", "event_time_ms"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -247,6 +281,11 @@ class IntentRecord:
     @property
     def version(self) -> tuple[int, int]:
         return (self.version_ts, self.version_seq)
+
+    @property
+    def ordered_version(self) -> tuple[int, int, int]:
+        """What the write rule compares: the version and the source's rank."""
+        return (self.version_ts, self.version_seq, SOURCE_RANKS[self.source])
 
 
 @dataclass(frozen=True, slots=True)
@@ -265,10 +304,21 @@ class StoredIntent:
     template_hash: str
     model: str
     written_at_ms: int
+    facts_json: str = ""  # "" for a record written before the field existed
+    source: str = DEFAULT_SOURCE
 
     @property
     def version(self) -> tuple[int, int]:
         return (self.version_ts, self.version_seq)
+
+    @property
+    def ordered_version(self) -> tuple[int, int, int]:
+        return (self.version_ts, self.version_seq, SOURCE_RANKS.get(self.source, 1))
+
+    @property
+    def facts(self) -> Any:
+        """The grounded facts, decoded (None when the record has none)."""
+        return orjson.loads(self.facts_json) if self.facts_json else None
 
     @property
     def intent(self) -> Any:
@@ -279,8 +329,9 @@ class StoredIntent:
 # --- the pure protocol -------------------------------------------------------------------
 
 
-def is_newer(candidate: tuple[int, int], stored: tuple[int, int] | None) -> bool:
-    """The write rule in Python (the script applies the same rule): strictly newer wins."""
+def is_newer(candidate: tuple[int, ...], stored: tuple[int, ...] | None) -> bool:
+    """The write rule in Python (the script applies the same rule): strictly newer wins.
+    Versions are compared as tuples: ``ordered_version`` triples, or pairs of one source."""
     return stored is None or candidate > stored
 
 
@@ -302,6 +353,8 @@ def upsert_args(record: IntentRecord, ttl_ms: int) -> list[str]:
         record.template,
         record.template_hash,
         record.model,
+        record.facts_json,
+        record.source,
     )
     args = [str(record.version_ts), str(record.version_seq), str(int(ttl_ms))]
     for field, value in zip(RECORD_FIELDS, values, strict=True):
@@ -371,6 +424,8 @@ def parse_stored(shopper_id: str, fields: Mapping[bytes | str, bytes | str]) -> 
             template_hash=data["template_hash"],
             model=data["model"],
             written_at_ms=int(data["written_at_ms"]),
+            facts_json=data.get("facts", ""),
+            source=data.get("source") or DEFAULT_SOURCE,
         )
     except (KeyError, ValueError) as e:
         raise IntentStoreError(f"malformed intent hash for shopper {shopper_id!r}: {e}") from e

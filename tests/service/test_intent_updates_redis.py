@@ -68,6 +68,10 @@ class TestWriterNotifies:
                 "version_seq": "3",
                 "top_label": "ready_to_buy",
                 "written_at_ms": str(stored.written_at_ms),
+                "source": "model",
+                "template": "t",
+                "model": "m",
+                "intent": stored.intent_json,
             }
         ]
 
