@@ -129,6 +129,11 @@ class LlmConfig:
     # interpreter (call_process.py) instead of the job's, which they would share with
     # every event in thread mode.
     call_process: bool = True
+    # Latest context wins (outbox.py): a shopper's queued prompt is replaced by its newer one
+    # and a call still waiting for the LLM is stopped for it. false: every prompt is
+    # answered, in order (evaluation runs that need a model answer at every trigger point;
+    # slower to catch up, each queued prompt takes a place of llm.capacity).
+    latest_wins: bool = True
     # The HTTP proxy the calls go through; empty: the one the environment names, as
     # other HTTP clients read it (llm_client.proxy_for). May carry credentials.
     proxy_url: str = field(default="", repr=False)

@@ -21,7 +21,8 @@ thread-safely, a fixed set of:
 and an addition (and a deque append for a timing); quantiles are computed when read, at
 most once per change.
 
-:class:`OutcomeRecorder` takes each settled prompt once and feeds both places its figures
+:class:`OutcomeRecorder` takes each settled prompt once (its model answer and its
+rules-only record are two outcomes, counted apart) and feeds both places its figures
 go: a :class:`Tally` (the Flink gauges, for Managed Flink / CloudWatch) and the Redis stats
 (``runtime.counters.StatsReporter``, for the local console and the tests).
 """
@@ -176,22 +177,39 @@ class StatsSink(Protocol):
     def sample(self, name: str, value: int) -> None: ...
 
 
-#: The counter of each prompt outcome (``TaskResult.outcome``).
+#: The counter of each prompt outcome (``TaskResult.outcome``), for the model's answer.
 OUTCOME_COUNTERS = {
     "written": "intents_written",
     "stale": "intents_stale",
     "superseded": "prompts_superseded",
     "dead_letter": "dead_letter_inference",
 }
+#: The same for a prompt's rules-only record (``TaskResult.source == "rules"``; never
+#: superseded). Each prompt sent ends as one of these too.
+RULES_OUTCOME_COUNTERS = {
+    "written": "intents_written_rules",
+    "stale": "intents_stale_rules",
+    "dead_letter": "dead_letter_rules",
+}
+#: Model answers that named a category outside the session's (dead-lettered).
+UNGROUNDED_REASON = "ungrounded_category"
 #: The prompt outcomes' Flink metrics (gauges over a :class:`Tally`): counts, then timings
 #: in ms.
 INFER_COUNTS = (
     *OUTCOME_COUNTERS.values(),
+    *RULES_OUTCOME_COUNTERS.values(),
+    "answers_ungrounded",
     "llm_retries",
     "llm_prompt_tokens",
     "llm_calls_stopped",
 )
-INFER_TIMINGS = ("llm_latency_ms", "event_to_intent_ms", "event_to_prompt_ms", "outbox_wait_ms")
+INFER_TIMINGS = (
+    "llm_latency_ms",
+    "event_to_intent_ms",
+    "event_to_rules_ms",
+    "event_to_prompt_ms",
+    "outbox_wait_ms",
+)
 
 
 class OutcomeRecorder:
@@ -220,9 +238,16 @@ class OutcomeRecorder:
 
     def settled(self, settled: Settled) -> None:
         result = settled.result
-        self._add(OUTCOME_COUNTERS[result.outcome])
         if result.dead_letter is not None:
             self._stats.add(f"dead_letter_{result.dead_letter.stage}_{result.dead_letter.reason}")
+        if result.source == "rules":
+            self._add(RULES_OUTCOME_COUNTERS[result.outcome])
+            if result.outcome == "written":
+                self._time("event_to_rules_ms", settled.settled_at_ms - settled.task.event_time_ms)
+            return
+        self._add(OUTCOME_COUNTERS[result.outcome])
+        if result.dead_letter is not None and result.dead_letter.reason == UNGROUNDED_REASON:
+            self._add("answers_ungrounded")
         if result.attempts > 1:
             self._add("llm_retries", result.attempts - 1)
         if result.prompt_tokens:
@@ -235,6 +260,7 @@ class OutcomeRecorder:
             self._stats.add("llm_calls")
             self._add("llm_calls_stopped")
         if result.outcome == "written":
+            # The model's answer: a rules-only record's freshness is event_to_rules_ms.
             self._time("event_to_intent_ms", settled.settled_at_ms - settled.task.event_time_ms)
             self._time("outbox_wait_ms", settled.queued_ms)
 

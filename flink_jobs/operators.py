@@ -217,6 +217,8 @@ class ShopperSessions(KeyedProcessFunction, _Counted):
             self._config.llm.max_concurrency,
             runner.aclose,
             runner.supersede,
+            write_rules=runner.write_rules,
+            latest_wins=self._config.llm.latest_wins,
         ).start()
         self._poll_ms = int(self._config.llm.poll_interval_s * 1000)
 
@@ -321,8 +323,9 @@ class ShopperSessions(KeyedProcessFunction, _Counted):
         ctx.timer_service().register_event_time_timer(END_OF_INPUT_MS)
 
     def _settle(self, ctx, wait: bool):
-        """Record the outcomes of the shopper's prompts that settled; keep polling while
-        its newest prompt is out, and send it again if the outbox has never seen it."""
+        """Record the outcomes of the shopper's prompts that settled (model answers and
+        rules-only records); keep polling while its newest prompt or a rules write is out,
+        and send the prompt again if the outbox has never seen it."""
         shopper_id = ctx.get_current_key()
         pending: PromptTask | None = self._pending.value()
         if pending is not None and not self._outbox.tracks(shopper_id, pending.seq):
@@ -334,12 +337,13 @@ class ShopperSessions(KeyedProcessFunction, _Counted):
             settled = self._outbox.collect(shopper_id)
         for outcome in settled:
             yield from self._record(outcome)
-        if pending is None:
-            return
-        if any(s.task.seq == pending.seq for s in settled):
+        answered = pending is None or any(
+            s.task.seq == pending.seq and s.result.source != "rules" for s in settled
+        )
+        if pending is not None and answered:
             self._pending.clear()
             ctx.timer_service().delete_event_time_timer(END_OF_INPUT_MS)
-        else:
+        if not answered or self._outbox.writing_rules(shopper_id):
             self._poll_later(ctx)
 
     def _poll_later(self, ctx) -> None:

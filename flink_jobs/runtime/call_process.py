@@ -16,8 +16,10 @@ restarted operator starts a new child.
 
 The protocol, over a socket pair: frames of a 4-byte big-endian length and a pickle (both
 ends are this module, started together). The parent sends the ``AppConfig`` once, then
-``("call", call id, PromptTask)`` per prompt and ``("supersede", shopper id, seq)`` to stop
-a call still waiting for the LLM (``PromptRunner.supersede``); the child answers
+``("call", call id, PromptTask)`` per prompt, ``("rules", call id, PromptTask)`` per
+rules-only write (``PromptRunner.write_rules``: the outbox's rules lane) and
+``("supersede", shopper id, seq)`` to stop a call still waiting for the LLM
+(``PromptRunner.supersede``); the child answers
 ``("answer", call id, True, TaskResult)`` or ``("answer", call id, False, exception)``, and
 sends its log records as ``("log", level, logger, text)``, which the parent logs again:
 in thread mode the job's Python logging goes to the TaskManager's log (CloudWatch on
@@ -100,6 +102,13 @@ class CallProcess:
         return self._process.pid if self._process is not None else None
 
     async def __call__(self, task: PromptTask) -> TaskResult:
+        return await self._request("call", task)
+
+    async def write_rules(self, task: PromptTask) -> TaskResult:
+        """``PromptRunner.write_rules`` in the child."""
+        return await self._request("rules", task)
+
+    async def _request(self, kind: str, task: PromptTask) -> TaskResult:
         async with self._starting:  # the first calls arrive together
             if self._writer is None:
                 await self._start()
@@ -109,7 +118,7 @@ class CallProcess:
         answer = asyncio.get_running_loop().create_future()
         self._pending[call_id] = answer
         try:
-            self._writer.write(_frame(("call", call_id, task)))
+            self._writer.write(_frame((kind, call_id, task)))
             await self._writer.drain()
             return await answer
         except (ConnectionError, OSError) as exc:
@@ -200,9 +209,9 @@ async def _serve(sock: socket.socket) -> None:
     runner = PromptRunner(config)
     calls: set[asyncio.Task] = set()
 
-    async def answer(call_id: int, task: PromptTask) -> None:
+    async def answer(call_id: int, task: PromptTask, run) -> None:
         try:
-            reply = ("answer", call_id, True, await runner(task))
+            reply = ("answer", call_id, True, await run(task))
         except Exception as exc:
             reply = ("answer", call_id, False, exc)
         try:
@@ -223,7 +232,8 @@ async def _serve(sock: socket.socket) -> None:
                 runner.supersede(*message)
                 continue
             call_id, task = message
-            call = asyncio.create_task(answer(call_id, task))
+            run = runner.write_rules if kind == "rules" else runner
+            call = asyncio.create_task(answer(call_id, task, run))
             calls.add(call)
             call.add_done_callback(calls.discard)
     finally:

@@ -1,4 +1,5 @@
-"""One prompt's trip: ask the model, check the answer, upsert the intent.
+"""One prompt's trip: ask the model, check the answer, upsert the intent; and the prompt's
+rules-only record (:func:`write_rules`), upserted before the model answers.
 
 Plain asyncio, no Flink: ``outbox.Outbox`` runs :class:`PromptRunner` (:func:`run_task`
 with the job's clients) on its event loop. A failed call or an invalid answer becomes a
@@ -294,6 +295,11 @@ class PromptRunner:
             self._config.llm.model,
             self._config.redis.write_retry_budget_s,
         )
+
+    async def write_rules(self, task: PromptTask) -> TaskResult:
+        """The rules-only record of ``task`` (:func:`write_rules`), the outbox's rules lane."""
+        _llm, store = self.clients()
+        return await write_rules(task, store, self._config.redis.write_retry_budget_s)
 
     def supersede(self, shopper_id: str, seq: int) -> None:
         """Abandon prompt ``seq`` of the shopper if it is still waiting for the LLM: a newer

@@ -28,6 +28,20 @@ event loop:
 - **loud**: an exception from ``run`` (Redis unreachable for its whole retry budget) is
   raised by the next ``submit``/``collect``, which fails the Flink task into a restart
   from its last checkpoint.
+
+**Two speeds.** A prompt that carries a rules-only intent (``PromptTask.rules``) also goes
+down a second lane, ``write_rules`` (the runner's Redis upsert of that intent, no LLM
+call): dispatched at :meth:`Outbox.submit`, it takes no call slot, waits for no call of the
+shopper and is never superseded, so the grounded record lands while the model is still
+busy (the version order lets the model's answer replace it, never the reverse:
+``intent_store``). Its outcome settles like a call's, with ``source="rules"``, and fails
+the job the same way; at most ``capacity`` rules writes are in flight (``submit`` blocks
+beyond, as for calls).
+
+**In order** (``latest_wins=False``, ``llm.latest_wins``): for evaluation runs that need a
+model answer at every trigger point, no queued prompt is replaced and no running call is
+stopped: a shopper's prompts queue behind each other and run one at a time, in order, and
+each takes a place of ``capacity``.
 """
 
 from __future__ import annotations
@@ -36,6 +50,7 @@ import asyncio
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -69,18 +84,26 @@ class Outbox:
         max_concurrency: int,
         close_run: Callable[[], Awaitable[None]] | None = None,
         supersede_run: Callable[[str, int], None] | None = None,
+        write_rules: Run | None = None,
+        latest_wins: bool = True,
     ) -> None:
         if capacity < 1 or max_concurrency < 1:
             raise ValueError("capacity and max_concurrency must be >= 1")
         self._run = run
         self._close_run = close_run
-        self._supersede_run = supersede_run
+        self._supersede_run = supersede_run if latest_wins else None
+        self._write_rules = write_rules
+        self._latest_wins = latest_wins
         self._capacity = capacity
         self._max_concurrency = max_concurrency
         self._cond = threading.Condition()
-        self._queued: dict[str, PromptTask] = {}  # in arrival order
-        self._queued_since: dict[str, float] = {}  # monotonic time each queued prompt came
+        # Per shopper, in the order shoppers came: its queued prompts, each with the
+        # monotonic time it came (one at most while the latest wins).
+        self._queued: dict[str, deque[tuple[PromptTask, float]]] = {}
+        self._queued_count = 0
         self._running: dict[str, PromptTask] = {}
+        self._writing_rules: dict[str, int] = {}  # rules writes in flight, by shopper
+        self._rules_in_flight = 0
         self._settled: dict[str, list[Settled]] = {}
         self._stopping: set[str] = set()  # shoppers whose running call was asked to stop
         self._protected: set[str] = set()  # ... and whose running call followed such a one
@@ -97,22 +120,25 @@ class Outbox:
     # --- the operator's side (its task thread) -------------------------------------------
 
     def submit(self, task: PromptTask) -> None:
-        """Queue ``task``; blocks while ``capacity`` prompts are queued or running."""
+        """Queue ``task`` (and dispatch its rules write, if it carries one); blocks while
+        ``capacity`` prompts are queued or running, or rules writes in flight."""
+        if task.rules is not None and self._write_rules is not None:
+            self._submit_rules(task)
         with self._cond:
             self._raise_if_failed()
-            queued = self._queued.get(task.shopper_id)
-            if queued is not None:
+            line = self._queued.get(task.shopper_id)
+            if line and self._latest_wins:
+                queued, _ = line[0]
                 older, newer = sorted((queued, task), key=lambda t: t.seq)
-                self._queued[task.shopper_id] = newer  # keeps its place in the line
-                if newer is task:
-                    self._queued_since[task.shopper_id] = time.monotonic()
+                if newer is task:  # keeps its place in the line
+                    line[0] = (task, time.monotonic())
                 self._settle(older, TaskResult("superseded"))
                 return
-            while len(self._queued) + len(self._running) >= self._capacity:
+            while self._queued_count + len(self._running) >= self._capacity:
                 self._cond.wait(1.0)
                 self._raise_if_failed()
-            self._queued[task.shopper_id] = task
-            self._queued_since[task.shopper_id] = time.monotonic()
+            self._queued.setdefault(task.shopper_id, deque()).append((task, time.monotonic()))
+            self._queued_count += 1
             running = self._running.get(task.shopper_id)
             stop = running is not None and self._may_stop(task.shopper_id)
             if stop:
@@ -127,6 +153,21 @@ class Outbox:
         if stop:
             self._loop.call_soon_threadsafe(self._stop, running)
 
+    def _submit_rules(self, task: PromptTask) -> None:
+        with self._cond:
+            self._raise_if_failed()
+            while self._rules_in_flight >= self._capacity:
+                self._cond.wait(1.0)
+                self._raise_if_failed()
+            self._rules_in_flight += 1
+            self._writing_rules[task.shopper_id] = self._writing_rules.get(task.shopper_id, 0) + 1
+        self._loop.call_soon_threadsafe(self._start_rules, task)
+
+    def writing_rules(self, shopper_id: str) -> bool:
+        """Whether a rules write of the shopper is still in flight (its outcome to come)."""
+        with self._cond:
+            return shopper_id in self._writing_rules
+
     def collect(self, shopper_id: str) -> list[Settled]:
         """The outcomes of ``shopper_id``'s prompts that settled since the last collect."""
         with self._cond:
@@ -134,10 +175,14 @@ class Outbox:
             return self._settled.pop(shopper_id, [])
 
     def wait(self, shopper_id: str, seq: int, timeout_s: float) -> list[Settled]:
-        """Like :meth:`collect`, once prompt ``seq`` of the shopper has settled."""
+        """Like :meth:`collect`, once prompt ``seq`` of the shopper has settled, and the
+        shopper's rules writes too."""
         deadline = time.monotonic() + timeout_s
         with self._cond:
-            while not any(s.task.seq == seq for s in self._settled.get(shopper_id, ())):
+            while not (
+                any(_is_call_of(s, seq) for s in self._settled.get(shopper_id, ()))
+                and shopper_id not in self._writing_rules
+            ):
                 self._raise_if_failed()
                 if not self._tracks_locked(shopper_id, seq):
                     raise ValueError(f"prompt {seq} of {shopper_id} was never submitted")
@@ -154,8 +199,9 @@ class Outbox:
 
     @property
     def in_system(self) -> int:
+        """Prompts queued or running (rules writes are not counted)."""
         with self._cond:
-            return len(self._queued) + len(self._running)
+            return self._queued_count + len(self._running)
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Cancel what is queued or running (the operator's state still holds it)."""
@@ -175,11 +221,15 @@ class Outbox:
         with self._cond:
             self._dispatch_due = False
             while len(self._running) < self._max_concurrency:
-                task = next((t for s, t in self._queued.items() if s not in self._running), None)
-                if task is None:
+                shopper = next((s for s in self._queued if s not in self._running), None)
+                if shopper is None:
                     return
-                del self._queued[task.shopper_id]
-                queued_ms = int((time.monotonic() - self._queued_since.pop(task.shopper_id)) * 1000)
+                line = self._queued.pop(shopper)
+                task, since = line.popleft()
+                if line:  # in order: the shopper's next prompt goes to the back of the line
+                    self._queued[shopper] = line
+                self._queued_count -= 1
+                queued_ms = int((time.monotonic() - since) * 1000)
                 self._running[task.shopper_id] = task
                 if task.shopper_id in self._stopping:
                     self._stopping.discard(task.shopper_id)
@@ -204,6 +254,35 @@ class Outbox:
             self._end(task)
             self._settle(task, result, queued_ms)
         self._dispatch()
+
+    def _start_rules(self, task: PromptTask) -> None:
+        write = self._loop.create_task(self._call_rules(task))
+        self._tasks.add(write)
+        write.add_done_callback(self._tasks.discard)
+
+    async def _call_rules(self, task: PromptTask) -> None:
+        try:
+            result = await self._write_rules(task)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:
+            log.error("rules write %d of %s failed: %r", task.seq, task.shopper_id, exc)
+            with self._cond:
+                self._error = exc
+                self._end_rules(task)
+                self._cond.notify_all()
+            return
+        with self._cond:
+            self._end_rules(task)
+            self._settle(task, result)
+
+    def _end_rules(self, task: PromptTask) -> None:
+        self._rules_in_flight -= 1
+        left = self._writing_rules.get(task.shopper_id, 0) - 1
+        if left > 0:
+            self._writing_rules[task.shopper_id] = left
+        else:
+            self._writing_rules.pop(task.shopper_id, None)
 
     def _stop(self, task: PromptTask) -> None:
         try:
@@ -237,12 +316,19 @@ class Outbox:
         self._protected.discard(task.shopper_id)
 
     def _tracks_locked(self, shopper_id: str, seq: int) -> bool:
-        for waiting in (self._queued, self._running):
-            task = waiting.get(shopper_id)
-            if task is not None and task.seq == seq:
-                return True
-        return any(s.task.seq == seq for s in self._settled.get(shopper_id, ()))
+        """About the prompt's call: its rules write says nothing of whether it was sent."""
+        if any(t.seq == seq for t, _ in self._queued.get(shopper_id, ())):
+            return True
+        running = self._running.get(shopper_id)
+        if running is not None and running.seq == seq:
+            return True
+        return any(_is_call_of(s, seq) for s in self._settled.get(shopper_id, ()))
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:
             raise OutboxFailed(f"an LLM call failed for good: {self._error}") from self._error
+
+
+def _is_call_of(settled: Settled, seq: int) -> bool:
+    """Whether ``settled`` is the outcome of prompt ``seq``'s call (not its rules write)."""
+    return settled.task.seq == seq and settled.result.source != "rules"
