@@ -1,6 +1,12 @@
 """One prompt's trip: ask the model, check the answer, upsert the intent; and the prompt's
 rules-only record (:func:`write_rules`), upserted before the model answers.
 
+The answer's categories must be among the prompt's (``PromptTask.categories``, also the
+request's decoding enum): an answer that names another is dead-lettered (stage ``intent``,
+reason ``ungrounded_category``) without asking again, since greedy decoding would answer
+the same; the prompt's rules-only record stays. It can only happen with a server that
+ignores ``response_format`` (or ``llm.guided_json`` off).
+
 Plain asyncio, no Flink: ``outbox.Outbox`` runs :class:`PromptRunner` (:func:`run_task`
 with the job's clients) on its event loop. A failed call or an invalid answer becomes a
 dead letter saying why; so does an intent whose Redis key cannot take it (another type at
@@ -21,6 +27,7 @@ import redis
 
 from flink_jobs.config import AppConfig
 from flink_jobs.core.events import DeadLetter
+from flink_jobs.core.grounding import category_is_grounded
 from flink_jobs.core.intents import Intent, IntentError, parse_intent
 from flink_jobs.core.tasks import PromptTask, TaskResult
 from flink_jobs.runtime.intent_store import (
@@ -78,7 +85,7 @@ async def ask(
     prompt_tokens = 0
     for _ in range(1 + invalid_answer_retries):
         try:
-            answer = await llm.complete(task.prompt, task.shopper_id)
+            answer = await llm.complete(task.prompt, task.shopper_id, task.categories)
         except LlmError as exc:
             return TaskResult(
                 "dead_letter",
@@ -94,6 +101,22 @@ async def ask(
         prompt_tokens += answer.completion.prompt_tokens
         parsed = parse_intent(answer.text)
         if not isinstance(parsed, IntentError):
+            if task.categories and not category_is_grounded(parsed, task.categories):
+                return TaskResult(
+                    "dead_letter",
+                    _dead_letter(
+                        task,
+                        "intent",
+                        "ungrounded_category",
+                        f"the answer names a category outside the session's "
+                        f"({', '.join(task.categories)}): {answer.text[:200]!r}",
+                        answer=answer.text[:2000],
+                        categories=list(task.categories),
+                    ),
+                    attempts=attempts,
+                    llm_latency_s=latency_s,
+                    prompt_tokens=prompt_tokens,
+                )
             return Answered(parsed, answer.completion.model, attempts, latency_s, prompt_tokens)
         if answer.completion.finish_reason == "length":
             parsed = IntentError(

@@ -9,6 +9,11 @@ call never keeps a slot on the server.
 The shopper id travels as ``X-Session-ID`` (and the body's ``user``): the router keys its
 sticky routing on it, so the shopper's growing prompt prefix stays in one worker's cache.
 
+Each request carries its own ``response_format``: the intent schema with ``category`` an
+enum of the session's categories (``PromptTask.categories``), so the model cannot name a
+category the shopper never engaged with. It is a request parameter, not prompt text: the
+messages, and the prefix the worker caches, are the same whatever the enum.
+
 The requests go through httpx's API over aiohttp's HTTP/1.1 engine (``httpx-aiohttp``),
 which costs a fraction of httpcore's CPU per call (``bench/README.md``); httpx's API stays,
 so tests still script the server with ``httpx.MockTransport``.
@@ -22,7 +27,7 @@ import logging
 import random
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -96,8 +101,13 @@ class LlmAnswer:
 
 
 def build_request(
-    prompt: RenderedPrompt, shopper_id: str, config: LlmConfig
+    prompt: RenderedPrompt,
+    shopper_id: str,
+    config: LlmConfig,
+    categories: Sequence[str] = (),
 ) -> tuple[dict[str, str], bytes]:
+    """Headers and body of the chat call; ``categories``: the enum the answer's categories
+    must come from (none: any category the schema allows)."""
     headers = {"Content-Type": "application/json", "X-Session-ID": shopper_id}
     if config.api_key:
         headers["Authorization"] = f"Bearer {config.api_key}"
@@ -109,7 +119,7 @@ def build_request(
         "user": shopper_id,
     }
     if config.guided_json:
-        body["response_format"] = intent_response_format()
+        body["response_format"] = intent_response_format(categories or None)
     return headers, orjson.dumps(body)
 
 
@@ -220,8 +230,10 @@ class LlmClient:
             timeout=httpx.Timeout(config.request_timeout_s, connect=5.0),
         )
 
-    async def complete(self, prompt: RenderedPrompt, shopper_id: str) -> LlmAnswer:
-        headers, body = build_request(prompt, shopper_id, self._config)
+    async def complete(
+        self, prompt: RenderedPrompt, shopper_id: str, categories: Sequence[str] = ()
+    ) -> LlmAnswer:
+        headers, body = build_request(prompt, shopper_id, self._config, categories)
         started = time.monotonic()
         last: _RetryableError | None = None
         for attempt in range(1, self._config.max_attempts + 1):
