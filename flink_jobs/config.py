@@ -200,10 +200,20 @@ class PromptConfig:
     templates_dir: str = ""  # empty: the prompts/ folder shipped with the job
     max_prompt_tokens: int = 3500
     max_text_chars: int = 120
+    # Template A/B (core/arms.py): "template[@model]:weight,..." splits shoppers between
+    # templates (and optionally models) by a stable hash of the shopper id, e.g.
+    # "shopper_intent_v1.j2:50,shopper_intent_v2.j2:50". Empty: template for everyone.
+    arms: str = ""
 
     def validate(self) -> None:
         _positive(self.max_prompt_tokens, "prompt", "max_prompt_tokens")
         _positive(self.max_text_chars, "prompt", "max_text_chars")
+        from flink_jobs.core.arms import ArmsError, parse_arms
+
+        try:
+            parse_arms(self.arms, self.template)
+        except ArmsError as exc:
+            raise ConfigError(f"prompt.arms: {exc} (got {self.arms!r})") from None
 
 
 @dataclass(frozen=True)

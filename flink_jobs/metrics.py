@@ -37,6 +37,7 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
+    from flink_jobs.core.tasks import PromptTask
     from flink_jobs.runtime.outbox import Settled
 
 #: Suffixes of the gauges registered for each timing.
@@ -45,6 +46,8 @@ TIMING_SUFFIXES = ("count", "sum", "p50", "p95", "max")
 
 class MetricGroup(Protocol):
     def gauge(self, name: str, obj: Callable[[], int]) -> Any: ...
+
+    def add_group(self, name: str, extra: str | None = None) -> MetricGroup: ...
 
 
 class GaugeCounters:
@@ -212,62 +215,105 @@ INFER_TIMINGS = (
 )
 
 
+#: Per A/B arm (``prompt.arms``): the figures that compare arms, as Flink gauges in a group
+#: ``arm=<name>`` and, for the counts, Redis stats ``arm:<name>:<count>``.
+ARM_COUNTS = (
+    "prompts_sent",
+    "intents_written",
+    "intents_stale",
+    "prompts_superseded",
+    "dead_letter_inference",
+    "intents_written_rules",
+    "answers_ungrounded",
+    "llm_prompt_tokens",
+)
+ARM_TIMINGS = ("llm_latency_ms", "event_to_intent_ms")
+
+
+def arm_stat(arm: str, name: str) -> str:
+    """The Redis stats field of count ``name`` for A/B arm ``arm``."""
+    return f"arm:{arm}:{name}"
+
+
 class OutcomeRecorder:
     """Each prompt sent and each outcome settled, taken once and fed to every sink.
 
     Most figures go to both the Flink gauges and the Redis stats. Three go to the stats
     only: a dead letter's ``dead_letter_<stage>_<reason>`` (open-ended names, while the
     Flink metric set is fixed), ``llm_calls`` and ``outbox_in_system`` (what the console
-    and the benchmarks read).
+    and the benchmarks read). Given the A/B arms' names (``arms``), the figures of
+    :data:`ARM_COUNTS` and :data:`ARM_TIMINGS` are also kept per arm (the prompt's
+    ``RenderedPrompt.arm``).
     """
 
-    def __init__(self, stats: StatsSink, tally: Tally | None = None) -> None:
+    def __init__(
+        self, stats: StatsSink, tally: Tally | None = None, arms: Iterable[str] = ()
+    ) -> None:
         self._stats = stats
         self._tally = tally if tally is not None else Tally(INFER_COUNTS, INFER_TIMINGS)
+        self._arms = {name: Tally(ARM_COUNTS, ARM_TIMINGS) for name in arms}
 
     def register(self, group: MetricGroup) -> list[str]:
-        """Add the Flink gauges to ``group`` (from the thread that runs the bundles)."""
-        return self._tally.register(group)
+        """Add the Flink gauges to ``group`` (from the thread that runs the bundles), each
+        arm's in its subgroup ``arm=<name>``; returns the names of the job-wide ones."""
+        names = self._tally.register(group)
+        for arm, tally in self._arms.items():
+            tally.register(group.add_group("arm", arm))
+        return names
 
-    def sent(self, waited_ms: int, in_system: int) -> None:
+    def sent(self, waited_ms: int, in_system: int, task: PromptTask | None = None) -> None:
         """A prompt handed to the outbox ``waited_ms`` after the event time that fired it
         (the job's own share of the freshness); ``in_system``: prompts now queued or
-        running in the outbox."""
+        running in the outbox; ``task``: the prompt (counted for its arm)."""
         self._time("event_to_prompt_ms", waited_ms)
         self._stats.sample("outbox_in_system", in_system)
+        if task is not None:
+            self._arm_add(task, "prompts_sent")
 
     def settled(self, settled: Settled) -> None:
-        result = settled.result
+        result, task = settled.result, settled.task
         if result.dead_letter is not None:
             self._stats.add(f"dead_letter_{result.dead_letter.stage}_{result.dead_letter.reason}")
         if result.source == "rules":
-            self._add(RULES_OUTCOME_COUNTERS[result.outcome])
+            self._add(RULES_OUTCOME_COUNTERS[result.outcome], task=task)
             if result.outcome == "written":
-                self._time("event_to_rules_ms", settled.settled_at_ms - settled.task.event_time_ms)
+                self._time("event_to_rules_ms", settled.settled_at_ms - task.event_time_ms)
             return
-        self._add(OUTCOME_COUNTERS[result.outcome])
+        self._add(OUTCOME_COUNTERS[result.outcome], task=task)
         if result.dead_letter is not None and result.dead_letter.reason == UNGROUNDED_REASON:
-            self._add("answers_ungrounded")
+            self._add("answers_ungrounded", task=task)
         if result.attempts > 1:
             self._add("llm_retries", result.attempts - 1)
         if result.prompt_tokens:
-            self._add("llm_prompt_tokens", result.prompt_tokens)
+            self._add("llm_prompt_tokens", result.prompt_tokens, task=task)
         if result.llm_latency_s:
             self._stats.add("llm_calls")
-            self._time("llm_latency_ms", result.llm_latency_s * 1000)
+            self._time("llm_latency_ms", result.llm_latency_s * 1000, task=task)
         elif result.outcome == "superseded" and result.attempts:
             # Stopped while the LLM computed it: a call made, with no latency to report.
             self._stats.add("llm_calls")
             self._add("llm_calls_stopped")
         if result.outcome == "written":
             # The model's answer: a rules-only record's freshness is event_to_rules_ms.
-            self._time("event_to_intent_ms", settled.settled_at_ms - settled.task.event_time_ms)
+            self._time("event_to_intent_ms", settled.settled_at_ms - task.event_time_ms, task=task)
             self._time("outbox_wait_ms", settled.queued_ms)
 
-    def _add(self, name: str, amount: int = 1) -> None:
+    def _add(self, name: str, amount: int = 1, task: PromptTask | None = None) -> None:
         self._tally.add(name, amount)
         self._stats.add(name, amount)
+        if task is not None and name in ARM_COUNTS:
+            self._arm_add(task, name, amount)
 
-    def _time(self, name: str, ms: float) -> None:
+    def _arm_add(self, task: PromptTask, name: str, amount: int = 1) -> None:
+        tally = self._arms.get(task.prompt.arm)
+        if tally is not None:
+            tally.add(name, amount)
+            self._stats.add(arm_stat(task.prompt.arm, name), amount)
+
+    def _time(self, name: str, ms: float, task: PromptTask | None = None) -> None:
         self._tally.observe(name, ms)
         self._stats.sample(name, int(ms))
+        if task is not None:
+            tally = self._arms.get(task.prompt.arm)
+            if tally is not None:
+                tally.observe(name, ms)

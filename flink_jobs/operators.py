@@ -32,7 +32,7 @@ from pyflink.datastream.state import (
 
 from flink_jobs.config import AppConfig
 from flink_jobs.core.events import DeadLetter, ShopperEvent, SourcePosition, decode_event
-from flink_jobs.core.prompting import PromptRenderer
+from flink_jobs.core.prompting import ArmRenderer
 from flink_jobs.core.session import SessionState
 from flink_jobs.core.tasks import PromptTask, TaskResult
 from flink_jobs.core.timeline import Step, hold_event, is_held, on_event, on_timer
@@ -205,9 +205,9 @@ class ShopperSessions(KeyedProcessFunction, _Counted):
         )
         self._held, self._held_count = held_states(runtime_context, self._config)
         self._recent = _RecentSessions(self._config.job.session_cache_size)
-        self._renderer = PromptRenderer(self._config.prompt)
+        self._renderer = ArmRenderer(self._config.prompt)
         self._open_counters(runtime_context, self._config)
-        self._outcomes = OutcomeRecorder(self._stats)
+        self._outcomes = OutcomeRecorder(self._stats, arms=self._renderer.arm_names)
         self._outcomes.register(self._metrics)
         quiet_http_logs()
         runner = (CallProcess if self._config.llm.call_process else PromptRunner)(self._config)
@@ -315,7 +315,7 @@ class ShopperSessions(KeyedProcessFunction, _Counted):
         waited_ms = _now_ms() - task.event_time_ms
         self._pending.update(task)
         self._outbox.submit(task)
-        self._outcomes.sent(waited_ms, self._outbox.in_system)
+        self._outcomes.sent(waited_ms, self._outbox.in_system, task)
         if ctx.timer_service().current_watermark() >= END_OF_INPUT_MS:
             yield from self._settle(ctx, wait=True)
             return

@@ -5,6 +5,9 @@ renderer, not the template, owns the safety rules: ``StrictUndefined`` so a typo
 template fails loudly, the ``untrusted`` filter for any text a shopper or seller typed,
 and a token budget enforced by dropping the oldest events first.
 
+With template arms (``prompt.arms``, ``core/arms.py``), :class:`ArmRenderer` renders each
+shopper with its arm's template and names the arm's model on the prompt.
+
 Token counts are estimated from UTF-8 bytes (``bytes / 3``, which over-counts for the
 Llama-family BPE vocabularies the job targets), so the budget holds without shipping a
 tokenizer into the Flink job.
@@ -12,6 +15,7 @@ tokenizer into the Flink job.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 import re
@@ -24,6 +28,7 @@ import jinja2
 import orjson
 
 from flink_jobs.config import PromptConfig
+from flink_jobs.core.arms import Arm, assign_arm, parse_arms
 from flink_jobs.core.events import load_schema, pickled_by_fields
 from flink_jobs.core.grounding import grounded_facts
 from flink_jobs.core.session import SessionState
@@ -65,6 +70,13 @@ class RenderedPrompt:
     estimated_tokens: int
     events_included: int
     events_dropped: int
+    # The model this prompt is for: its A/B arm's (prompt.arms); empty: llm.model.
+    model: str = ""
+
+    @property
+    def arm(self) -> str:
+        """The A/B arm's name (``arms.Arm.name``): the template, and its model if named."""
+        return Arm(self.template, 0, self.model).name
 
 
 def estimate_tokens(text: str) -> int:
@@ -170,3 +182,34 @@ def _event_view(e, session_start_ms: int) -> dict[str, Any]:
         "price": e.price,
         "quantity": e.quantity,
     }
+
+
+class ArmRenderer:
+    """Renders each shopper with its A/B arm's template (``prompt.arms``; one arm,
+    ``prompt.template``, when unset) and names the arm's model on the prompt. Every arm's
+    template is loaded at start, so a missing or broken one fails the job at once."""
+
+    def __init__(self, config: PromptConfig) -> None:
+        self.arms = parse_arms(config.arms, config.template)
+        self._renderers: dict[str, PromptRenderer] = {}
+        for arm in self.arms:
+            if arm.template not in self._renderers:
+                try:
+                    self._renderers[arm.template] = PromptRenderer(
+                        dataclasses.replace(config, template=arm.template)
+                    )
+                except PromptError as exc:
+                    raise PromptError(f"prompt.arms: {exc}") from exc
+        self._single = self.arms[0] if len(self.arms) == 1 else None
+
+    @property
+    def arm_names(self) -> tuple[str, ...]:
+        return tuple(arm.name for arm in self.arms)
+
+    def arm_of(self, shopper_id: str) -> Arm:
+        return self._single or assign_arm(shopper_id, self.arms)
+
+    def render(self, state: SessionState) -> RenderedPrompt:
+        arm = self.arm_of(state.shopper_id)
+        prompt = self._renderers[arm.template].render(state)
+        return dataclasses.replace(prompt, model=arm.model) if arm.model else prompt

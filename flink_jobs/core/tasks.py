@@ -39,6 +39,11 @@ class PromptTask:
     # request's response_format enum, checked again when the answer returns). Empty: any.
     categories: tuple[str, ...] = ()
 
+    @property
+    def model(self) -> str:
+        """The model to ask: the prompt's A/B arm's; empty: ``llm.model``."""
+        return self.prompt.model
+
     def audit_json(self) -> str:
         """The record of ``kafka.prompts_topic``: the rendered prompt and its digest."""
         text = orjson.dumps(self.prompt.messages)

@@ -143,7 +143,7 @@ async def write(
     redis_retry_budget_s: float,
 ) -> TaskResult:
     """The Redis step of :func:`run_task`: the versioned upsert of the answered intent."""
-    record = intent_record(task, answered.intent, answered.model or model)
+    record = intent_record(task, answered.intent, answered.model or task.model or model)
     return await _upsert(
         task,
         record,

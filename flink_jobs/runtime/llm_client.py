@@ -112,7 +112,7 @@ def build_request(
     if config.api_key:
         headers["Authorization"] = f"Bearer {config.api_key}"
     body: dict[str, Any] = {
-        "model": config.model,
+        "model": prompt.model or config.model,  # the prompt's A/B arm may name its own
         "messages": list(prompt.messages),
         "max_tokens": config.max_tokens,
         "temperature": config.temperature,
