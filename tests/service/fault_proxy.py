@@ -1,4 +1,5 @@
-"""A fault-injecting HTTP proxy in front of one real vLLM worker, for integration tests.
+"""A fault-injecting HTTP proxy in front of one worker: a real vLLM worker in
+``tests/model``, an LLM stand-in in ``tests/service``.
 
 The router sees the proxy as a worker. In ``pass`` mode every request is forwarded to the
 real worker unchanged; :meth:`FaultProxy.inject` switches it, at runtime, to one of:
@@ -9,9 +10,10 @@ mode            what a ``POST`` gets
 ``slow``        the real worker's answer, ``delay_s`` late
 ``5xx``         ``503`` with an OpenAI-style error body, without reaching the worker
 ``invalid_json`` ``200`` whose body is cut-off JSON (what a worker dying mid-write sends)
-``bad_intent``  ``200``, a well-formed chat completion whose message is prose, not the
+``bad_intent``  the real worker's completion with its message replaced by prose, not the
                 intent JSON the prompt asks for (a model or a server that ignores the
-                response format)
+                response format); it takes as long as the real answer, so the router
+                does not take the worker for a fast one
 ==============  ==========================================================================
 
 A fault is bounded in count and in time: it applies to the next ``requests`` POSTs or
@@ -158,11 +160,12 @@ class FaultProxy:
         if mode == "invalid_json":
             return Response(b'{"id": "chatcmpl-cut", "choices": [{"ind', 200,
                             media_type="application/json")  # fmt: skip
-        if mode == "bad_intent":
-            return Response(_prose_completion(body), 200, media_type="application/json")
         if mode == "slow":
             await asyncio.sleep(delay)
-        return await self._forward(request, body)
+        reply = await self._forward(request, body)
+        if mode == "bad_intent" and reply.status_code == 200:
+            return Response(_prose_completion(body), 200, media_type="application/json")
+        return reply
 
     async def _forward(self, request, body: bytes):
         from starlette.responses import Response

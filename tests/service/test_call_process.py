@@ -1,8 +1,10 @@
 """The LLM calls in a helper process (``flink_jobs.runtime.call_process``): a prompt answered there
 lands in Redis as it would in-process, what the child's call raised is raised in the
 parent, a call that a newer prompt supersedes stops in the child, and a child that dies
-fails its calls loudly instead of leaving them hanging.
-Real vLLM workers behind the router, a real Redis."""
+fails its calls loudly instead of leaving them hanging; a prompt that every worker fails
+is dead-lettered once the client's attempts are spent.
+LLM stand-ins (``bench/standin_llm.py``) behind the real router, a real Redis: the
+subject is the process, not the model."""
 
 from __future__ import annotations
 
@@ -57,9 +59,9 @@ def run(calls: CallProcess, *tasks: PromptTask, timeout_s: float = 120.0):
     return asyncio.run(go())
 
 
-def test_prompts_answered_in_one_helper_land_in_redis(llm_tier, redis_url, unique_name):
+def test_prompts_answered_in_one_helper_land_in_redis(standin_tier, redis_url, unique_name):
     calls = CallProcess(
-        config(**llm_tier.job_settings(), redis={"url": redis_url, "key_prefix": unique_name})
+        config(**standin_tier.job_settings(), redis={"url": redis_url, "key_prefix": unique_name})
     )
     shoppers = ["shopper-00146", "shopper-00151", "shopper-00152"]
 
@@ -82,11 +84,11 @@ def test_prompts_answered_in_one_helper_land_in_redis(llm_tier, redis_url, uniqu
 
 
 def test_an_unreachable_redis_is_raised_in_the_parent_and_the_retries_logged_there(
-    llm_tier, caplog: pytest.LogCaptureFixture
+    standin_tier, caplog: pytest.LogCaptureFixture
 ):
     calls = CallProcess(
         config(
-            **llm_tier.job_settings(),
+            **standin_tier.job_settings(),
             redis={"url": f"redis://127.0.0.1:{free_port()}/0", "write_retry_budget_s": 1.0},
         )
     )
@@ -96,6 +98,25 @@ def test_an_unreachable_redis_is_raised_in_the_parent_and_the_retries_logged_the
     assert "shopper-00147" in str(outcome)
     retries = [r for r in caplog.records if "Redis write failed" in r.getMessage()]
     assert retries and all(r.name == "flink_jobs.runtime.inference" for r in retries)
+
+
+def test_a_prompt_every_worker_fails_is_dead_lettered_after_the_clients_attempts(
+    standin_tier, redis_url, unique_name
+):
+    """Each worker answers 503: the router tries both for each attempt, the client retries
+    (``llm.max_attempts``), then the prompt is dead-lettered with stage ``llm``."""
+    settings = {**standin_tier.job_settings(), "max_attempts": 2, "backoff_initial_s": 0.1}
+    calls = CallProcess(config(**settings, redis={"url": redis_url, "key_prefix": unique_name}))
+    with standin_tier.configured():
+        standin_tier.inject("5xx", 100)
+        [result] = run(calls, prompt_task("shopper-00154"))
+        failed = [standin_tier.stats(w)["faults"]["5xx"] for w in standin_tier.worker_urls]
+
+    assert result.outcome == "dead_letter", result
+    assert result.dead_letter.stage == "llm"
+    assert result.dead_letter.context["attempts"] == 2
+    assert all(n >= 2 for n in failed), failed
+    assert IntentStore(redis.Redis.from_url(redis_url), unique_name).read("shopper-00154") is None
 
 
 @contextlib.contextmanager

@@ -1,15 +1,17 @@
-"""Checkpoints, a killed job and a replay, on the real broker, Redis, PyFlink and vLLM.
+"""Checkpoints, a killed job and a replay, on the real broker, Redis and PyFlink, with LLM
+stand-ins (``bench/standin_llm.py``) behind the real router: the subject is the stream.
 
 Run B consumes a topic while it is being produced (event time rebased to send time, at
-the sample's own pace), checkpointing every 2 s. Once a checkpoint has completed and
-intents are landing, the job's LLM call process (``flink_jobs.runtime.call_process``) is killed,
-which fails the job into Flink's own restart from that checkpoint, with a new call
-process; once intents land again, the job process group is SIGKILLed mid-stream; while it
-is down the replay goes on, then the job restarts from the latest checkpoint and
-finishes. A watcher reads every shopper's intent version from Redis throughout. Run A
-then replays the finished topic from the start, never interrupted, as a bounded replay
-(it reads to the end of the topic and finishes). Both runs copy every prompt they render
-to a prompts topic.
+twice the sample's pace), checkpointing every 2 s. Once a checkpoint has completed and
+intents are landing, the job's LLM call process (``flink_jobs.runtime.call_process``) is
+killed, which fails the job into Flink's own restart from that checkpoint, with a new call
+process; once intents land again, one request on each stand-in is made to hang, and once a
+checkpoint has been taken with such a prompt waiting for its answer, the job process group
+is SIGKILLed mid-stream; while it is down the replay goes on, then the job restarts from
+the latest checkpoint and finishes. A watcher reads every shopper's intent version from
+Redis throughout. Run A then replays the finished topic from the start, never
+interrupted, as a bounded replay (it reads to the end of the topic and finishes). Both
+runs copy every prompt they render to a prompts topic.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from intent_reader.layout import intent_key
 from tests.service.job_process import JobProcess, call_processes
 
 SHOPPERS = 30
-SPEED = 1.0
+SPEED = 2.0
 WARM_UP = 20
 PHASE_TIMEOUT_S = 600
 
@@ -101,10 +103,16 @@ class Runs:
     restart_log: str
     killed_call_process: int
     call_process_after: int
+    hung_requests: int
     intents_before_call_process_kill: int
     intents_after_call_process_kill: int
     stats_a: dict[str, int]
     stats_b: dict[str, int]
+
+
+def _hung(tier) -> int:
+    """Requests the stand-ins have made hang so far."""
+    return sum(tier.stats(url)["faults"]["hang"] for url in tier.worker_urls)
 
 
 def _groups(name: str, bootstrap: str, redis_url: str, llm: dict, run: str) -> dict:
@@ -183,7 +191,7 @@ def _wait_answered(
 
 
 @pytest.fixture(scope="module")
-def runs(kafka_bootstrap, redis_url, llm_tier, tmp_path_factory) -> Runs:
+def runs(kafka_bootstrap, redis_url, standin_tier, tmp_path_factory) -> Runs:
     workdir = tmp_path_factory.mktemp("restart")
     name = f"restart-{time.monotonic_ns()}"
     sample = generate_sample(SampleConfig(shoppers=SHOPPERS, seed=23, duration_s=120.0))
@@ -193,7 +201,7 @@ def runs(kafka_bootstrap, redis_url, llm_tier, tmp_path_factory) -> Runs:
         1,
     )
     client = redis.Redis.from_url(redis_url)
-    groups_b = _groups(name, kafka_bootstrap, redis_url, llm_tier.job_settings(), "b")
+    groups_b = _groups(name, kafka_bootstrap, redis_url, standin_tier.job_settings(), "b")
     groups_b["job"]["checkpoint_dir"] = str(workdir / "checkpoints")
     prefix_b = groups_b["redis"]["key_prefix"]
 
@@ -205,8 +213,12 @@ def runs(kafka_bootstrap, redis_url, llm_tier, tmp_path_factory) -> Runs:
         )
         assert summary.ok, summary.describe(f"{name}-events")
 
+    timeline: dict[str, float] = {}
+
     def replay_rest() -> None:
+        timeline["replay_rest_started"] = time.monotonic()
         replay(sample.records[WARM_UP:])
+        timeline["replay_rest_ended"] = time.monotonic()
         replayed.set()
 
     watcher = VersionWatcher(client, prefix_b)
@@ -244,8 +256,22 @@ def runs(kafka_bootstrap, redis_url, llm_tier, tmp_path_factory) -> Runs:
         )
         [call_process_after] = call_processes(first.pid)
         intents_after_helper_kill = read_stats(client, prefix_b)["intents_written"]
+        # A prompt waits for its answer in the checkpoint the restart restores: the restored
+        # job must send it again (``prompts_resent``).
+        hung_before = _hung(standin_tier)
+        standin_tier.inject("hang", 1)
+        _wait(lambda: _hung(standin_tier) > hung_before, "a request to hang", job=first)
+        checkpoint_before = latest_checkpoint(workdir / "checkpoints")
+        _wait(
+            lambda: latest_checkpoint(workdir / "checkpoints") != checkpoint_before,
+            "a checkpoint taken while a prompt waits for its answer",
+            job=first,
+        )
         assert not replayed.is_set(), "the replay ended before the kill: not mid-stream"
         first.kill()
+        timeline["job_killed"] = time.monotonic()
+        standin_tier.inject("hang", 0)
+        hung_requests = _hung(standin_tier) - hung_before
         watcher.poll()
         versions_at_kill = dict(watcher.seen)
         restored_from = latest_checkpoint(workdir / "checkpoints")
@@ -262,7 +288,7 @@ def runs(kafka_bootstrap, redis_url, llm_tier, tmp_path_factory) -> Runs:
         if restarted is not None:
             restarted.kill()
 
-    groups_a = _groups(name, kafka_bootstrap, redis_url, llm_tier.job_settings(), "a")
+    groups_a = _groups(name, kafka_bootstrap, redis_url, standin_tier.job_settings(), "a")
     groups_a["kafka"]["bounded"] = True
     uninterrupted = JobProcess(groups_a, workdir / "a.log")
     try:
@@ -287,6 +313,7 @@ def runs(kafka_bootstrap, redis_url, llm_tier, tmp_path_factory) -> Runs:
         restart_log=restarted.log_text(),
         killed_call_process=killed_call_process,
         call_process_after=call_process_after,
+        hung_requests=hung_requests,
         intents_before_call_process_kill=intents_before_helper_kill,
         intents_after_call_process_kill=intents_after_helper_kill,
         stats_a=read_stats(client, groups_a["redis"]["key_prefix"]),
@@ -303,6 +330,10 @@ def runs(kafka_bootstrap, redis_url, llm_tier, tmp_path_factory) -> Runs:
                 "prompts_b": runs.prompts_b,
                 "restored_from": str(runs.restored_from),
                 "intents_at_kill": len(runs.versions_at_kill),
+                # seconds after the rest of the replay started
+                "job_killed_at_s": timeline["job_killed"] - timeline["replay_rest_started"],
+                "replay_ended_at_s": timeline["replay_rest_ended"]
+                - timeline["replay_rest_started"],
             },
             option=orjson.OPT_INDENT_2,
         )
@@ -322,6 +353,11 @@ def test_the_restarted_job_restores_the_latest_checkpoint(runs: Runs) -> None:
     assert (runs.restored_from / "_metadata").exists()
     assert "restoring from" in runs.restart_log
     assert runs.versions_at_kill, "no intent had landed before the kill"
+
+
+def test_a_prompt_pending_at_the_checkpoint_is_sent_again_after_the_restart(runs: Runs) -> None:
+    assert runs.hung_requests >= 1
+    assert runs.stats_b.get("prompts_resent", 0) >= 1
 
 
 def test_a_killed_call_process_is_replaced_and_intents_land_again(runs: Runs) -> None:

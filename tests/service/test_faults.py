@@ -1,9 +1,11 @@
 """Faults injected for real while the whole pipeline runs: nothing is lost, nothing is silent.
 
 One scenario is shared by the tests of this module (a PyFlink run costs minutes here). It
-runs on a private stack, because it breaks it: a persistent Redis, a Tansu broker, two
-vLLM workers on the CPU, the router in front of them, and a fault proxy
-(``fault_proxy.py``) between the router and the second worker. 36 shoppers' sessions
+runs on a private stack, because it breaks it: a persistent Redis, a Tansu broker, two LLM
+stand-ins (``bench/standin_llm.py``: the model is not the subject here; the router's
+failover with real vLLM workers is ``tests/model/test_router_vllm.py``'s), the real router
+in front of them, and a fault proxy (``fault_proxy.py``) between the router and the second
+worker. 36 shoppers' sessions
 (six minutes of event time, bad and duplicate records mixed in) are replayed at 2.5x,
 event times rebased to the send time, but the last records trickle at 1x while faults
 remain: each fault finds prompts flowing however long the ones before it took. One fault
@@ -53,7 +55,7 @@ import redis
 
 from flink_jobs.config import AppConfig, load_config
 from flink_jobs.core.events import load_schema
-from flink_jobs.tools.embedded_stack import CPU_REQUEST_TIMEOUT_S, KV_CACHE_BYTES
+from flink_jobs.tools.embedded_stack import start_standin_workers
 from flink_jobs.tools.local_services import (
     KafkaService,
     LocalProcess,
@@ -81,13 +83,18 @@ pytestmark = pytest.mark.timeout(15 * 60)
 
 SHOPPERS = 36
 SEED = 23
+# Each answer takes 1-3 s (seeded), long enough that a fault waiting for a request in
+# flight to its victim finds one.
+STANDIN_LATENCY = "uniform:1.0,3.0"
+# A router attempt gives up first (the slow fault adds 6 s to at most 3), then the job's.
+ROUTER_REQUEST_TIMEOUT_S = 15
+LLM_REQUEST_TIMEOUT_S = 30.0
 # Prompts must still flow when the last fault needs them, and often enough that each
 # proxy fault ends before its window. A replay at one speed was too short for the faults
 # on a slow host however it was sized (24 shoppers over four minutes, then 36 over six,
-# each left the last faults with nothing in flight), and a longer one swamps the one
-# worker left after the kill (a CPU worker prefills ~70 tokens/s). So the replay is paced
-# by the faults: SPEED, but while they run the last RESERVE records trickle at
-# TRICKLE_SPEED (about 100 s more traffic), sent in chunks of CHUNK records.
+# each left the last faults with nothing in flight). So the replay is paced by the
+# faults: SPEED, but while they run the last RESERVE records trickle at TRICKLE_SPEED
+# (about 100 s more traffic), sent in chunks of CHUNK records.
 DURATION_S = 360.0
 SPEED = 2.5
 TRICKLE_SPEED = 1.0
@@ -101,14 +108,16 @@ AFTER_BROKER_BAD_RECORDS = [b"{not json", b'{"shopper_id": "shopper-00001"}']
 # starts once a request is in flight to the proxied worker (at most IN_FLIGHT_WAIT_S).
 PROXY_FAULTS: list[tuple[str, int, dict]] = [
     ("bad_intent", 6, {}),
-    ("5xx", 3, {}),
+    # Five: an answer the worker was computing before the fault began may still arrive
+    # after its first 503 and break the run of failures that ejects it.
+    ("5xx", 5, {}),
     ("invalid_json", 3, {}),
     # Last, and two: the router steers new shoppers away from a worker that answered
     # slowly (for up to a minute), so more came too rarely, and a fault after it once
     # saw no request at all in its 25 s.
     ("slow", 2, {"delay_s": 6.0}),
 ]
-PROXY_FAULT_MAX_S = 25.0
+PROXY_FAULT_MAX_S = 40.0
 # Redis stays down until an answer has reached the job and the job has failed to write it
 # (its retry is logged), at least REDIS_MIN_DOWN_S and at most REDIS_MAX_DOWN_S (well inside
 # the write retry budget). A fixed second after the router's answer was once too short.
@@ -142,7 +151,7 @@ class Router:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         argv = [sys.executable, "-m", "inference_sidecar", "router", "--port", str(self.port)]
-        argv += ["--health-interval", "1", "--request-timeout", "60"]
+        argv += ["--health-interval", "1", "--request-timeout", str(ROUTER_REQUEST_TIMEOUT_S)]
         for worker in workers:
             argv += ["--worker", worker]
         self.process = LocalProcess("router", argv, log_dir / "router.log")
@@ -298,6 +307,7 @@ class Scenario:
     proxy_shoppers: dict[str, list[str]]  # shoppers whose requests a proxy fault changed
     proxy_url: str
     direct_url: str
+    router_metrics_after_proxy_fault: dict[str, str]  # mode -> router metrics once it ended
     router_metrics_before_restart: str
     router_metrics_after_kill: str
     stats_by_fault: dict[str, dict[str, int]]  # stats read when each fault started
@@ -412,7 +422,6 @@ def replay_paced_by_faults(
 @pytest.fixture(scope="module")
 def scenario() -> Iterator[Scenario]:
     from flink_jobs.job import create_job
-    from inference_sidecar.workers import ClusterConfig, WorkerProcesses, find_free_port_range
 
     # Under the cache, not tmp_path: concurrent pytest runs rotate old tmp_path folders.
     workdir = cache_dir() / "logs" / "test-faults" / str(os.getpid())
@@ -425,22 +434,12 @@ def scenario() -> Iterator[Scenario]:
             start_redis(workdir=workdir / "redis", persistent=True)
         )
         broker: KafkaService = stack.enter_context(start_tansu(workdir=workdir / "tansu"))
-        pool = stack.enter_context(
-            WorkerProcesses(
-                ClusterConfig(
-                    mode="aggregated",
-                    workers=2,
-                    base_port=find_free_port_range(2),
-                    log_dir=workdir / "llm",
-                    kv_cache_bytes=KV_CACHE_BYTES,
-                ),
-                ready_timeout_s=300,
-            )
+        direct_worker, proxied_worker = start_standin_workers(
+            workdir / "llm", stack, workers=2, latency=STANDIN_LATENCY, seed=SEED
         )
-        direct_spec, proxied_spec = pool.specs
-        proxy = FaultProxy(proxied_spec.url, free_port())
+        proxy = FaultProxy(proxied_worker.url, free_port())
         stack.callback(proxy.close)
-        router = Router([direct_spec.url, proxy.url], workdir / "llm").start()
+        router = Router([direct_worker.url, proxy.url], workdir / "llm").start()
         stack.callback(router.stop)
 
         config = load_config(
@@ -458,13 +457,11 @@ def scenario() -> Iterator[Scenario]:
                 },
                 "redis": {"url": redis_service.url, "key_prefix": name},
                 # Six attempts: the client's backoff (0.5 s doubling, jittered) then spans
-                # at least 7.75 s, longer than a router restart takes. Four calls at once:
-                # after the kill one CPU worker serves them all; the timeout is the CPU
-                # tier's (embedded_stack.CPU_REQUEST_TIMEOUT_S).
+                # at least 7.75 s, longer than a router restart takes. Four calls at once.
                 "llm": {
                     "base_url": f"{router.url}/v1",
                     "max_concurrency": 4,
-                    "request_timeout_s": CPU_REQUEST_TIMEOUT_S,
+                    "request_timeout_s": LLM_REQUEST_TIMEOUT_S,
                 },
                 "job": {"checkpoint_interval_s": 5},
             },
@@ -477,6 +474,8 @@ def scenario() -> Iterator[Scenario]:
         faults: dict[str, Fault] = {}
         stats_by_fault: dict[str, dict[str, int]] = {}
         metrics_before_restart: list[str] = []
+        metrics_after_proxy_fault: dict[str, str] = {}
+        redis_retry_lines: list[str] = []
 
         def stats_now() -> dict[str, int]:
             try:
@@ -513,6 +512,7 @@ def scenario() -> Iterator[Scenario]:
                 proxy.inject(mode, count, PROXY_FAULT_MAX_S, **extra)
                 proxy.wait_done(PROXY_FAULT_MAX_S + 5)
                 time.sleep(2.0)
+                metrics_after_proxy_fault[mode] = router.metrics()
 
             # Redis goes away while answers are on their way, and comes back once one has
             # reached the job and its write has failed: that write has to wait for it.
@@ -530,6 +530,9 @@ def scenario() -> Iterator[Scenario]:
                 lambda: len(_job_log_lines(REDIS_RETRY_LOG)) > retries_before,
                 max(0.0, started + REDIS_MAX_DOWN_S - time.time()),
             )
+            # Kept now: the Flink log file is shared by every PyFlink run from this venv,
+            # and another run starting truncates it.
+            redis_retry_lines.extend(_job_log_lines(REDIS_RETRY_LOG))
             redis_service.start()
             faults["redis"] = Fault(
                 "redis",
@@ -559,9 +562,9 @@ def scenario() -> Iterator[Scenario]:
             )
             time.sleep(3.0)
 
-            busy = _wait_for(in_flight(worker=direct_spec.url), IN_FLIGHT_WAIT_S)
+            busy = _wait_for(in_flight(worker=direct_worker.url), IN_FLIGHT_WAIT_S)
             started = began("worker_kill")
-            pool.kill(direct_spec.name)
+            direct_worker.process.kill()
             faults["worker_kill"] = Fault("worker_kill", started, time.time(), {"in_flight": busy})
 
         job = create_job(config).execute_async(name)
@@ -633,7 +636,8 @@ def scenario() -> Iterator[Scenario]:
             proxy_windows=_windows_by_mode(proxy.windows),
             proxy_shoppers={m: sorted(set(s)) for m, s in proxy.shoppers.items()},
             proxy_url=proxy.url,
-            direct_url=direct_spec.url,
+            direct_url=direct_worker.url,
+            router_metrics_after_proxy_fault=metrics_after_proxy_fault,
             router_metrics_before_restart=metrics_before_restart[0],
             router_metrics_after_kill=router_metrics_after_kill,
             stats_by_fault=stats_by_fault,
@@ -644,7 +648,7 @@ def scenario() -> Iterator[Scenario]:
             intents={r.shopper_id: r for r in read_intents(client, config.redis.key_prefix)},
             dead_letters=dead_letters,
             job_statuses=list(watcher.statuses),
-            redis_retry_log=_job_log_lines(REDIS_RETRY_LOG),
+            redis_retry_log=sorted({*redis_retry_lines, *_job_log_lines(REDIS_RETRY_LOG)}),
             trickled=trickled,
             faults_lasted_s=faults_lasted_s,
             elapsed_s=elapsed_s,
@@ -847,6 +851,57 @@ class TestWorker5xx:
         assert metric_sum(text, "inference_sidecar_routing_decisions_total",
                           decision="failed_over") >= served  # fmt: skip
 
+    def test_503s_in_a_row_ejected_the_worker(self, scenario: Scenario):
+        """``HealthConfig.consecutive_failures``: three failures in a row eject a worker
+        whatever its peers do (the prose answers before were successes to the router)."""
+        assert scenario.proxy_windows["5xx"].served == _faulty_answers()["5xx"]
+        after = scenario.router_metrics_after_proxy_fault
+        ejections = [
+            metric_sum(
+                after[mode],
+                "inference_sidecar_ejections_total",
+                worker=scenario.proxy_url,
+                reason="consecutive_failures",
+            )
+            for mode in ("bad_intent", "5xx")
+        ]
+        assert ejections[1] - ejections[0] >= 1, ejections
+
+    def test_the_job_never_saw_the_errors(self, scenario: Scenario):
+        """Every request the proxied worker failed was answered by the other one."""
+        assert _errors_answered_during(scenario, "5xx") == 0
+
+
+def _faulty_answers() -> dict[str, int]:
+    """Mode -> how many answers the proxy changes."""
+    return {mode: count for mode, count, _ in PROXY_FAULTS}
+
+
+def _errors_answered_during(scenario: Scenario, mode: str) -> float:
+    """Requests the router answered with a server error (what the job would retry), from
+    the end of the proxy fault before ``mode`` to the end of it. (A call the job stops
+    because a newer prompt superseded it ends with a client-side status, not counted.)"""
+    order = [m for m, _, _ in PROXY_FAULTS]
+    before = scenario.router_metrics_after_proxy_fault[order[order.index(mode) - 1]]
+    after = scenario.router_metrics_after_proxy_fault[mode]
+
+    def errors(text: str) -> float:
+        name = "inference_sidecar_requests_total"
+        return sum(metric_sum(text, name, status=str(s)) for s in range(500, 512))
+
+    return errors(after) - errors(before)
+
+
+def _failed_over_during(scenario: Scenario, mode: str) -> float:
+    """Router failovers from the end of the proxy fault before ``mode`` to the end of it."""
+    order = [m for m, _, _ in PROXY_FAULTS]
+    before = scenario.router_metrics_after_proxy_fault[order[order.index(mode) - 1]]
+    after = scenario.router_metrics_after_proxy_fault[mode]
+    name = "inference_sidecar_routing_decisions_total"
+    return metric_sum(after, name, decision="failed_over") - metric_sum(
+        before, name, decision="failed_over"
+    )
+
 
 class TestWorkerInvalidJson:
     def test_router_counted_each_cut_off_body_and_failed_over(self, scenario: Scenario):
@@ -858,6 +913,15 @@ class TestWorkerInvalidJson:
             kind="invalid_response",
         )
         assert served >= 1 and errors == served
+
+    def test_each_cut_off_body_was_retried_on_the_next_worker(self, scenario: Scenario):
+        """The router tried the other worker and answered the job, and every shopper whose
+        answer was cut off has an intent."""
+        served = scenario.proxy_windows["invalid_json"].served
+        assert _failed_over_during(scenario, "invalid_json") >= served >= 1
+        assert _errors_answered_during(scenario, "invalid_json") == 0
+        cut_off = scenario.proxy_shoppers["invalid_json"]
+        assert cut_off and all(s in scenario.intents for s in cut_off), cut_off
 
 
 class TestWorkerKilled:
