@@ -48,7 +48,7 @@ log = logging.getLogger(__name__)
 
 RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
 DEFAULT_TEMPLATES = ("shopper_intent_v1.j2", "shopper_intent_v2.j2")
-DEFAULT_SHOPPERS = 40
+DEFAULT_SHOPPERS = 24
 #: vLLM's counters read per arm (their deltas are the arm's cost).
 VLLM_COUNTERS = (
     "vllm:prompt_tokens",
@@ -136,7 +136,12 @@ def read_writes(client: redis.Redis, stream: str) -> list[intent_eval.IntentWrit
 
 
 def run_arm(
-    template: str, index: int, topic: str, overrides: dict[str, dict[str, Any]], workers: list[str]
+    template: str,
+    index: int,
+    topic: str,
+    expected_events: int,
+    overrides: dict[str, dict[str, Any]],
+    workers: list[str],
 ) -> ArmRun:
     from flink_jobs.job import create_job
 
@@ -168,6 +173,11 @@ def run_arm(
         writes = [w for w in read_writes(client, config.redis.notify_stream) if w.source == "model"]
     finally:
         client.close()
+    if stats.get("events_in", 0) < expected_events:
+        raise RuntimeError(
+            f"arm {template}: the bounded job read {stats.get('events_in', 0)} of the"
+            f" {expected_events} events on {topic} (docs/event_time.md: the broker's end offsets)"
+        )
     delta = {name.removeprefix("vllm:"): after[name] - before[name] for name in VLLM_COUNTERS}
     cost = {
         "llm_calls": stats.get("llm_calls", 0),
@@ -315,12 +325,15 @@ def run_eval(args: argparse.Namespace) -> int:
     topic = "eval-events"
     started = time.monotonic()
     with start_embedded_stack(workdir, [topic], llm_workers=args.llm_workers) as stack:
-        summary = replay_records(stack.bootstrap, topic, records)
+        # One record per batch: the embedded broker (Tansu) reports a partition's end as its
+        # last batch's first offset + 1, and a bounded job stops there (docs/event_time.md).
+        one_per_batch = {"batch.num.messages": 1, "linger.ms": 0}
+        summary = replay_records(stack.bootstrap, topic, records, extra_config=one_per_batch)
         if not summary.ok:
             raise RuntimeError(summary.describe(topic))
         overrides = stack.config_overrides()
         arms = [
-            run_arm(t, i, topic, overrides, stack.llm.worker_urls)
+            run_arm(t, i, topic, len(records), overrides, stack.llm.worker_urls)
             for i, t in enumerate(args.templates)
         ]
     config = load_config(environ={})
