@@ -517,19 +517,13 @@ class _EqualVersionNote:
 _UNAVAILABLE = (redis.ConnectionError, redis.TimeoutError)
 
 
-# --- synchronous store -------------------------------------------------------------------
-
-
-class IntentStore:
-    """Versioned intent upserts and reads over a ``redis.Redis`` client (thread-safe).
-
-    ``notify``: also append each landed write to a stream; ``reevaluate``: also replace an
-    equal version made by another template or model (both in the module docstring).
-    """
+class _StoreCore:
+    """What both stores share: settings, the script's arguments and reading its replies;
+    the subclasses add only the I/O."""
 
     def __init__(
         self,
-        client: redis.Redis,
+        client: redis.Redis | redis.asyncio.Redis,
         prefix: str = DEFAULT_PREFIX,
         ttl_ms: int = DEFAULT_TTL_MS,
         notify: Notify | None = None,
@@ -547,6 +541,41 @@ class IntentStore:
 
     def key(self, shopper_id: str) -> str:
         return intent_key(shopper_id, self.prefix)
+
+    def _queue(self, pipe: Any, records: Sequence[IntentRecord]) -> None:
+        for record in records:
+            pipe.evalsha(
+                *evalsha_args(record, self.prefix, self.ttl_ms, self._script.sha, self.notify)
+            )
+
+    def _written(self, records: Sequence[IntentRecord], replies: Sequence[object]) -> list[bool]:
+        """Per record, whether it wrote (raises as ``_results_to_bools``)."""
+        self._equal_version.check(records, replies)
+        return _results_to_bools(records, replies)
+
+
+def _fill_resent(replies: list[object], missing: Sequence[int], again: Sequence[object]) -> None:
+    for i, reply in zip(missing, again, strict=True):
+        replies[i] = reply
+
+
+def _is_failover(error: StoreBusyError) -> bool:
+    """Whether the server refused as a replica: a failover, after which the endpoint may name
+    a new primary (the caller drops its idle connections)."""
+    return error.code == "READONLY"
+
+
+# --- synchronous store -------------------------------------------------------------------
+
+
+class IntentStore(_StoreCore):
+    """Versioned intent upserts and reads over a ``redis.Redis`` client (thread-safe).
+
+    ``notify``: also append each landed write to a stream; ``reevaluate``: also replace an
+    equal version made by another template or model (both in the module docstring).
+    """
+
+    client: redis.Redis
 
     def upsert(self, record: IntentRecord) -> bool:
         """Write ``record`` if it is newer than what is stored; returns whether it wrote."""
@@ -562,27 +591,21 @@ class IntentStore:
             if missing:  # the server lost its script cache (restart, SCRIPT FLUSH): load, resend
                 log.debug("upsert script not cached on the server; loading it")
                 self.client.script_load(self._source)
-                again = self._send([records[i] for i in missing])
-                for i, reply in zip(missing, again, strict=True):
-                    replies[i] = reply
+                _fill_resent(replies, missing, self._send([records[i] for i in missing]))
         except _UNAVAILABLE as e:
             raise StoreUnavailableError(f"Redis unavailable: {e}") from e
         except redis.ResponseError as e:  # the script could not be loaded
             raise server_error(e) from e
-        self._equal_version.check(records, replies)
         try:
-            return _results_to_bools(records, replies)
+            return self._written(records, replies)
         except StoreBusyError as e:
-            if e.code == "READONLY":  # a failover: the endpoint may name a new primary now
+            if _is_failover(e):
                 self.client.connection_pool.disconnect(inuse_connections=False)
             raise
 
     def _send(self, records: Sequence[IntentRecord]) -> list[object]:
         with self.client.pipeline(transaction=False) as pipe:
-            for record in records:
-                pipe.evalsha(
-                    *evalsha_args(record, self.prefix, self.ttl_ms, self._script.sha, self.notify)
-                )
+            self._queue(pipe, records)
             return list(pipe.execute(raise_on_error=False))
 
     def read(self, shopper_id: str) -> StoredIntent | None:
@@ -597,29 +620,10 @@ class IntentStore:
 # --- asynchronous store ------------------------------------------------------------------
 
 
-class AsyncIntentStore:
+class AsyncIntentStore(_StoreCore):
     """``IntentStore`` over a ``redis.asyncio.Redis`` client."""
 
-    def __init__(
-        self,
-        client: redis.asyncio.Redis,
-        prefix: str = DEFAULT_PREFIX,
-        ttl_ms: int = DEFAULT_TTL_MS,
-        notify: Notify | None = None,
-        reevaluate: bool = False,
-    ) -> None:
-        if ttl_ms <= 0:
-            raise ValueError(f"ttl_ms must be positive, got {ttl_ms}")
-        self.client = client
-        self.prefix = prefix
-        self.ttl_ms = ttl_ms
-        self.notify = notify
-        self._source = REEVALUATE_SCRIPT if reevaluate else UPSERT_SCRIPT
-        self._script = client.register_script(self._source)
-        self._equal_version = _EqualVersionNote()
-
-    def key(self, shopper_id: str) -> str:
-        return intent_key(shopper_id, self.prefix)
+    client: redis.asyncio.Redis
 
     async def upsert(self, record: IntentRecord) -> bool:
         return (await self.upsert_many([record]))[0]
@@ -633,27 +637,21 @@ class AsyncIntentStore:
             if missing:
                 log.debug("upsert script not cached on the server; loading it")
                 await self.client.script_load(self._source)
-                again = await self._send([records[i] for i in missing])
-                for i, reply in zip(missing, again, strict=True):
-                    replies[i] = reply
+                _fill_resent(replies, missing, await self._send([records[i] for i in missing]))
         except _UNAVAILABLE as e:
             raise StoreUnavailableError(f"Redis unavailable: {e}") from e
         except redis.ResponseError as e:  # the script could not be loaded
             raise server_error(e) from e
-        self._equal_version.check(records, replies)
         try:
-            return _results_to_bools(records, replies)
+            return self._written(records, replies)
         except StoreBusyError as e:
-            if e.code == "READONLY":  # a failover: the endpoint may name a new primary now
+            if _is_failover(e):
                 await self.client.connection_pool.disconnect(inuse_connections=False)
             raise
 
     async def _send(self, records: Sequence[IntentRecord]) -> list[object]:
         async with self.client.pipeline(transaction=False) as pipe:
-            for record in records:
-                pipe.evalsha(
-                    *evalsha_args(record, self.prefix, self.ttl_ms, self._script.sha, self.notify)
-                )
+            self._queue(pipe, records)
             return list(await pipe.execute(raise_on_error=False))
 
     async def read(self, shopper_id: str) -> StoredIntent | None:
