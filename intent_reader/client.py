@@ -242,6 +242,10 @@ class _ReaderSettings:
         self.strict = strict
         self._clock = clock
 
+    def _queue(self, pipe: Any, ids: Sequence[str]) -> None:
+        for shopper_id in ids:
+            pipe.hmget(intent_key(shopper_id, self.prefix), FIELDS)
+
     def _results(
         self,
         ids: Sequence[str],
@@ -307,21 +311,26 @@ class IntentReader(_ReaderSettings):
         stale: StalePolicy | None = None,
     ) -> dict[str, ShopperIntent | None]:
         """Each requested shopper mapped to its intent or None, in order (one round trip)."""
-        ids = list(dict.fromkeys(shopper_ids))
+        ids = _requested(shopper_ids, stale)
         if not ids:
             return {}
-        if stale is not None:
-            _check_policy(stale)
         return self._results(ids, self._hmget_all(ids), max_age_s, stale)
 
     def _hmget_all(self, ids: Sequence[str]) -> list[Sequence[Any]]:
         try:
             with self.client.pipeline(transaction=False) as pipe:
-                for shopper_id in ids:
-                    pipe.hmget(intent_key(shopper_id, self.prefix), FIELDS)
+                self._queue(pipe, ids)
                 return list(pipe.execute())
         except (redis.ConnectionError, redis.TimeoutError) as e:
             raise ReaderUnavailableError(f"Redis unavailable: {e}") from e
+
+
+def _requested(shopper_ids: Iterable[str], stale: StalePolicy | None) -> list[str]:
+    """The shoppers to read, each once in order; a wrong ``stale`` raises before any I/O."""
+    ids = list(dict.fromkeys(shopper_ids))
+    if ids and stale is not None:
+        _check_policy(stale)
+    return ids
 
 
 def _check_policy(stale: str) -> StalePolicy:
@@ -357,18 +366,15 @@ class AsyncIntentReader(_ReaderSettings):
         stale: StalePolicy | None = None,
     ) -> dict[str, ShopperIntent | None]:
         """Each requested shopper mapped to its intent or None, in order (one round trip)."""
-        ids = list(dict.fromkeys(shopper_ids))
+        ids = _requested(shopper_ids, stale)
         if not ids:
             return {}
-        if stale is not None:
-            _check_policy(stale)
         return self._results(ids, await self._hmget_all(ids), max_age_s, stale)
 
     async def _hmget_all(self, ids: Sequence[str]) -> list[Sequence[Any]]:
         try:
             async with self.client.pipeline(transaction=False) as pipe:
-                for shopper_id in ids:
-                    pipe.hmget(intent_key(shopper_id, self.prefix), FIELDS)
+                self._queue(pipe, ids)
                 return list(await pipe.execute())
         except (redis.ConnectionError, redis.TimeoutError) as e:
             raise ReaderUnavailableError(f"Redis unavailable: {e}") from e
