@@ -6,7 +6,9 @@ What is checked, from the workers' own ``/metrics`` where it matters:
   worker's prefix cache;
 * the body (a ``json_schema`` response format) passes through and is enforced;
 * bad input gets OpenAI-style errors from the real stack;
-* killing a worker under load loses no request;
+* killing a worker under load loses no request; a worker answering 503 or cut-off JSON
+  (a fault proxy in front of a real worker) has its requests retried on the other worker,
+  with a valid answer; a slowed worker is ejected and re-admitted;
 * greedy output through the disaggregated path (prefill worker -> ExampleConnector ->
   decode worker) equals the aggregated path, and the decode worker really received its
   KV externally.
@@ -45,6 +47,7 @@ from inference_sidecar.workers import (
     log_tail,
     port_is_free,
 )
+from tests.service.fault_proxy import FaultProxy
 
 pytestmark = [pytest.mark.timeout(360)]
 
@@ -170,7 +173,6 @@ class Stack:
     def __init__(self, log_dir: Path) -> None:
         self.log_dir = log_dir
         self.current: Cluster | None = None
-        self.greedy_reference: dict[str, str] = {}
 
     def get(self, mode: str) -> Cluster:
         current = self.current
@@ -301,6 +303,15 @@ def greedy(cluster: Cluster, name: str) -> str:
     return r.json()["choices"][0]["message"]["content"]
 
 
+@pytest.fixture(scope="session")
+def greedy_reference(stack: Stack) -> dict[str, str]:
+    """The aggregated path's greedy output for each of ``GREEDY_PROMPTS``: what the
+    disaggregated path must reproduce. Taken while both aggregated workers are up (see
+    ``test_killed_worker_loses_no_request``)."""
+    cluster = stack.get("aggregated")
+    return {name: greedy(cluster, name) for name in GREEDY_PROMPTS}
+
+
 class SlowProxy:
     """A degraded worker: forwards to a real one, adding ``delay_s`` to every POST.
 
@@ -404,10 +415,45 @@ class TestAggregated:
         unknown = aggregated.post({**chat_body(GREEDY_PROMPTS["short"]), "model": "nope"})
         assert unknown.status_code == 404 and "error" in unknown.json()
 
-    def test_greedy_reference(self, aggregated: Cluster, stack: Stack) -> None:
-        """Record aggregated greedy outputs for the disaggregated comparison."""
-        for name in GREEDY_PROMPTS:
-            stack.greedy_reference[name] = greedy(aggregated, name)
+    @pytest.mark.parametrize(("fault", "kind"), [("5xx", "status_5xx"),
+                                                 ("invalid_json", "invalid_response")])  # fmt: skip
+    def test_a_failing_workers_requests_are_retried_on_the_other_with_a_valid_answer(
+        self, aggregated: Cluster, stack: Stack, fault: str, kind: str
+    ) -> None:
+        """A second router sees worker-1 through a fault proxy that answers two requests
+        with a 503 (or with cut-off JSON, as a worker dying mid-write does), without
+        reaching the worker. Two shoppers whose home is that worker each get a
+        schema-valid answer from the other worker; the router counted each failure
+        against the proxied worker and failed each request over."""
+        healthy, sick = aggregated.pool.worker_urls
+        proxy = FaultProxy(sick, find_free_port_range(1))
+        workers = [healthy, proxy.url]
+        shoppers = shoppers_homed_on(workers, 2, f"fault-{fault}")[proxy.url]
+        router = stack.start_router(workers, f"fault-{fault}")
+        try:
+            proxy.inject(fault, requests=len(shoppers), max_s=300)
+            replies = [
+                router.post(chat_body(shopper_messages(s, 4), 60, response_format=INTENT_SCHEMA), s)
+                for s in shoppers
+            ]
+            assert [r.status_code for r in replies] == [200] * len(shoppers), [
+                r.text for r in replies
+            ]
+            assert {r.headers["x-sidecar-worker"] for r in replies} == {healthy}
+            for r in replies:
+                answer = json.loads(r.json()["choices"][0]["message"]["content"])
+                assert answer["intent"] in ("buy", "compare", "browse", "gift")
+            assert proxy.served[fault] == len(shoppers)
+            errors = router.metric(
+                "inference_sidecar_worker_errors_total", worker=proxy.url, kind=kind
+            )
+            failed_over = router.metric(
+                "inference_sidecar_routing_decisions_total", decision="failed_over"
+            )
+            assert errors == len(shoppers) and failed_over >= len(shoppers)
+        finally:
+            router.stop()
+            proxy.close()
 
     def test_hot_shopper_burst_spills_within_the_bound(self, aggregated: Cluster) -> None:
         """16 concurrent requests, 12 of them from one hot shopper: all succeed, the hot
@@ -471,6 +517,7 @@ class TestAggregated:
             router.stop()
             proxy.close()
 
+    @pytest.mark.usefixtures("greedy_reference")  # taken before a worker is killed here
     def test_killed_worker_loses_no_request(self, aggregated: Cluster) -> None:
         """Last aggregated test: it kills a worker (the next test restarts the stack)."""
         shoppers = [f"kill-{i}" for i in range(12)]
@@ -495,19 +542,16 @@ class TestAggregated:
 
 
 class TestDisaggregated:
-    def test_greedy_output_equals_aggregated(self, disaggregated: Cluster, stack: Stack) -> None:
+    def test_greedy_output_equals_aggregated(
+        self, greedy_reference: dict[str, str], disaggregated: Cluster
+    ) -> None:
         (prefill,) = disaggregated.pool.prefill_urls
         (decode,) = disaggregated.pool.decode_urls
         external_before = worker_metric(
             decode, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer"
         )
-        for name, messages in GREEDY_PROMPTS.items():
-            got = greedy(disaggregated, name)
-            expected = stack.greedy_reference.get(name)
-            if expected is None:  # aggregated tests not selected: the prefill worker alone
-                ref = httpx.post(f"{prefill}{CHAT}", json=chat_body(messages, 24), timeout=60)
-                expected = ref.json()["choices"][0]["message"]["content"]
-            assert got == expected, name
+        for name in GREEDY_PROMPTS:
+            assert greedy(disaggregated, name) == greedy_reference[name], name
         r = disaggregated.post(chat_body(GREEDY_PROMPTS["short"], 2), "greedy-short")
         assert r.headers["x-sidecar-prefill-worker"] == prefill
         assert r.headers["x-sidecar-worker"] == decode
