@@ -51,7 +51,7 @@ def ratio(numerator: float | None, denominator: float | None) -> float:
 
 
 def percentile(values: Sequence[float], pct: float) -> float:
-    """Nearest-rank percentile (the definition ``run_report.percentile`` uses); NaN if empty."""
+    """Nearest-rank percentile (the definition ``run_summary.percentile`` uses); NaN if empty."""
     if not values:
         return math.nan
     ordered = sorted(values)

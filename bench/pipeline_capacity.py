@@ -12,7 +12,7 @@ Four phases, each on a fresh job (own topic, group, key prefix):
    many shoppers at once, event times ending now) are put on the topic *before* the job
    starts; the job then reads them as fast as it can with the default trigger policy.
    The stats hash is polled every 0.5 s; the capacity is the rate at which events get
-   their outcome in the keyed session stage (``run_report.events_accounted``: accepted,
+   their outcome in the keyed session stage (``run_summary.events_accounted``: accepted,
    late, duplicate, dead-lettered), between the moments 10% and 90% of the events had
    one (start-up and tail excluded). Not ``events_in``: decoding runs ahead of the
    session stage by whatever Flink's network buffers hold (thousands of events).

@@ -67,7 +67,7 @@ def _dead_letter_json(dead_letter: DeadLetter) -> str:
 class _Counted:
     """Counters that go both to Flink's metric group and to the Redis stats hash.
 
-    The Flink side is gauges over counts kept here (``metric_tally.GaugeCounters``):
+    The Flink side is gauges over counts kept here (``metrics.GaugeCounters``):
     PyFlink drops counter updates made in ``on_timer``.
     """
 

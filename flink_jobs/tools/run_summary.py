@@ -1,7 +1,7 @@
 """What a run did, read back from where its results land: Redis, the dead-letter topic and
 the vLLM workers' own metrics. Shared by the demo's console and the integration tests.
 
-The accounting identity every run must satisfy (see ``stats.py`` for the counters)::
+The accounting identity every run must satisfy (see ``runtime/counters.py`` for the counters)::
 
     events_in = events_accepted + events_late_folded + events_duplicate
               + events_late_dropped + events_held_overflow + dead_letter_decode

@@ -1,4 +1,4 @@
-"""metric_tally: the async operator's Flink metrics, kept in Python and read as gauges."""
+"""metrics.GaugeCounters: the async operator's Flink metrics, kept in Python, read as gauges."""
 
 from __future__ import annotations
 
