@@ -134,6 +134,11 @@ class LlmConfig:
     # answered, in order (evaluation runs that need a model answer at every trigger point;
     # slower to catch up, each queued prompt takes a place of llm.capacity).
     latest_wins: bool = True
+    # Two speeds: write each prompt's rules-only intent the moment it fires, before the
+    # model answers. false: only model answers are written (an evaluation run, where the
+    # next prompt's rules-only record would otherwise outrank the model's earlier answers
+    # and leave them unwritten).
+    rules_first: bool = True
     # The HTTP proxy the calls go through; empty: the one the environment names, as
     # other HTTP clients read it (llm_client.proxy_for). May carry credentials.
     proxy_url: str = field(default="", repr=False)

@@ -217,7 +217,7 @@ class ShopperSessions(KeyedProcessFunction, _Counted):
             self._config.llm.max_concurrency,
             runner.aclose,
             runner.supersede,
-            write_rules=runner.write_rules,
+            write_rules=runner.write_rules if self._config.llm.rules_first else None,
             latest_wins=self._config.llm.latest_wins,
         ).start()
         self._poll_ms = int(self._config.llm.poll_interval_s * 1000)

@@ -9,8 +9,10 @@ Steps, in the order :func:`run_eval` takes them:
 2. start the embedded stack (broker, Redis, vLLM workers on the CPU, the router) and
    write the events to one topic;
 3. per arm: run the job bounded (``kafka.bounded``) from the topic's start with the
-   arm's template, its own key prefix and notification stream, and ``llm.latest_wins``
-   off, so every trigger point gets a model answer whatever the model's speed; read
+   arm's template, its own key prefix and notification stream, ``llm.latest_wins`` off
+   (every trigger point gets a model answer whatever the model's speed) and
+   ``llm.rules_first`` off (so the next prompt's rules-only record does not outrank the
+   model's answer to the one before: the rules intent is recomputed in scoring); read
    every landed write from the stream, and the cost from the counters (the job's LLM
    calls, vLLM's prompt, output and prefix-cache tokens);
 4. score with :func:`flink_jobs.tools.intent_eval.evaluate`: every arm's model writes
@@ -158,7 +160,7 @@ def run_arm(
         },
         "redis": {**overrides["redis"], "key_prefix": prefix, "notify_stream": f"{prefix}:updates"},
         "prompt": {"template": template},
-        "llm": {**overrides["llm"], "latest_wins": False},
+        "llm": {**overrides["llm"], "latest_wins": False, "rules_first": False},
     }
     config = load_config(overrides=arm)
     before = read_vllm_counters(workers)
