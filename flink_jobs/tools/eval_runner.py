@@ -35,16 +35,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
 import orjson
 import redis
-from prometheus_client.parser import text_string_to_metric_families
 
 from flink_jobs.config import load_config
 from flink_jobs.core.events import ShopperEvent, decode_event
 from flink_jobs.paths import cache_dir, resource_dir
 from flink_jobs.tools import intent_eval
-from flink_jobs.tools.run_summary import read_stats
+from flink_jobs.tools.run_summary import read_stats, read_vllm_totals
 
 log = logging.getLogger(__name__)
 
@@ -112,15 +110,7 @@ def moved_to_now(values: Sequence[bytes], now_ms: int) -> tuple[list[bytes], lis
 
 
 def read_vllm_counters(worker_urls: Sequence[str]) -> dict[str, float]:
-    totals = dict.fromkeys(VLLM_COUNTERS, 0.0)
-    for url in worker_urls:
-        text = httpx.get(f"{url.rstrip('/')}/metrics", timeout=5.0).text
-        for family in text_string_to_metric_families(text):
-            if family.name in totals:
-                totals[family.name] += sum(
-                    s.value for s in family.samples if s.name.endswith("_total")
-                )
-    return totals
+    return read_vllm_totals(worker_urls, VLLM_COUNTERS)
 
 
 def read_writes(client: redis.Redis, stream: str) -> list[intent_eval.IntentWrite]:

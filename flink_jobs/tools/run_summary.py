@@ -137,14 +137,9 @@ class PrefixCacheStats:
         return self.hits / self.queries if self.queries else math.nan
 
 
-def read_prefix_cache(worker_urls: Iterable[str]) -> PrefixCacheStats:
-    """Sum vLLM's own prefix-cache counters (in tokens) over the workers."""
-    totals = {
-        "vllm:prefix_cache_queries": 0.0,
-        "vllm:prefix_cache_hits": 0.0,
-        "vllm:prompt_tokens": 0.0,
-        "vllm:request_success": 0.0,
-    }
+def read_vllm_totals(worker_urls: Iterable[str], names: Iterable[str]) -> dict[str, float]:
+    """Each of vLLM's counters ``names`` (``vllm:...``), summed over the workers."""
+    totals = dict.fromkeys(names, 0.0)
     for url in worker_urls:
         text = httpx.get(f"{url.rstrip('/')}/metrics", timeout=5.0).text
         for family in text_string_to_metric_families(text):
@@ -152,6 +147,20 @@ def read_prefix_cache(worker_urls: Iterable[str]) -> PrefixCacheStats:
                 totals[family.name] += sum(
                     s.value for s in family.samples if s.name.endswith("_total")
                 )
+    return totals
+
+
+def read_prefix_cache(worker_urls: Iterable[str]) -> PrefixCacheStats:
+    """Sum vLLM's own prefix-cache counters (in tokens) over the workers."""
+    totals = read_vllm_totals(
+        worker_urls,
+        (
+            "vllm:prefix_cache_queries",
+            "vllm:prefix_cache_hits",
+            "vllm:prompt_tokens",
+            "vllm:request_success",
+        ),
+    )
     return PrefixCacheStats(
         totals["vllm:prefix_cache_queries"],
         totals["vllm:prefix_cache_hits"],
