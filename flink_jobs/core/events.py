@@ -42,8 +42,8 @@ def pickled_by_fields(cls):
 
     The job stores sessions, held events and prompts in Flink state, which pickles them on
     every write; the default pickling of a slotted dataclass goes through Python-level
-    ``__getstate__`` for each object (a 40-event session: 108 us to dump, 51 us to load
-    on this machine), this through one C ``attrgetter`` call (26 us, 29 us).
+    ``__getstate__`` for each object, this through one C ``attrgetter`` call (about four
+    times faster to dump: ``bench/README.md``, "What changed the capacity").
     """
     fields = attrgetter(*(f.name for f in dataclasses.fields(cls)))
 
