@@ -15,6 +15,7 @@ demo: setup
 # the same events, scored against what each shopper did next; bench/results/intent_quality.*.
 # ARGS="--events data/complete_journey.jsonl --dataset complete_journey" for the second dataset.
 eval: setup
+	$(VENV)/bin/pip install -q "matplotlib>=3.8"
 	$(PY) -m flink_jobs.tools eval $(ARGS)
 
 test: setup
