@@ -248,6 +248,10 @@ class ShopperSessions(KeyedProcessFunction, _Counted):
 
     def on_timer(self, timestamp: int, ctx: KeyedProcessFunction.OnTimerContext):
         if ctx.time_domain() == TimeDomain.PROCESSING_TIME:
+            if self._outbox is None:
+                # A poll that fires after close: a bounded input's end waited for every
+                # pending prompt before the operator closed, so there is nothing to collect.
+                return
             yield from self._settle(ctx, wait=False)
             return
         if timestamp == END_OF_INPUT_MS:
@@ -352,10 +356,14 @@ class ShopperSessions(KeyedProcessFunction, _Counted):
         )
 
     def _drain_timeout_s(self) -> float:
+        """How long the end of a bounded input waits for the shopper's newest prompt: the
+        longest call, once for every round of calls ahead of it in the outbox (with
+        ``llm.latest_wins`` off, a shopper's earlier prompts are among them)."""
         llm = self._config.llm
         per_call = llm.request_timeout_s * llm.max_attempts + llm.backoff_max_s * llm.max_attempts
         attempts = 1 + llm.invalid_answer_retries
-        return per_call * attempts + self._config.redis.write_retry_budget_s
+        rounds = 1 + -(-self._outbox.in_system // llm.max_concurrency)
+        return per_call * attempts * rounds + self._config.redis.write_retry_budget_s
 
     def _record(self, settled: Settled):
         self._outcomes.settled(settled)
