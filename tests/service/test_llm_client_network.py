@@ -11,50 +11,16 @@ from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import replace
 from typing import Any
 
-import httpx
 import orjson
 import pytest
 
-from flink_jobs.config import LlmConfig
-from flink_jobs.core.prompting import RenderedPrompt
 from flink_jobs.runtime import llm_client
 from flink_jobs.runtime.llm_client import (
     LlmAnswer,
     LlmClient,
     LlmError,
 )
-from tests import builders
-
-SHOPPER = "shopper-00146"
-PROMPT = RenderedPrompt(
-    messages=(
-        {"role": "system", "content": "You infer a shopper's current shopping intent."},
-        {"role": "user", "content": '<events>\n+00:00 search query="over ear headhones"\n'},
-    ),
-    template="shopper_intent_v1.j2",
-    template_hash="56171ff6b9a3",
-    estimated_tokens=40,
-    events_included=1,
-    events_dropped=0,
-)
-INTENT_TEXT = (
-    '{"intents": [{"label": "researching_product", "confidence": 0.8}], '
-    '"summary": "Looking for over-ear headphones."}'
-)
-CONFIG = LlmConfig(
-    base_url="http://llm.test/v1",
-    model="SmolLM2-135M-Instruct",
-    max_attempts=3,
-    backoff_initial_s=0.5,
-    backoff_max_s=8.0,
-    request_timeout_s=5.0,
-)
-
-
-def completion(text: str = INTENT_TEXT, **extra: Any) -> httpx.Response:
-    return builders.completion(
-        text, finish_reason=None, prompt_tokens=40, completion_tokens=21, **extra
-    )
+from tests.unit.test_llm_client import CONFIG, INTENT_TEXT, PROMPT, SHOPPER, completion
 
 
 @pytest.fixture(autouse=True)
