@@ -37,6 +37,21 @@ EARBUDS = {
     "price": 299.99,
 }
 
+ESPRESSO = {
+    "product_id": "sku-307045",
+    "title": "Brewster House Blend Espresso Pods, 50 Count, Dark Roast",
+    "category": "Grocery > Coffee & Tea",
+    "brand": "Brewster",
+    "price": 29.0,
+}
+GREEN_TEA = {
+    "product_id": "sku-552310",
+    "title": "Kyoto Leaf Organic Sencha Green Tea, 100 Bags",
+    "category": "Grocery > Coffee & Tea",
+    "brand": "Kyoto Leaf",
+    "price": 12.49,
+}
+
 _event_ids = itertools.count(1)
 
 

@@ -31,31 +31,15 @@ from hypothesis import strategies as st
 from flink_jobs.runtime.intent_store import (
     DEFAULT_TTL_MS,
     AsyncIntentStore,
-    IntentRecord,
     IntentStore,
     IntentStoreError,
     StoreUnavailableError,
     is_newer,
 )
 from flink_jobs.tools.local_services import free_port, start_redis
-from tests.builders import intent_record
+from tests.unit.test_intent_store import make_record
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-
-
-def make_record(shopper_id: str = "shopper-1", ts: int = 1_000, seq: int = 0) -> IntentRecord:
-    """A record whose payload names its version, so the stored payload can be checked."""
-    tag = f"{ts}.{seq}"
-    intent = {"intents": [{"label": "compare", "confidence": 0.8}], "summary": tag}
-    return intent_record(
-        shopper_id,
-        ts,
-        seq,
-        intent=intent,
-        template="intent_v1",
-        template_hash="abc123",
-        model="smollm2-135m",
-    )
 
 
 @pytest.fixture

@@ -29,26 +29,12 @@ from flink_jobs.core.grounding import (
 from flink_jobs.core.intents import Intent, intent_response_format, parse_intent
 from flink_jobs.core.session import SessionState, apply_event, new_session_state
 from flink_jobs.tools.sample_data import SampleConfig, build_catalogue, generate_sample
-from tests.builders import EARBUDS, HEADPHONES, T0, session_of
+from tests.builders import EARBUDS, ESPRESSO, GREEN_TEA, HEADPHONES, T0, session_of
 from tests.builders import numbered_event as event
 
 SESSION = SessionConfig()
 HIGH_SIGNAL = TriggerConfig().high_signal_types
 
-ESPRESSO = {
-    "product_id": "sku-307045",
-    "title": "Brewster House Blend Espresso Pods, 50 Count, Dark Roast",
-    "category": "Grocery > Coffee & Tea",
-    "brand": "Brewster",
-    "price": 29.0,
-}
-GREEN_TEA = {
-    "product_id": "sku-552310",
-    "title": "Kyoto Leaf Organic Sencha Green Tea, 100 Bags",
-    "category": "Grocery > Coffee & Tea",
-    "brand": "Kyoto Leaf",
-    "price": 12.49,
-}
 TENT = {
     "product_id": "sku-880412",
     "title": "Alpenfold Ridgeline 2-Person Backpacking Tent",

@@ -30,7 +30,7 @@ from flink_jobs.core.prompting import (
 )
 from flink_jobs.core.session import Outcome, SessionState, apply_event, new_session_state
 from flink_jobs.tools.sample_data import PROMPT_INJECTIONS, SampleConfig, generate_sample
-from tests.builders import EARBUDS, HEADPHONES, session_of
+from tests.builders import EARBUDS, ESPRESSO, GREEN_TEA, HEADPHONES, session_of
 from tests.builders import numbered_event as event
 
 GOLDEN_DIR = Path(__file__).parent / "golden"
@@ -38,21 +38,6 @@ UPDATE_GOLDEN = os.environ.get("SI_UPDATE_GOLDEN") == "1"
 
 SESSION = SessionConfig()
 HIGH_SIGNAL = TriggerConfig().high_signal_types
-
-ESPRESSO = {
-    "product_id": "sku-307045",
-    "title": "Brewster House Blend Espresso Pods, 50 Count, Dark Roast",
-    "category": "Grocery > Coffee & Tea",
-    "brand": "Brewster",
-    "price": 29.0,
-}
-GREEN_TEA = {
-    "product_id": "sku-552310",
-    "title": "Kyoto Leaf Organic Sencha Green Tea, 100 Bags",
-    "category": "Grocery > Coffee & Tea",
-    "brand": "Kyoto Leaf",
-    "price": 12.49,
-}
 
 
 # --- helpers -------------------------------------------------------------------------------
