@@ -18,15 +18,20 @@ eval: setup
 	$(VENV)/bin/pip install -q "matplotlib>=3.8"
 	$(PY) -m flink_jobs.tools eval $(ARGS)
 
+# Two pytest-xdist workers, a test file (and the whole model tier) per worker at a time
+# (tests/conftest.py: xdist_group); TEST_WORKERS=0 runs everything in one process.
+TEST_WORKERS ?= 2
+XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup)
+
 test: setup
-	$(PY) -m pytest tests $(ARGS)
+	$(PY) -m pytest tests $(XDIST) $(ARGS)
 
 # The three tiers (tests/conftest.py): `make test` runs them all.
 unit: setup
-	$(PY) -m pytest tests/unit $(ARGS)
+	$(PY) -m pytest tests/unit $(XDIST) $(ARGS)
 
 service: setup
-	$(PY) -m pytest tests/service $(ARGS)
+	$(PY) -m pytest tests/service $(XDIST) $(ARGS)
 
 model: setup
 	$(PY) -m pytest tests/model $(ARGS)

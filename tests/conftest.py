@@ -56,6 +56,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if tier not in TIERS:
             raise pytest.UsageError(f"{item.nodeid}: tests live in tests/{{{','.join(TIERS)}}}/")
         item.add_marker(getattr(pytest.mark, tier))
+        item.add_marker(pytest.mark.xdist_group(xdist_group(item.path, tier)))
+
+
+def xdist_group(path: Path, tier: str) -> str:
+    """Which tests one pytest-xdist worker runs together (``make test`` runs
+    ``--dist loadgroup``): a file's tests share its module fixtures, so a file stays on one
+    worker; the model tier's files share one worker too, so a run starts one set of vLLM
+    workers (``llm_tier``), not one per pytest worker, and they do not compete for the
+    cores with each other."""
+    return "model" if tier == "model" else path.relative_to(_TESTS_DIR).as_posix()
 
 
 # --- 2. service backend ------------------------------------------------------------------

@@ -229,6 +229,10 @@ def _summary(client, prefix, stats, worker_urls, elapsed, replay_summary) -> dic
         "event_to_intent_latency_s": latency_summary(
             read_samples(client, prefix, "event_to_intent_ms")
         ),
+        # The rules-only record's freshness (llm.rules_first): the grounded part's staleness.
+        "event_to_rules_latency_s": latency_summary(
+            read_samples(client, prefix, "event_to_rules_ms")
+        ),
         "llm_latency_s": latency_summary(read_samples(client, prefix, "llm_latency_ms")),
         "llm_calls_per_event": round(
             stats.get("llm_calls", 0) / max(1, stats.get("events_accepted", 0)), 3

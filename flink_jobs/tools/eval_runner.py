@@ -31,7 +31,7 @@ import argparse
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +68,8 @@ class ArmRun:
     cost: dict[str, float]
     elapsed_s: float
     dead_letters: dict[str, int] = field(default_factory=dict)
+    # The answers the job refused (stage llm or intent): reason, detail and the answer's text.
+    refused_answers: list[dict[str, Any]] = field(default_factory=list)
 
 
 # --- the events ------------------------------------------------------------------------------
@@ -185,8 +187,31 @@ def run_arm(
         / max(1.0, delta["request_success"]),
     }
     dead = {k: v for k, v in stats.items() if k.startswith("dead_letter")}
+    refused = refused_answers(config, stats)
     log.info("arm %s: %d model writes in %.0f s", template, len(writes), elapsed)
-    return ArmRun(template, prefix, writes, stats, cost, elapsed, dead)
+    return ArmRun(template, prefix, writes, stats, cost, elapsed, dead, refused)
+
+
+def refused_answers(config: Any, stats: dict[str, int]) -> list[dict[str, Any]]:
+    """The arm's dead letters of the model's answers, read back from its dead-letter topic,
+    so the report shows what the model said when the job refused it."""
+    from flink_jobs.tools.run_summary import read_json_topic
+
+    if not any(v for k, v in stats.items() if k.startswith("dead_letter")):
+        return []
+    records = read_json_topic(
+        config.kafka.bootstrap_servers, config.kafka.dead_letter_topic, timeout_s=15
+    )
+    return [
+        {
+            "reason": r["reason"],
+            "detail": r["detail"],
+            "shopper_id": r.get("shopper_id"),
+            "answer": (r.get("context") or {}).get("answer"),
+        }
+        for r in records
+        if r.get("stage") in ("llm", "intent")
+    ]
 
 
 # --- the result --------------------------------------------------------------------------------
@@ -253,6 +278,7 @@ def render_markdown(results: dict[str, Any]) -> str:
             "",
             doc["scores"]["table_same"],
             "",
+            *_ceiling_lines(doc["scores"]["same_writes"]["groups"]),
             "Each arm's own writes:",
             "",
             doc["scores"]["table_own"],
@@ -271,7 +297,31 @@ def render_markdown(results: dict[str, Any]) -> str:
                 f"| {arm['dead_letters']} |"
             )
         lines.append("")
+        for arm in doc["arms"]:
+            for refused in arm.get("refused_answers", ()):
+                lines.append(
+                    f"- {arm['template']} refused `{refused['reason']}`: {refused['detail']}"
+                    + (f" Answer: `{refused['answer']}`" if refused.get("answer") else "")
+                )
+        lines.append("")
     return "\n".join(lines)
+
+
+def _ceiling_lines(groups: Sequence[dict[str, Any]]) -> list[str]:
+    """The share of next engagements in a category the model was offered: the most
+    ``next_category_any`` can reach when answers are held to the session's categories."""
+    if not groups:
+        return []
+    counts = groups[0]["counts"]
+    followed = counts["followed_by_engagement"]
+    offered = counts.get("next_category_offered")
+    if offered is None or not followed:
+        return []
+    return [
+        f"Ceiling of next_category_any: {offered} of the {followed} next engagements"
+        f" ({offered / followed:.3f}) were in a category the session offered the model.",
+        "",
+    ]
 
 
 def _plot(results: dict[str, Any], path: Path) -> None:
@@ -300,6 +350,66 @@ def _plot(results: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+# --- the writes, kept for scoring again ---------------------------------------------------------
+
+
+def writes_path(out_dir: Path, dataset: str) -> Path:
+    return out_dir / f"intent_writes_{dataset}.json"
+
+
+def save_writes(args: argparse.Namespace, now_ms: int, arms: Sequence[ArmRun]) -> Path:
+    """Every arm's model writes, with what it takes to rebuild the same events (the file,
+    the shopper cut and the wall-clock time their newest event was moved to), so a change
+    to the scoring is measured on the same answers without running the model again
+    (``--rescore``)."""
+    path = writes_path(args.out, args.dataset)
+    document = {
+        "dataset": args.dataset,
+        "events_file": str(args.events),
+        "shoppers": args.shoppers,
+        "now_ms": now_ms,
+        "arms": {a.template: [asdict(w) for w in a.writes] for a in arms},
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(orjson.dumps(document, option=orjson.OPT_INDENT_2))
+    return path
+
+
+def load_writes(path: Path) -> tuple[dict[str, Any], dict[str, list[intent_eval.IntentWrite]]]:
+    document = orjson.loads(path.read_bytes())
+    arms = {
+        template: [
+            intent_eval.IntentWrite(
+                **{**w, "labels": tuple(intent_eval.IntentLabel(**x) for x in w["labels"])}
+            )
+            for w in writes
+        ]
+        for template, writes in document["arms"].items()
+    }
+    return document, arms
+
+
+def rescore(dataset: str, out_dir: Path) -> int:
+    """Score the saved writes of ``dataset`` again (the model is not run) and rewrite its
+    entry in the results, keeping the run's cost figures."""
+    path = writes_path(out_dir, dataset)
+    results_path = out_dir / "intent_quality.json"
+    if not path.exists() or not results_path.exists():
+        raise SystemExit(f"{path} or {results_path} is missing: run the eval on {dataset} first")
+    saved, writes = load_writes(path)
+    document = orjson.loads(results_path.read_bytes())["datasets"][dataset]
+    values = select_records(Path(saved["events_file"]), saved["shoppers"])
+    _, events = moved_to_now(values, saved["now_ms"])
+    arms = [
+        ArmRun(a["template"], "", writes[a["template"]], a["stats"], a["cost"], a["elapsed_s"])
+        for a in document["arms"]
+    ]
+    document["scores"] = score(events, arms, load_config(environ={}).session.gap_s)
+    write_results(dataset, document, out_dir)
+    print(document["scores"]["table_same"])
+    return 0
+
+
 # --- the command -------------------------------------------------------------------------------
 
 
@@ -309,8 +419,11 @@ def run_eval(args: argparse.Namespace) -> int:
     from flink_jobs.tools.embedded_stack import start_embedded_stack
     from flink_jobs.tools.replay import replay_records
 
+    if args.rescore:
+        return rescore(args.dataset, args.out)
     values = select_records(args.events, args.shoppers)
-    records, events = moved_to_now(values, int(time.time() * 1000))
+    now_ms = int(time.time() * 1000)
+    records, events = moved_to_now(values, now_ms)
     shoppers = len({e.shopper_id for e in events})
     log.info("eval over %d events of %d shoppers from %s", len(events), shoppers, args.events)
     workdir = args.workdir or cache_dir() / "eval"
@@ -344,12 +457,14 @@ def run_eval(args: argparse.Namespace) -> int:
                 "cost": a.cost,
                 "stats": a.stats,
                 "dead_letters": a.dead_letters,
+                "refused_answers": a.refused_answers,
                 "elapsed_s": a.elapsed_s,
             }
             for a in arms
         ],
         "scores": score(events, arms, config.session.gap_s),
     }
+    save_writes(args, now_ms, arms)
     path = write_results(args.dataset, document, args.out)
     print(document["scores"]["table_same"])
     print(f"\nwritten to {path} and {path.with_suffix('.md')}")
@@ -380,3 +495,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--llm-workers", type=int, default=2, help="vLLM workers (one core each)")
     p.add_argument("--workdir", type=Path, default=None, help="logs (default: <cache>/eval)")
     p.add_argument("--out", type=Path, default=RESULTS, help="results folder (bench/results)")
+    p.add_argument(
+        "--rescore",
+        action="store_true",
+        help="score the writes a run on --dataset saved again, without running the model",
+    )

@@ -35,6 +35,12 @@ Metrics (each over the writes it applies to; None when none do):
   ``1 / log2(1 + rank)`` within the top ten, else 0.
 - ``browsing_with_signal``: of writes whose session holds a cart, a purchase, or a
   category engaged twice or more, the share whose top label is ``browsing``.
+
+Beside the metrics, each group counts ``next_category_offered``: of the writes followed by a
+product engagement, how many engaged a category the model was offered
+(``grounding.session_category_enum``). Its share is the ceiling of ``next_category_any``
+for any intent held to the session's categories: a shopper's first step into a new
+category is a miss for every arm.
 """
 
 from __future__ import annotations
@@ -50,7 +56,12 @@ import orjson
 
 from flink_jobs.config import SessionConfig, TriggerConfig
 from flink_jobs.core.events import ShopperEvent
-from flink_jobs.core.grounding import GroundedFacts, grounded_facts, rules_intent
+from flink_jobs.core.grounding import (
+    GroundedFacts,
+    grounded_facts,
+    rules_intent,
+    session_category_enum,
+)
 from flink_jobs.core.session import SessionState, apply_event, new_session_state
 from intent_reader.client import IntentLabel, ShopperIntent
 from intent_reader.rerank import Candidate, category_matches, rerank
@@ -147,6 +158,7 @@ class Counts:
 
     writes: int = 0
     followed_by_engagement: int = 0
+    next_category_offered: int = 0  # of those, the engaged category was in the enum
     purchase_after: int = 0
     just_purchased: int = 0
     cart_left: int = 0
@@ -445,6 +457,9 @@ def _score_group(key, points, catalogue, n_candidates, seed, purchase_labels) ->
             auc_inputs[arm][0].append(purchase_score(labels, purchase_labels))
             auc_inputs[arm][1].append(p.purchase_after)
         counts["followed_by_engagement"] += engaged is not None
+        counts["next_category_offered"] += engaged is not None and any(
+            category_matches(engaged.category, c) for c in session_category_enum(p.facts)
+        )
         counts["purchase_after"] += p.purchase_after
         counts["just_purchased"] += p.newest_type == "purchase"
         counts["cart_left"] += cart_left

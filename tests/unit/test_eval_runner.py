@@ -35,3 +35,21 @@ def test_only_points_every_arm_answered_are_common():
         arm(write("s1", 2), write("s2", 1)),
     ]
     assert eval_runner.common_points(arms) == {("s1", 2), ("s2", 1)}
+
+
+def test_saved_writes_load_back_as_the_same_writes(tmp_path):
+    import argparse
+
+    labels = (IntentLabel("ready_to_buy", 0.7, "Headphones"), IntentLabel("browsing", 0.2, None))
+    writes = [IntentWrite("s1", 1_800_000_000_000, labels, "model", "v2.j2", "m")]
+    args = argparse.Namespace(
+        out=tmp_path, dataset="sample", events=tmp_path / "e.jsonl", shoppers=3
+    )
+
+    path = eval_runner.save_writes(
+        args, 1_800_000_000_000, [eval_runner.ArmRun("v2.j2", "p", writes, {}, {}, 0.0)]
+    )
+    saved, arms = eval_runner.load_writes(path)
+
+    assert arms == {"v2.j2": writes}
+    assert (saved["now_ms"], saved["shoppers"]) == (1_800_000_000_000, 3)

@@ -142,6 +142,18 @@ class TestNextEngagementCategory:
 
         assert (group.intent.next_category_top1, group.intent.next_category_any) == (0.0, 0.0)
 
+    def test_the_ceiling_counts_next_engagements_in_a_category_the_model_was_offered(self) -> None:
+        # At t=0 only Headphones (and its parents) is offered and the next engagement is
+        # Camping: out of reach. At t=10 both are offered and the next one is a headphone.
+        writes = [
+            write("s1", 0, ("browsing", 0.5, "Headphones")),
+            write("s1", 10, ("browsing", 0.5, "Headphones")),
+        ]
+
+        group = only_group(self.EVENTS, writes)
+
+        assert (group.counts.followed_by_engagement, group.counts.next_category_offered) == (2, 1)
+
 
 class TestPurchaseForesight:
     EVENTS = (
