@@ -19,9 +19,9 @@ eval: setup
 	$(PY) -m flink_jobs.tools eval $(ARGS)
 
 # Two pytest-xdist workers, a test file (and the whole model tier) per worker at a time
-# (tests/conftest.py: xdist_group); TEST_WORKERS=0 runs everything in one process.
+# (tests/conftest.py: work_unit); TEST_WORKERS=0 runs everything in one process.
 TEST_WORKERS ?= 2
-XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup)
+XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS))
 
 test: setup
 	$(PY) -m pytest tests $(XDIST) $(ARGS)

@@ -56,16 +56,28 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if tier not in TIERS:
             raise pytest.UsageError(f"{item.nodeid}: tests live in tests/{{{','.join(TIERS)}}}/")
         item.add_marker(getattr(pytest.mark, tier))
-        item.add_marker(pytest.mark.xdist_group(xdist_group(item.path, tier)))
 
 
-def xdist_group(path: Path, tier: str) -> str:
-    """Which tests one pytest-xdist worker runs together (``make test`` runs
-    ``--dist loadgroup``): a file's tests share its module fixtures, so a file stays on one
-    worker; the model tier's files share one worker too, so a run starts one set of vLLM
-    workers (``llm_tier``), not one per pytest worker, and they do not compete for the
-    cores with each other."""
-    return "model" if tier == "model" else path.relative_to(_TESTS_DIR).as_posix()
+def work_unit(nodeid: str) -> str:
+    """What one pytest-xdist worker runs in a row (``make test`` runs ``-n 2``): a file's
+    tests, which share its module fixtures, or the whole model tier, so a run starts one set
+    of vLLM workers (``llm_tier``) and model tests do not compete for the cores with each
+    other."""
+    path = nodeid.split("::", 1)[0]
+    return "tests/model" if path.startswith("tests/model/") else path
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    # A scheduler rather than xdist_group marks: pytest-xdist 3.8 marks a test's group on its
+    # node id, which pytest 9.2 no longer lets a plugin change.
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByWorkUnit(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return work_unit(nodeid)
+
+    return ByWorkUnit(config, log)
 
 
 # --- 2. service backend ------------------------------------------------------------------
