@@ -36,7 +36,7 @@ import orjson
 
 from bench._common import result_doc as make_doc
 from bench._common import rounded, write_result
-from bench._workload import event_streams, sample_events, shopper_history
+from bench._workload import WORKLOAD_TEMPLATE, event_streams, sample_events, shopper_history
 from flink_jobs.config import LlmConfig, PromptConfig
 from flink_jobs.core.intents import Intent, parse_intent
 from flink_jobs.core.prompting import PromptRenderer
@@ -79,7 +79,7 @@ def build_prompts(count: int, events_per_prompt: int, seed: int) -> list[Prompt]
     shoppers = [f"shopper-{i + 1:03d}" for i in range(count)]
     pool = sample_events(max(60, count * 3), seed)
     streams = event_streams(pool, shoppers, events_per_prompt, start_ms=1_780_000_000_000)
-    renderer = PromptRenderer(PromptConfig())
+    renderer = PromptRenderer(PromptConfig(WORKLOAD_TEMPLATE))
     llm = LlmConfig()
     prompts = []
     for shopper in shoppers:

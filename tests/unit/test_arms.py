@@ -112,7 +112,7 @@ class TestRendering:
         prompt = ArmRenderer(PromptConfig()).render(self.state("shopper-00146"))
 
         _, body = build_request(prompt, "shopper-00146", LlmConfig())
-        assert (prompt.template, prompt.model) == ("shopper_intent_v1.j2", "")
+        assert (prompt.template, prompt.model) == (PromptConfig().template, "")
         assert orjson.loads(body)["model"] == LlmConfig().model
 
 
@@ -167,4 +167,4 @@ class TestFiguresByArm:
         OutcomeRecorder(stats).settled(Settled(task, TaskResult("written"), 0))
 
         assert not [k for k in stats.counts if k.startswith("arm:")]
-        assert dataclasses.replace(task.prompt).arm == "shopper_intent_v1.j2"
+        assert dataclasses.replace(task.prompt).arm == PromptConfig().template

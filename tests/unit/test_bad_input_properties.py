@@ -511,7 +511,11 @@ def quoted_values(segment: str | None) -> list[str]:
 @cache
 def renderer(max_prompt_tokens: int = 3500, max_text_chars: int = 120) -> PromptRenderer:
     return PromptRenderer(
-        PromptConfig(max_prompt_tokens=max_prompt_tokens, max_text_chars=max_text_chars)
+        PromptConfig(
+            template="shopper_intent_v1.j2",  # the events block ends the v1 prompt
+            max_prompt_tokens=max_prompt_tokens,
+            max_text_chars=max_text_chars,
+        )
     )
 
 

@@ -44,7 +44,8 @@ HIGH_SIGNAL = TriggerConfig().high_signal_types
 
 
 def renderer(**overrides) -> PromptRenderer:
-    return PromptRenderer(PromptConfig(**overrides))
+    """The v1 template's renderer: this file specifies v1 (test_prompting_v2.py, v2)."""
+    return PromptRenderer(PromptConfig(**{"template": "shopper_intent_v1.j2", **overrides}))
 
 
 def user_message(prompt: RenderedPrompt) -> str:
