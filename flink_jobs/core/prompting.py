@@ -30,7 +30,7 @@ import orjson
 from flink_jobs.config import PromptConfig
 from flink_jobs.core.arms import Arm, assign_arm, parse_arms
 from flink_jobs.core.events import load_schema, pickled_by_fields
-from flink_jobs.core.grounding import grounded_facts
+from flink_jobs.core.grounding import grounded_facts, rules_intent
 from flink_jobs.core.session import SessionState
 from flink_jobs.paths import resource_dir
 
@@ -156,12 +156,17 @@ class PromptRenderer:
 
     def _render_parts(self, state: SessionState, events: list) -> tuple[str, str]:
         start = state.session_started_ms or (events[0].event_time_ms if events else 0)
+        facts = grounded_facts(state)
+        rules = rules_intent(facts, state)
+        first = rules.body["intents"][0]
         context = {
             "labels": self._labels,
             "history": state.history,
             "events": [_event_view(e, start) for e in events],
             # The whole session's exact facts (grounding.py), even when the budget cut events.
-            "facts": grounded_facts(state),
+            "facts": facts,
+            # What the documented rules read from them (the rules-only record's top intent).
+            "rules": {"label": first["label"], "category": first.get("category")},
         }
         try:
             module = self._template.make_module(context)

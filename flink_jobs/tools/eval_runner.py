@@ -279,6 +279,7 @@ def render_markdown(results: dict[str, Any]) -> str:
             doc["scores"]["table_same"],
             "",
             *_ceiling_lines(doc["scores"]["same_writes"]["groups"]),
+            *_verdict_lines(doc["scores"]["same_writes"]["groups"]),
             "Each arm's own writes:",
             "",
             doc["scores"]["table_own"],
@@ -305,6 +306,43 @@ def render_markdown(results: dict[str, Any]) -> str:
                 )
         lines.append("")
     return "\n".join(lines)
+
+
+def _verdict_lines(groups: Sequence[dict[str, Any]]) -> list[str]:
+    """Plain sentences from the like-with-like figures: each template's model intent
+    against the rules-only intent on every metric, and the last template against the first
+    on next-engagement top-1 and NDCG@10."""
+    lines = []
+    for g in groups:
+        wins, ties, losses = [], [], []
+        for metric in intent_eval.METRICS:
+            ours, rules = g["intent"].get(metric), g["rules"].get(metric)
+            if ours is None or rules is None:
+                continue
+            sign = intent_eval.better(metric, ours, rules)
+            bucket = wins if sign > 0 else losses if sign < 0 else ties
+            bucket.append(f"{metric} {ours:.3f} vs {rules:.3f}")
+        lines.append(
+            f"- {g['template']}: the model's intent beats the rules-only intent on "
+            f"{_listed(wins)}; ties on {_listed(ties)}; loses on {_listed(losses)}."
+        )
+    if len(groups) >= 2:
+        first, last = groups[0], groups[-1]
+        for metric in ("next_category_top1", "ndcg_at_10"):
+            a, b = first["intent"].get(metric), last["intent"].get(metric)
+            if a is None or b is None:
+                continue
+            sign = intent_eval.better(metric, b, a)
+            verdict = "beats" if sign > 0 else "loses to" if sign < 0 else "ties"
+            lines.append(
+                f"- {metric}: {last['template']} {verdict} {first['template']}"
+                f" ({b:.3f} vs {a:.3f})."
+            )
+    return [*lines, ""] if lines else []
+
+
+def _listed(items: Sequence[str]) -> str:
+    return ", ".join(items) if items else "none"
 
 
 def _ceiling_lines(groups: Sequence[dict[str, Any]]) -> list[str]:

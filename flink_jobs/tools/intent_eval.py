@@ -28,10 +28,10 @@ Metrics (each over the writes it applies to; None when none do):
   cart holds something, the share whose top label is ``abandoning_cart``.
 - ``ndcg_at_10`` / ``recall_at_10``: for writes followed by a product engagement, that
   product's place among ``candidates`` products (it and others drawn from the products
-  seen in the events, with a generator seeded by ``seed``, the shopper and the write, so
-  every arm ranks the same candidates), each with a base score drawn from
-  ``BASE_SCORES`` (a ranker that knows nothing of the shopper), re-ranked by
-  ``intent_reader.rerank.rerank``. One product is relevant, so NDCG@10 is
+  seen in the events, with a generator seeded by ``seed``, the shopper and how many of its
+  events the write covers, so every arm, and every rerun, ranks the same candidates), each
+  with a base score drawn from ``BASE_SCORES`` (a ranker that knows nothing of the
+  shopper), re-ranked by ``intent_reader.rerank.rerank``. One product is relevant, so NDCG@10 is
   ``1 / log2(1 + rank)`` within the top ten, else 0.
 - ``browsing_with_signal``: of writes whose session holds a cart, a purchase, or a
   category engaged twice or more, the share whose top label is ``browsing``.
@@ -84,6 +84,16 @@ METRICS = (
     "recall_at_10",
     "browsing_with_signal",
 )
+
+
+#: Metrics where a lower share is the better one.
+LOWER_IS_BETTER = frozenset({"browsing_with_signal"})
+
+
+def better(metric: str, ours: float, theirs: float, tolerance: float = 1e-9) -> int:
+    """1 when ``ours`` is the better figure of ``metric``, -1 when worse, 0 on a tie."""
+    difference = (theirs - ours) if metric in LOWER_IS_BETTER else (ours - theirs)
+    return 0 if abs(difference) <= tolerance else (1 if difference > 0 else -1)
 
 
 # --- inputs ----------------------------------------------------------------------------------
@@ -294,6 +304,7 @@ class _Point:
     facts: GroundedFacts
     rules_labels: tuple[IntentLabel, ...]
     newest_type: str
+    events_covered: int  # the shopper's events up to the write: a run-independent position
     next_engagement: ShopperEvent | None
     purchase_after: bool
     session_ends: bool
@@ -401,6 +412,7 @@ def _points(
                 facts=facts,
                 rules_labels=labels_of(rules_intent(facts, state).body),
                 newest_type=state.events[-1].event_type if state.events else "",
+                events_covered=applied,
                 next_engagement=next(
                     (e for e in after if e.event_type in ENGAGEMENTS and e.product_id), None
                 ),
@@ -424,7 +436,9 @@ def _score_group(key, points, catalogue, n_candidates, seed, purchase_labels) ->
         engaged = p.next_engagement
         candidates = None
         if engaged is not None:
-            rng = random.Random(f"{seed}|{shopper}|{p.write.version_ts}")
+            # Seeded by the write's place in the shopper's events, not its time: the eval moves
+            # event times to the wall clock, and a rerun must draw the same candidates.
+            rng = random.Random(f"{seed}|{shopper}|{p.events_covered}")
             candidates = draw_candidates(engaged.product_id, catalogue, n_candidates, rng)
             rank = rank_of(engaged.product_id, candidates, None, shopper)
             means["no_intent"]["ndcg_at_10"].values.append(ndcg_at(rank))

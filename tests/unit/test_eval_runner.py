@@ -53,3 +53,19 @@ def test_saved_writes_load_back_as_the_same_writes(tmp_path):
 
     assert arms == {"v2.j2": writes}
     assert (saved["now_ms"], saved["shoppers"]) == (1_800_000_000_000, 3)
+
+
+def test_the_report_says_where_the_model_beats_ties_and_loses_to_the_rules():
+    def group(template, ndcg, browsing):
+        scores = {"ndcg_at_10": ndcg, "browsing_with_signal": browsing, "purchase_auc": None}
+        rules = {"ndcg_at_10": 0.3, "browsing_with_signal": 0.0, "purchase_auc": 0.6}
+        return {"template": template, "intent": scores, "rules": rules}
+
+    lines = eval_runner._verdict_lines([group("v1.j2", 0.1, 0.5), group("v2.j2", 0.4, 0.0)])
+
+    assert lines[0] == (
+        "- v1.j2: the model's intent beats the rules-only intent on none; ties on none;"
+        " loses on ndcg_at_10 0.100 vs 0.300, browsing_with_signal 0.500 vs 0.000."
+    )
+    assert "beats the rules-only intent on ndcg_at_10 0.400 vs 0.300; ties on" in lines[1]
+    assert "- ndcg_at_10: v2.j2 beats v1.j2 (0.400 vs 0.100)." in lines

@@ -3,6 +3,7 @@ figures are worked out by hand in each test."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 
@@ -309,6 +310,27 @@ class TestReranking:
         first = evaluate(events, writes, seed=5).as_dict()
 
         assert evaluate(list(reversed(events)), writes, seed=5).as_dict() == first
+
+    def test_a_rerun_with_every_time_moved_draws_the_same_candidates(self) -> None:
+        # The eval moves event times to the wall clock, so each run sees other times.
+        catalogue = [ev("x", "view", i, {**C1, "product_id": f"sku-{i:03d}"}) for i in range(200)]
+        shoppers = [f"r{i}" for i in range(8)]
+        events = catalogue + [
+            e for s in shoppers for e in (ev(s, "view", 0, B1), ev(s, "view", 10, A1))
+        ]
+        writes = [write(s, 0, ("browsing", 0.5, "Camping")) for s in shoppers]
+        hour = 3_600_000
+
+        def moved(e: ShopperEvent) -> ShopperEvent:
+            return dataclasses.replace(e, event_time_ms=e.event_time_ms + hour)
+
+        later = evaluate(
+            [moved(e) for e in events],
+            [dataclasses.replace(w, version_ts=w.version_ts + hour) for w in writes],
+            seed=5,
+        )
+
+        assert later.as_dict() == evaluate(events, writes, seed=5).as_dict()
 
 
 COFFEE_CATALOGUE = {f"sku-{i:03d}": "Grocery > Coffee & Tea" for i in range(20)}

@@ -36,7 +36,7 @@ V2 = "shopper_intent_v2.j2"
 
 
 def renderer(**overrides) -> PromptRenderer:
-    return PromptRenderer(PromptConfig(template=V2, **overrides))
+    return PromptRenderer(PromptConfig(**{"template": V2, **overrides}))
 
 
 def block(text: str, name: str) -> list[str]:
@@ -167,10 +167,11 @@ _EVENT_LINE = re.compile(r"^\+(\d\d):(\d\d) (\w+)((?: \w+=(?:\"(?:[^\"\\]|\\.)*\
 _FIELD = re.compile(r" (\w+)=(\"(?:[^\"\\]|\\.)*\"|\S+)")
 
 
-def worked_examples() -> list[tuple[list[ShopperEvent], list[str], str]]:
+def worked_examples(template: str = V2) -> list[tuple[list[ShopperEvent], list[str], str]]:
     """Each example of the system message: its events (parsed back), its facts lines, and
     its answer."""
-    system = renderer().render(first_visit_comparing_headphones()).messages[0]["content"]
+    prompt = renderer(template=template).render(first_visit_comparing_headphones())
+    system = prompt.messages[0]["content"]
     examples = []
     for n, part in enumerate(system.split("\nExample ")[1:], start=1):
         events = []
