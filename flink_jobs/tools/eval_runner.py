@@ -285,8 +285,8 @@ def render_markdown(results: dict[str, Any]) -> str:
             doc["scores"]["table_own"],
             "",
             "| arm | model writes | LLM calls | prompt tokens/call | computed/call | output tokens"
-            " | prefix-cache hit ratio | dead letters |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- |",
+            " | prefix-cache hit ratio | answers naming a category not engaged | dead letters |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         ]
         for arm in doc["arms"]:
             c = arm["cost"]
@@ -295,7 +295,7 @@ def render_markdown(results: dict[str, Any]) -> str:
                 f"| {arm['template']} | {arm['model_writes']} | {c['llm_calls']} "
                 f"| {c['prompt_tokens_per_call']:.0f} | {c['computed_prompt_tokens_per_call']:.0f} "
                 f"| {c['output_tokens']:.0f} | {'' if ratio is None else f'{ratio:.3f}'} "
-                f"| {arm['dead_letters']} |"
+                f"| {arm['stats'].get('answers_ungrounded', 0)} | {arm['dead_letters']} |"
             )
         lines.append("")
         for arm in doc["arms"]:
