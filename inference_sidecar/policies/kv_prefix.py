@@ -1,0 +1,99 @@
+"""KV-event-aware routing: send a prompt where its longest prefix is cached, under the bound.
+
+``bounded_hash`` guesses what each worker caches from where it sent each key. This policy
+knows: the workers publish their KV cache events, ``kv_index.KVIndex`` keeps which blocks
+each one holds, and the router gives the policy the request's block hashes (computed as
+the workers compute them, ``kv_blocks``). A worker's uncached tokens are then the prompt's
+tokens beyond the longest run of leading blocks the worker holds, exact up to events in
+flight, and independent of who sent the prefix there (another shopper sharing a template,
+a spill, a router restart) or whether the worker evicted it since.
+
+Everything else is ``bounded_hash``'s, unchanged, so the guarantees are the same: the load
+bound (rule 1) filters the candidates first, the cost ``recompute_weight * uncached +
+queued`` (rule 3) chooses among them with ties to the key's recent workers, residency
+(rule 5) holds for new keys, and the router's ejection and failover act on the candidate
+list before the policy sees it.
+
+Falling back: for a worker whose entries cannot be trusted (``KVIndex.is_fresh``: its
+events stopped after a request that must have produced some, or its hashes do not match
+ours) and for a request whose blocks the router could not compute, the uncached estimate
+is ``bounded_hash``'s, from the key's history. ``fallbacks`` counts, per worker, the
+choices with blocks in which it was judged that way; the router exports it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+
+from inference_sidecar.kv_index import KVIndex
+from inference_sidecar.policies.bounded_hash import (
+    DEFAULT_HISTORY_SIZE,
+    DEFAULT_LOAD_FACTOR,
+    DEFAULT_MIN_BOUND,
+    DEFAULT_RECOMPUTE_WEIGHT,
+    DEFAULT_REQUEST_COST,
+    DEFAULT_WORKERS_PER_KEY,
+    BoundedHashPolicy,
+)
+
+
+class KVPrefixPolicy(BoundedHashPolicy):
+    """``bounded_hash`` whose uncached-token estimate comes from the workers' KV events."""
+
+    name = "kv_prefix"
+    wants_blocks = True
+
+    def __init__(
+        self,
+        kv_index: KVIndex | None = None,
+        load_factor: float = DEFAULT_LOAD_FACTOR,
+        min_bound: int = DEFAULT_MIN_BOUND,
+        recompute_weight: float = DEFAULT_RECOMPUTE_WEIGHT,
+        request_cost: int = DEFAULT_REQUEST_COST,
+        history_size: int = DEFAULT_HISTORY_SIZE,
+        workers_per_key: int = DEFAULT_WORKERS_PER_KEY,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        super().__init__(
+            load_factor=load_factor,
+            min_bound=min_bound,
+            recompute_weight=recompute_weight,
+            request_cost=request_cost,
+            history_size=history_size,
+            workers_per_key=workers_per_key,
+            clock=clock,
+        )
+        self.index = kv_index if kv_index is not None else KVIndex(clock=clock)
+        self.fallbacks: Counter[str] = Counter()
+        """Per worker: choices in which its cache was estimated by hashing."""
+
+    def knows(self, worker: str, blocks: Sequence[int]) -> bool:
+        """True when ``worker``'s cached prefix of ``blocks`` comes from the index."""
+        return bool(blocks) and self.index.hashing is not None and self.index.is_fresh(worker)
+
+    def cached_tokens(self, worker: str, blocks: Sequence[int]) -> int:
+        """Tokens of the prompt's leading blocks ``worker`` holds, per the index."""
+        if self.index.hashing is None:
+            return 0
+        return self.index.cached_blocks(worker, blocks) * self.index.hashing.block_size
+
+    def uncached(self, key: str, worker: str, size: int, blocks: Sequence[int] = ()) -> int:
+        if self.knows(worker, blocks):
+            return max(0, size - self.cached_tokens(worker, blocks))
+        return super().uncached(key, worker, size)
+
+    def pick(
+        self,
+        key: str,
+        workers: Sequence[str],
+        loads: Mapping[str, int],
+        size: int = 0,
+        blocks: Sequence[int] = (),
+    ) -> str:
+        if blocks:
+            for worker in workers:
+                if not self.knows(worker, blocks):
+                    self.fallbacks[worker] += 1
+        return super().pick(key, workers, loads, size, blocks)
