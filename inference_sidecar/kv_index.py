@@ -27,8 +27,9 @@ most its ``num_gpu_blocks`` blocks, and each worker's entries are capped at
 ``max_blocks`` (oldest dropped first) in case a removal is ever missed.
 
 Staleness: a request of at least one full block always makes its worker publish a
-``BlockStored`` (new or reused blocks). ``expect_events`` notes such a request's prefill;
-a worker that has not published for ``stale_after_s`` since is stale, and the policy goes
+``BlockStored`` (new or reused blocks). ``expect_events`` notes such a request served
+with no batch heard since it was sent; a worker that has not published for
+``stale_after_s`` since is stale, and the policy goes
 back to estimating its cache by hashing (``KVPrefixPolicy``) until a batch arrives.
 """
 
@@ -294,12 +295,17 @@ class KVIndex:
 
     # ----- staleness -----------------------------------------------------------------
 
-    def expect_events(self, worker: str) -> None:
-        """A request of at least one full block was prefilled on ``worker``: it must
-        publish soon, or its stream is broken."""
+    def expect_events(self, worker: str, since: float | None = None) -> None:
+        """A request of at least one full block, sent at ``since`` (index clock; None:
+        now), was served by ``worker``: unless a batch arrived after it was sent, the
+        worker must publish soon, or its stream is broken."""
         state = self._workers.get(worker)
-        if state is not None and state.awaiting_since is None:
-            state.awaiting_since = self._clock()
+        if state is None or state.awaiting_since is not None:
+            return
+        now = self._clock()
+        if since is not None and state.last_batch_at is not None and state.last_batch_at >= since:
+            return
+        state.awaiting_since = now
 
     def is_fresh(self, worker: str) -> bool:
         """True when ``worker``'s entries can be trusted: its hashes match ours and it has

@@ -166,6 +166,11 @@ class BoundedHashPolicy(Policy):
         mean = sum(self.resident_tokens(w) for w in workers) / len(workers)
         return [w for w in workers if self.resident_tokens(w) <= self.load_factor * mean]
 
+    def new_key_candidates(self, allowed: Sequence[str], blocks: Sequence[int] = ()) -> list[str]:
+        """Where a key seen for the first time may go among ``allowed``: the roomy ones
+        (module doc, 5), or all of them if none is."""
+        return self.roomy(allowed) or list(allowed)
+
     def slowness(self, worker: str, workers: Sequence[str]) -> float:
         """``worker``'s recent latency over the median of ``workers``' (module doc, 4)."""
         known = {w: self._latency[w][0] for w in workers if self._is_recent(w)}
@@ -222,7 +227,7 @@ class BoundedHashPolicy(Policy):
         if size <= 0:
             return allowed[0]
         if self.is_new(key):
-            allowed = self.roomy(allowed) or allowed
+            allowed = self.new_key_candidates(allowed, blocks)
         # min() keeps the first of equal costs, i.e. the most affine worker.
         return min(allowed, key=lambda w: self.cost(key, w, size, loads.get(w, 0), workers, blocks))
 

@@ -84,6 +84,21 @@ class KVPrefixPolicy(BoundedHashPolicy):
             return max(0, size - self.cached_tokens(worker, blocks))
         return super().uncached(key, worker, size)
 
+    def new_key_candidates(self, allowed: Sequence[str], blocks: Sequence[int] = ()) -> list[str]:
+        """Residency (``bounded_hash`` rule 5) with one exception: a worker over its share
+        that holds a longer prefix of this prompt than every roomy worker stays a
+        candidate, since the prompt adds less to its cache than anywhere else."""
+        roomy = super().new_key_candidates(allowed, blocks)
+        known = [w for w in allowed if self.knows(w, blocks)]
+        if not known:
+            return roomy
+        best_roomy = max((self.cached_tokens(w, blocks) for w in roomy if w in known), default=0)
+        return [
+            w
+            for w in allowed
+            if w in roomy or (w in known and self.cached_tokens(w, blocks) > best_roomy)
+        ]
+
     def pick(
         self,
         key: str,

@@ -251,6 +251,17 @@ class TestIndexFreshness:
         index.apply(A, batch(0, stored(PROMPT)))
         assert index.is_fresh(A)
 
+    def test_a_request_whose_events_already_arrived_expects_nothing_more(self) -> None:
+        clock = Clock()
+        index = KVIndex([A], hashing=HASHING, stale_after_s=5, clock=clock)
+        sent = clock.now
+        clock.now += 0.5
+        index.apply(A, batch(0, stored(PROMPT)))  # published while the request ran
+        clock.now += 1
+        index.expect_events(A, since=sent)
+        clock.now += 60
+        assert index.is_fresh(A)
+
     def test_an_idle_worker_stays_fresh(self) -> None:
         clock = Clock()
         index = KVIndex([A], hashing=HASHING, stale_after_s=5, clock=clock)
@@ -333,6 +344,23 @@ class TestKVPrefixPolicy:
             blocks = HASHING.block_hashes(PROMPT)
             for key in (f"shopper-{i}" for i in range(20)):
                 assert policy.pick(key, [A, B, C], {}, len(PROMPT), blocks) == holder
+
+    def test_a_new_key_follows_its_prefix_onto_a_worker_over_its_residency_share(self) -> None:
+        policy, index, _ = self.policy()
+        blocks = HASHING.block_hashes(PROMPT)
+        for i in range(3):  # A is home to three keys' prompts: over its residency share
+            policy.on_finish(A, policy.on_start(A, f"old-{i}", 400), True)
+        warm(index, A, PROMPT)
+        assert A not in policy.roomy([A, B, C])
+        assert policy.pick("new", [A, B, C], {}, 40, blocks) == A
+
+    def test_residency_still_holds_for_a_prompt_cached_nowhere(self) -> None:
+        policy, _, _ = self.policy()
+        for i in range(3):
+            policy.on_finish(A, policy.on_start(A, f"old-{i}", 400), True)
+        other = [t + 1000 for t in PROMPT]
+        blocks = HASHING.block_hashes(other)
+        assert all(policy.pick(f"new-{i}", [A, B, C], {}, 40, blocks) != A for i in range(30))
 
     def test_the_longest_cached_prefix_wins(self) -> None:
         policy, index, _ = self.policy()
