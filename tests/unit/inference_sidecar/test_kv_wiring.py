@@ -14,7 +14,7 @@ import msgspec
 import pytest
 import zmq
 from fake_workers import FakeWorkers
-from router_harness import BODY, CHAT, A, B, metric, session
+from router_harness import BODY, CHAT, A, B, C, metric, session
 
 from inference_sidecar.cli import build_parser, cluster_config, parse_kv_events
 from inference_sidecar.config import RouterConfig
@@ -241,6 +241,32 @@ class TestRouter:
                     reply = await client.post(CHAT, json=BODY, headers=session(shopper))
                     assert reply.headers["x-sidecar-worker"] == holder
         await kv_router.aclose()
+
+    async def test_disaggregated_prefill_goes_to_the_prefill_worker_holding_the_prefix(
+        self, fake: FakeWorkers
+    ) -> None:
+        config = RouterConfig(
+            prefill=(A, B),
+            decode=(C,),
+            policy="kv_prefix",
+            kv_events={**EVENTS, C: EventSource("tcp://127.0.0.1:10003")},
+            tokenizer_dir="unused",
+            health_interval_s=0,
+        )
+        router = Router(
+            config, transport=fake.transport(), tokenizer=char_tokenizer(), kv_hashing=HASHING
+        )
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=build_app(router)), base_url="http://r"
+        ) as client:
+            for holder in (A, B):
+                router.apply_kv_events(holder, stored_batch(0, prompt_tokens(BODY)))
+                router.kv_index.reset(A if holder == B else B)  # type: ignore[union-attr]
+                for shopper in ("s1", "s2", "s3"):
+                    reply = await client.post(CHAT, json=BODY, headers=session(shopper))
+                    assert reply.headers["x-sidecar-prefill-worker"] == holder
+                    assert reply.headers["x-sidecar-worker"] == C
+        await router.aclose()
 
     async def test_metrics_say_what_the_index_applied_and_which_worker_falls_back(
         self, kv_router: Router
