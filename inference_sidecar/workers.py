@@ -714,6 +714,16 @@ class WorkerProcesses:
         self._procs.clear()
         shutil.rmtree(self.kv_dir, ignore_errors=True)
 
+    def restart(self, name: str, grace_s: float = 15.0) -> None:
+        """Stop one worker (its whole group) and start it again with the same command;
+        ``wait_ready`` then waits for it. Its KV cache starts empty, as after a crash."""
+        spec = next(s for s in self.specs if s.name == name)
+        proc = self._procs.pop(name, None)
+        if proc is not None:
+            proc.terminate()
+            proc.stop(timeout_s=grace_s)
+        self._launch(spec)
+
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         """Send ``sig`` to one worker's process group (fault-injection in tests)."""
         self._procs[name].send_signal(sig)
