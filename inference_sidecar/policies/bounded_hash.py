@@ -166,7 +166,9 @@ class BoundedHashPolicy(Policy):
         mean = sum(self.resident_tokens(w) for w in workers) / len(workers)
         return [w for w in workers if self.resident_tokens(w) <= self.load_factor * mean]
 
-    def new_key_candidates(self, allowed: Sequence[str], blocks: Sequence[int] = ()) -> list[str]:
+    def new_key_candidates(
+        self, allowed: Sequence[str], size: int = 0, blocks: Sequence[int] = ()
+    ) -> list[str]:
         """Where a key seen for the first time may go among ``allowed``: the roomy ones
         (module doc, 5), or all of them if none is."""
         return self.roomy(allowed) or list(allowed)
@@ -227,7 +229,7 @@ class BoundedHashPolicy(Policy):
         if size <= 0:
             return allowed[0]
         if self.is_new(key):
-            allowed = self.new_key_candidates(allowed, blocks)
+            allowed = self.new_key_candidates(allowed, size, blocks)
         # min() keeps the first of equal costs, i.e. the most affine worker.
         return min(allowed, key=lambda w: self.cost(key, w, size, loads.get(w, 0), workers, blocks))
 

@@ -38,6 +38,10 @@ from inference_sidecar.policies.bounded_hash import (
     BoundedHashPolicy,
 )
 
+SAME_PROMPT_SHARE = 0.5
+"""Share of a new key's prompt a worker over its residency share must hold beyond the
+roomy workers for the key to go there anyway (``new_key_candidates``)."""
+
 
 class KVPrefixPolicy(BoundedHashPolicy):
     """``bounded_hash`` whose uncached-token estimate comes from the workers' KV events."""
@@ -84,19 +88,24 @@ class KVPrefixPolicy(BoundedHashPolicy):
             return max(0, size - self.cached_tokens(worker, blocks))
         return super().uncached(key, worker, size)
 
-    def new_key_candidates(self, allowed: Sequence[str], blocks: Sequence[int] = ()) -> list[str]:
+    def new_key_candidates(
+        self, allowed: Sequence[str], size: int = 0, blocks: Sequence[int] = ()
+    ) -> list[str]:
         """Residency (``bounded_hash`` rule 5) with one exception: a worker over its share
-        that holds a longer prefix of this prompt than every roomy worker stays a
-        candidate, since the prompt adds less to its cache than anywhere else."""
-        roomy = super().new_key_candidates(allowed, blocks)
+        stays a candidate when it holds at least ``SAME_PROMPT_SHARE`` of this prompt
+        beyond what the best roomy worker holds: a repeated prompt under a new key adds
+        little to its cache. A shared instruction prefix alone does not qualify, or every
+        new shopper would follow it to the first worker that cached it."""
+        roomy = super().new_key_candidates(allowed, size, blocks)
         known = [w for w in allowed if self.knows(w, blocks)]
-        if not known:
+        if not known or size <= 0:
             return roomy
         best_roomy = max((self.cached_tokens(w, blocks) for w in roomy if w in known), default=0)
+        margin = SAME_PROMPT_SHARE * size
         return [
             w
             for w in allowed
-            if w in roomy or (w in known and self.cached_tokens(w, blocks) > best_roomy)
+            if w in roomy or (w in known and self.cached_tokens(w, blocks) - best_roomy >= margin)
         ]
 
     def pick(

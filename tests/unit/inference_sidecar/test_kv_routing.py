@@ -358,6 +358,14 @@ class TestKVPrefixPolicy:
         assert A not in policy.roomy([A, B, C])
         assert policy.pick("new", [A, B, C], {}, 40, blocks) == A
 
+    def test_a_shared_instruction_prefix_alone_does_not_herd_new_keys(self) -> None:
+        policy, index, _ = self.policy()
+        for i in range(3):
+            policy.on_finish(A, policy.on_start(A, f"old-{i}", 400), True)
+        warm(index, A, PROMPT[:12])  # 12 of 40 tokens: the instructions every prompt has
+        blocks = HASHING.block_hashes(PROMPT)
+        assert all(policy.pick(f"new-{i}", [A, B, C], {}, 40, blocks) != A for i in range(30))
+
     def test_residency_still_holds_for_a_prompt_cached_nowhere(self) -> None:
         policy, _, _ = self.policy()
         for i in range(3):
