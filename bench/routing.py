@@ -180,7 +180,9 @@ def start_router(
             "--worker-startup-check-interval", "1", "--log-level", "warning",
         ]  # fmt: skip
         if spec.policy == "kv_aware":
+            # Its event index is per model: it needs the served model's name.
             argv += ["--kv-event-block-size", str(block_size)]
+            argv += ["--kv-event-model", pool.config.served_model_name]
             for url, (events, replay) in sources.items():
                 argv += ["--kv-event-source", f"{url}={events}"]
                 argv += ["--kv-event-replay-source", f"{url}={replay}"]
