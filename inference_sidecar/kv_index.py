@@ -332,6 +332,10 @@ class KVIndex:
             n += 1
         return n
 
+    def holds(self, worker: str, block: int) -> bool:
+        state = self._workers.get(worker)
+        return state is not None and block in state.blocks
+
     def block_count(self, worker: str) -> int:
         state = self._workers.get(worker)
         return len(state.blocks) if state is not None else 0

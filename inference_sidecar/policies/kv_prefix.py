@@ -14,6 +14,12 @@ queued`` (rule 3) chooses among them with ties to the key's recent workers, resi
 (rule 5) holds for new keys, and the router's ejection and failover act on the candidate
 list before the policy sees it.
 
+Requests in flight: a worker publishes a prompt's blocks only once it has computed them,
+so a shopper's next request, sent while its previous one is still being prefilled, would
+find its prefix nowhere and go to the least busy worker. The blocks of the requests in
+flight on a worker therefore count as cached there (``bounded_hash`` records a key's
+worker when its request starts for the same reason), until the request ends.
+
 Falling back: for a worker whose entries cannot be trusted (``KVIndex.is_fresh``: its
 events stopped after a request that must have produced some, or its hashes do not match
 ours) and for a request whose blocks the router could not compute, the uncached estimate
@@ -36,6 +42,7 @@ from inference_sidecar.policies.bounded_hash import (
     DEFAULT_REQUEST_COST,
     DEFAULT_WORKERS_PER_KEY,
     BoundedHashPolicy,
+    Ticket,
 )
 
 SAME_PROMPT_SHARE = 0.5
@@ -72,16 +79,46 @@ class KVPrefixPolicy(BoundedHashPolicy):
         self.index = kv_index if kv_index is not None else KVIndex(clock=clock)
         self.fallbacks: Counter[str] = Counter()
         """Per worker: choices in which its cache was estimated by hashing."""
+        self._inflight: dict[str, Counter[int]] = {}
+        """Per worker: the blocks of the requests in flight there (with multiplicity)."""
+        self._ticket_blocks: dict[int, tuple[str, tuple[int, ...]]] = {}
 
     def knows(self, worker: str, blocks: Sequence[int]) -> bool:
         """True when ``worker``'s cached prefix of ``blocks`` comes from the index."""
         return bool(blocks) and self.index.hashing is not None and self.index.is_fresh(worker)
 
     def cached_tokens(self, worker: str, blocks: Sequence[int]) -> int:
-        """Tokens of the prompt's leading blocks ``worker`` holds, per the index."""
+        """Tokens of the prompt's leading blocks ``worker`` holds, per the index, or is
+        computing for a request in flight."""
         if self.index.hashing is None:
             return 0
-        return self.index.cached_blocks(worker, blocks) * self.index.hashing.block_size
+        pending = self._inflight.get(worker, Counter())
+        n = 0
+        for block in blocks:
+            if not (self.index.holds(worker, block) or pending[block] > 0):
+                break
+            n += 1
+        return n * self.index.hashing.block_size
+
+    def on_start(
+        self, worker: str, key: str = "", size: int = 0, blocks: Sequence[int] = ()
+    ) -> Ticket:
+        ticket = super().on_start(worker, key, size, blocks)
+        if blocks:
+            self._inflight.setdefault(worker, Counter()).update(blocks)
+            self._ticket_blocks[id(ticket)] = (worker, tuple(blocks))
+        return ticket
+
+    def on_finish(self, worker: str, ticket: object = None, ok: bool | None = None) -> None:
+        super().on_finish(worker, ticket, ok)
+        entry = self._ticket_blocks.pop(id(ticket), None)
+        if entry is not None:
+            started_on, blocks = entry
+            pending = self._inflight[started_on]
+            pending.subtract(blocks)
+            for block in blocks:
+                if pending[block] <= 0:
+                    del pending[block]
 
     def uncached(self, key: str, worker: str, size: int, blocks: Sequence[int] = ()) -> int:
         if self.knows(worker, blocks):

@@ -374,6 +374,17 @@ class TestKVPrefixPolicy:
         blocks = HASHING.block_hashes(other)
         assert all(policy.pick(f"new-{i}", [A, B, C], {}, 40, blocks) != A for i in range(30))
 
+    def test_a_keys_next_request_follows_its_previous_one_still_in_flight(self) -> None:
+        policy, _, _ = self.policy(request_cost=0)  # prompts this small: no request cost
+        blocks = HASHING.block_hashes(PROMPT)
+        first = policy.pick("hot", [A, B, C], {}, 40, blocks)
+        ticket = policy.on_start(first, "hot", 40, blocks)  # no event yet: being prefilled
+        loads = {first: 1}
+        assert policy.pick("hot", [A, B, C], loads, 40, blocks) == first
+        assert policy.pick("another", [A, B, C], loads, 40, blocks) == first
+        policy.on_finish(first, ticket, True)  # over, and no event came: nothing cached
+        assert policy.cached_tokens(first, blocks) == 0
+
     def test_the_longest_cached_prefix_wins(self) -> None:
         policy, index, _ = self.policy()
         warm(index, A, PROMPT[:12])
