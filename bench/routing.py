@@ -473,9 +473,11 @@ async def run_restart_phase(
     )
     name = pool.specs[0].name
     logger.info("restarting %s", name)
+    down = time.monotonic()
     await asyncio.to_thread(pool.restart, name)
     await asyncio.to_thread(pool.wait_ready)
     await asyncio.sleep(5.0)  # the routers' health checks see it back
+    deadline += time.monotonic() - down  # the restart's own time is not the phase's budget
     before = read_counters(workers)
     decisions_before = router_decisions(url)
     sampler = InflightSampler(workers)
