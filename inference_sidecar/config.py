@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Literal
 from urllib.parse import urlsplit
 
 from inference_sidecar.exceptions import ConfigError
 from inference_sidecar.health import HealthConfig
+from inference_sidecar.kv_events import EventSource
+from inference_sidecar.kv_index import DEFAULT_STALE_AFTER_S
 from inference_sidecar.policies import POLICY_NAMES
 from inference_sidecar.routing_key import DEFAULT_KEY_HEADERS
 
@@ -73,6 +77,13 @@ class RouterConfig:
     health_timeout_s: float = 1.0
     health: HealthConfig = field(default_factory=HealthConfig)
     max_connections: int = 512
+    kv_events: Mapping[str, EventSource] = field(default_factory=dict)
+    """kv_prefix: each worker's KV event stream (worker URL -> where it publishes)."""
+    tokenizer_dir: str | None = None
+    """kv_prefix: the model folder the workers serve (its tokenizer and chat template)."""
+    kv_stale_after_s: float = DEFAULT_STALE_AFTER_S
+    """kv_prefix: silence after a request, in seconds, after which a worker's events are
+    no longer trusted and its cache is estimated by hashing."""
 
     def __post_init__(self) -> None:
         shown_as: dict[str, str] = {}
@@ -92,6 +103,7 @@ class RouterConfig:
             )
         if self.policy not in POLICY_NAMES:
             raise ConfigError("policy", f"unknown policy {self.policy!r}; one of {POLICY_NAMES}")
+        self._check_kv_events()
         if not self.load_factor >= 1.0:
             raise ConfigError("load_factor", f"must be >= 1.0, got {self.load_factor}")
         if not self.recompute_weight >= 0:
@@ -107,6 +119,28 @@ class RouterConfig:
         if self.request_timeout_s <= 0 or self.connect_timeout_s <= 0:
             raise ConfigError("request_timeout_s", "timeouts must be > 0")
         object.__setattr__(self, "key_headers", tuple(h.lower() for h in self.key_headers))
+
+    def _check_kv_events(self) -> None:
+        sources = {
+            normalise_url(url, "kv_events"): (
+                source if isinstance(source, EventSource) else EventSource(str(source))
+            )
+            for url, source in self.kv_events.items()
+        }
+        workers = {*self.workers, *self.prefill, *self.decode}
+        unknown = sorted(redact_url(u) for u in sources if u not in workers)
+        if unknown:
+            raise ConfigError("kv_events", f"not a worker of this router: {unknown}")
+        object.__setattr__(self, "kv_events", MappingProxyType(sources))
+        if self.policy != "kv_prefix":
+            return
+        missing = sorted(redact_url(u) for u in workers if u not in sources)
+        if missing:
+            raise ConfigError("kv_events", f"kv_prefix needs every worker's events: {missing}")
+        if not self.tokenizer_dir:
+            raise ConfigError("tokenizer_dir", "kv_prefix needs the model folder's tokenizer")
+        if not self.kv_stale_after_s > 0:
+            raise ConfigError("kv_stale_after_s", f"must be > 0, got {self.kv_stale_after_s}")
 
     @property
     def mode(self) -> Literal["aggregated", "disaggregated"]:

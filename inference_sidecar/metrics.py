@@ -8,7 +8,13 @@ told apart on one dashboard.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Mapping
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from inference_sidecar.kv_index import KVIndex
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128)
 
@@ -89,5 +95,73 @@ class RouterMetrics:
             registry=r,
         )
 
+        self.kv_unhashed = Counter(
+            "inference_sidecar_kv_unhashed_requests",
+            "kv_prefix: requests routed without block hashes, by reason: unreproducible "
+            "(a prompt the router cannot tokenize as the worker does), no_hashing (the "
+            "workers' block size and hash algorithm not read yet).",
+            ["reason"],
+            registry=r,
+        )
+
+    def watch_kv_index(self, index: KVIndex, fallbacks: Callable[[], Mapping[str, int]]) -> None:
+        """Export ``index``'s counters and the policy's per-worker fallbacks when scraped."""
+        self.registry.register(_KVIndexCollector(index, fallbacks))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _KVIndexCollector(Collector):
+    """Reads the KV index at scrape time: its counters live in the pure index."""
+
+    def __init__(self, index: KVIndex, fallbacks: Callable[[], Mapping[str, int]]) -> None:
+        self.index = index
+        self.fallbacks = fallbacks
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        prefix = "inference_sidecar_kv_"
+        batches = CounterMetricFamily(
+            prefix + "event_batches", "KV event batches applied per worker.", labels=["worker"]
+        )
+        events = CounterMetricFamily(
+            prefix + "events", "KV events applied per worker.", labels=["worker"]
+        )
+        resyncs = CounterMetricFamily(
+            prefix + "resyncs",
+            "Times a worker's index entries were cleared, by reason: gap (missed batches not "
+            "replayed), restart (its sequence went back), cleared (AllBlocksCleared), down "
+            "(health checks), overflow (more blocks than max_blocks).",
+            labels=["worker", "reason"],
+        )
+        mismatches = CounterMetricFamily(
+            prefix + "hash_mismatches",
+            "Published block chains whose hashes differ from the router's computation.",
+            labels=["worker"],
+        )
+        fallbacks = CounterMetricFamily(
+            prefix + "fallbacks",
+            "Routing choices in which a worker's cache was estimated by hashing because its "
+            "events could not be trusted (stale or mismatched).",
+            labels=["worker"],
+        )
+        blocks = GaugeMetricFamily(
+            prefix + "blocks", "Blocks the index holds per worker.", labels=["worker"]
+        )
+        fresh = GaugeMetricFamily(
+            prefix + "fresh",
+            "1 when a worker's KV events are trusted, 0 when routing falls back to hashing.",
+            labels=["worker"],
+        )
+        fallback_counts = self.fallbacks()
+        for worker in self.index.workers:
+            c = self.index.counters[worker]
+            batches.add_metric([worker], c.batches)
+            events.add_metric([worker], c.events)
+            for reason, n in sorted(c.resyncs.items()):
+                resyncs.add_metric([worker, reason], n)
+            mismatches.add_metric([worker], c.mismatches)
+            fallbacks.add_metric([worker], fallback_counts.get(worker, 0))
+            blocks.add_metric([worker], self.index.block_count(worker))
+            fresh.add_metric([worker], int(self.index.is_fresh(worker)))
+        yield from (batches, events, resyncs, mismatches, fallbacks, blocks, fresh)

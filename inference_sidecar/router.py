@@ -46,8 +46,12 @@ from inference_sidecar import pd
 from inference_sidecar.config import RouterConfig, redact_url
 from inference_sidecar.exceptions import NoWorkerAvailable, RequestError, UpstreamError
 from inference_sidecar.health import HealthEvent
+from inference_sidecar.kv_blocks import BlockHashing, hashing_from_metrics
+from inference_sidecar.kv_events import KVEventSubscriber
+from inference_sidecar.kv_index import EventBatch, KVIndex
 from inference_sidecar.metrics import RouterMetrics
-from inference_sidecar.policies import make_policy
+from inference_sidecar.policies import KVPrefixPolicy, make_policy
+from inference_sidecar.prompt_tokens import PromptTokenizer
 from inference_sidecar.routing_key import (
     RoutingKey,
     estimate_prompt_tokens,
@@ -68,6 +72,8 @@ _SENDABLE_HEADER_VALUE = re.compile(r"[\t\x20-\x7e]*")
 RETRY_AFTER_S = 1
 #: Bytes of an upstream error body kept when a 5xx is retried (for the error message).
 _ERROR_SNIPPET = 300
+#: Seconds between attempts to read the workers' block size and hash algorithm.
+KV_CONFIG_RETRY_S = 1.0
 
 
 def error_body(
@@ -140,6 +146,8 @@ class _Attempt:
     deadline: float
     """Event-loop time by which the attempt must be over, its stream included."""
     ticket: Ticket
+    blocks: int = 0
+    """Full KV blocks of the prompt (kv_prefix): a success must make the worker publish."""
     ok: bool | None = False
     """The outcome to record: ``None`` when the worker is not to blame (``finish``)."""
     handed_over: bool = False
@@ -222,6 +230,8 @@ class Router:
 
     ``transport`` replaces the network in tests (``httpx.MockTransport`` or an
     ``httpx.ASGITransport`` around a fake worker); ``clock`` replaces ``time.monotonic``.
+    With the kv_prefix policy, ``tokenizer`` and ``kv_hashing`` replace the model folder's
+    tokenizer and the block size and algorithm read from the workers' ``/metrics``.
     """
 
     def __init__(
@@ -230,11 +240,28 @@ class Router:
         *,
         transport: httpx.AsyncBaseTransport | None = None,
         clock: Callable[[], float] = time.monotonic,
+        tokenizer: PromptTokenizer | None = None,
+        kv_hashing: BlockHashing | None = None,
     ) -> None:
         self.config = config
         self.clock = clock
         self.metrics = RouterMetrics()
         self.policy_name = config.policy
+        self.kv_index: KVIndex | None = None
+        self.tokenizer: PromptTokenizer | None = None
+        self._kv_subscriber: KVEventSubscriber | None = None
+        if config.policy == KVPrefixPolicy.name:
+            workers = [redact_url(u) for u in (*config.workers, *config.prefill, *config.decode)]
+            self.kv_index = KVIndex(
+                workers, hashing=kv_hashing, stale_after_s=config.kv_stale_after_s, clock=clock
+            )
+            assert config.tokenizer_dir is not None  # RouterConfig checks it
+            self.tokenizer = tokenizer or PromptTokenizer.from_model_dir(config.tokenizer_dir)
+            self._kv_subscriber = KVEventSubscriber(
+                {redact_url(u): s for u, s in config.kv_events.items()},
+                self._kv_delivered,
+                self._kv_error,
+            )
         roles = (
             {"worker": config.workers}
             if config.mode == "aggregated"
@@ -252,6 +279,7 @@ class Router:
                     load_factor=config.load_factor,
                     min_bound=config.min_load_bound,
                     recompute_weight=config.recompute_weight,
+                    kv_index=self.kv_index,
                 ),
                 config.health,
                 on_event=self._on_health_event,
@@ -273,21 +301,101 @@ class Router:
             ),
         )
         self._health_task: asyncio.Task[None] | None = None
+        self._kv_config_task: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        if self.kv_index is not None:
+            self.metrics.watch_kv_index(self.kv_index, self._kv_fallbacks)
 
     # ----- lifecycle -------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Start active health checks (if enabled)."""
+        """Start active health checks (if enabled) and, for kv_prefix, the KV event
+        subscriber and the reading of the workers' cache configuration."""
         if self.config.health_interval_s > 0 and self._health_task is None:
             self._health_task = asyncio.create_task(self._health_loop(), name="health-checks")
+        if self.kv_index is not None and self._kv_subscriber is not None:
+            self._loop = asyncio.get_running_loop()
+            self._kv_subscriber.start()
+            if self.kv_index.hashing is None and self._kv_config_task is None:
+                self._kv_config_task = asyncio.create_task(
+                    self._learn_kv_hashing(), name="kv-cache-config"
+                )
 
     async def aclose(self) -> None:
-        if self._health_task is not None:
-            self._health_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._health_task
-            self._health_task = None
+        for task in (self._health_task, self._kv_config_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        self._health_task = self._kv_config_task = None
+        if self._kv_subscriber is not None:
+            await asyncio.to_thread(self._kv_subscriber.stop)
         await self._client.aclose()
+
+    # ----- KV events (kv_prefix) -------------------------------------------------------
+
+    async def _learn_kv_hashing(self) -> None:
+        """Read the block size and hash algorithm from the first worker whose
+        ``/metrics`` says them; until then requests are routed by hashing."""
+        assert self.kv_index is not None
+        reported: set[tuple[str, str]] = set()
+        while self.kv_index.hashing is None:
+            for pool in self.pools.values():
+                for worker in pool.workers:
+                    try:
+                        reply = await self._client.get(
+                            f"{self._urls[worker]}/metrics", timeout=self.config.health_timeout_s
+                        )
+                        hashing = hashing_from_metrics(reply.text)
+                    except httpx.HTTPError:
+                        continue
+                    except ValueError as exc:
+                        if (worker, str(exc)) not in reported:
+                            reported.add((worker, str(exc)))
+                            logger.warning("%s: no KV-aware routing yet: %s", worker, exc)
+                        continue
+                    self.kv_index.hashing = hashing
+                    logger.info("KV blocks of %s: %s", worker, hashing)
+                    return
+            await asyncio.sleep(KV_CONFIG_RETRY_S)
+
+    def _kv_delivered(self, worker: str, items: list[tuple[EventBatch, bool]]) -> None:
+        """Called in the subscriber's thread: apply on the event loop's."""
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self.apply_kv_events, worker, items)
+
+    def apply_kv_events(self, worker: str, items: list[tuple[EventBatch, bool]]) -> None:
+        """Apply a worker's batches, in order, to the index (on the event loop)."""
+        assert self.kv_index is not None
+        for batch, replayed in items:
+            outcome = self.kv_index.apply(worker, batch, replayed=replayed)
+            if outcome in ("gap", "restart"):
+                logger.info("KV index of %s cleared: %s at batch %d", worker, outcome, batch.seq)
+
+    def _kv_error(self, worker: str, kind: str) -> None:
+        self.metrics.worker_errors.labels("kv_events", worker, kind).inc()
+
+    def _kv_fallbacks(self) -> dict[str, int]:
+        total: dict[str, int] = {}
+        for pool in self.pools.values():
+            if isinstance(pool.policy, KVPrefixPolicy):
+                for worker, n in pool.policy.fallbacks.items():
+                    total[worker] = total.get(worker, 0) + n
+        return total
+
+    def _with_blocks(self, request: RoutingKey, endpoint: str, body: dict[str, Any]) -> RoutingKey:
+        """``request``'s key with the prompt's exact size and block hashes (kv_prefix)."""
+        if self.kv_index is None or self.tokenizer is None:
+            return request
+        hashing = self.kv_index.hashing
+        if hashing is None:
+            self.metrics.kv_unhashed.labels("no_hashing").inc()
+            return request
+        tokens = self.tokenizer.token_ids(endpoint, body)
+        if tokens is None:
+            self.metrics.kv_unhashed.labels("unreproducible").inc()
+            return request
+        return dataclasses.replace(request, size=len(tokens), blocks=hashing.block_hashes(tokens))
 
     @property
     def serving_pool(self) -> RoutingState:
@@ -329,6 +437,8 @@ class Router:
             level, "worker %s (%s pool) %s: %s", event.worker, pool, event.kind, event.reason
         )
         self.metrics.health_events.labels(pool, event.worker, event.kind, event.reason).inc()
+        if event.kind == "down" and self.kv_index is not None:
+            self.kv_index.reset(event.worker, "down")  # it may come back with an empty cache
         if event.kind == "ejected":
             self.metrics.ejections.labels(pool, event.worker, event.reason).inc()
         self.metrics.in_service.labels(pool, event.worker).set(
@@ -352,6 +462,13 @@ class Router:
             "policy": self.policy_name,
             "pools": {name: pool.status() for name, pool in self.pools.items()},
         }
+        if self.kv_index is not None:
+            hashing = self.kv_index.hashing
+            doc["kv_blocks"] = (
+                {"block_size": hashing.block_size, "hash_algo": hashing.algo}
+                if hashing is not None
+                else None  # not read from the workers yet: requests are routed by hashing
+            )
         return ready, doc
 
     # ----- upstream calls ----------------------------------------------------------------
@@ -375,11 +492,11 @@ class Router:
 
     def _begin(self, pool: RoutingState, worker: str, key: RoutingKey) -> _Attempt:
         """Account for a request sent to ``worker``."""
-        ticket = pool.start(worker, key.value, key.size)
+        ticket = pool.start(worker, key.value, key.size, key.blocks)
         self.metrics.worker_requests.labels(pool.name, worker).inc()
         self.metrics.in_flight.labels(pool.name, worker).set(pool.in_flight[worker])
         deadline = asyncio.get_running_loop().time() + self.config.request_timeout_s
-        return _Attempt(pool, worker, self.clock(), deadline, ticket)
+        return _Attempt(pool, worker, self.clock(), deadline, ticket, len(key.blocks))
 
     def _end(self, attempt: _Attempt) -> None:
         pool, worker = attempt.pool, attempt.worker
@@ -388,13 +505,15 @@ class Router:
         pool.finish(
             worker, attempt.ok, self.clock() - attempt.started, self.clock(), attempt.ticket
         )
+        if attempt.ok is True and attempt.blocks and self.kv_index is not None:
+            self.kv_index.expect_events(worker, since=attempt.started)
         self.metrics.in_flight.labels(pool.name, worker).set(pool.in_flight[worker])
 
     def _fail(self, pool: RoutingState, worker: str, kind: str) -> None:
         self.metrics.worker_errors.labels(pool.name, worker, kind).inc()
 
     def _choose(self, pool: RoutingState, key: RoutingKey, tried: list[str]) -> str | None:
-        choice = pool.choose(key.value, exclude=tried, size=key.size)
+        choice = pool.choose(key.value, exclude=tried, size=key.size, blocks=key.blocks)
         if choice is None:
             return None
         decision = "failed_over" if tried else choice.decision
@@ -629,11 +748,12 @@ class Router:
             raw = await self._read_body(request)
             body = parse_body(raw)
             key = extract_routing_key(request.headers, body, self.config.key_headers)
+            key = dataclasses.replace(key, size=estimate_prompt_tokens(body))
             routed = RoutedRequest(
                 endpoint=endpoint,
                 raw=raw,
                 body=body,
-                key=dataclasses.replace(key, size=estimate_prompt_tokens(body)),
+                key=self._with_blocks(key, endpoint, body),
                 headers=self._headers(request.headers),
                 received=received,
             )

@@ -73,26 +73,34 @@ class RoutingState:
         excluded = set(exclude)
         return [w for w in h.available(self.health) if w not in excluded]
 
-    def choose(self, key: str, exclude: Iterable[str] = (), size: int = 0) -> Choice | None:
-        """Pick a worker for ``key`` (prompt of ``size`` estimated tokens, 0 if unknown)
-        among those in service and not in ``exclude``."""
+    def choose(
+        self,
+        key: str,
+        exclude: Iterable[str] = (),
+        size: int = 0,
+        blocks: Sequence[int] = (),
+    ) -> Choice | None:
+        """Pick a worker for ``key`` (prompt of ``size`` estimated tokens, 0 if unknown,
+        and its KV block hashes if known) among those in service and not in ``exclude``."""
         candidates = self.candidates(exclude)
         if not candidates:
             return None
-        worker = self.policy.pick(key, candidates, self.in_flight, size)
+        worker = self.policy.pick(key, candidates, self.in_flight, size, blocks)
         home = self.policy.home(key, self.workers)
         decision = classify(home, worker, candidates)
         if decision in ("sticky", "spilled") and self.policy.is_new(key):
             decision = "placed"
         return Choice(worker, decision)
 
-    def start(self, worker: str, key: str = "", size: int = 0) -> Ticket:
+    def start(
+        self, worker: str, key: str = "", size: int = 0, blocks: Sequence[int] = ()
+    ) -> Ticket:
         """Count a request sent to ``worker``; returns the ticket to end it with."""
         self.in_flight[worker] += 1
         serving = self.in_flight[worker]
         for other in self._open[worker]:
             other.sharing = max(other.sharing, serving)
-        ticket = Ticket(self.policy.on_start(worker, key, size), serving)
+        ticket = Ticket(self.policy.on_start(worker, key, size, blocks), serving)
         self._open[worker].append(ticket)
         return ticket
 

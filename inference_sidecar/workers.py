@@ -60,6 +60,10 @@ DEFAULT_KV_CACHE_BYTES = 256 * 1024 * 1024
 DEFAULT_STRUCTURED_OUTPUTS = '{"backend":"guidance","disable_any_whitespace":true}'
 #: NIXL handshake ports are base_port + this + worker index.
 NIXL_SIDE_CHANNEL_OFFSET = 1000
+#: With ``kv_events``: each worker publishes its KV cache events on base_port + this +
+#: index, and serves replays of its recent batches on base_port + KV_REPLAY_OFFSET + index.
+KV_EVENTS_OFFSET = 2000
+KV_REPLAY_OFFSET = 3000
 LOG_TAIL_LINES = 40
 
 #: ``vllm serve ...`` run by the vLLM venv's interpreter: ``python -c VLLM_CLI serve MODEL ...``.
@@ -267,6 +271,9 @@ class ClusterConfig:
     ld_preload: tuple[str, ...] | None = None
     """Libraries (full paths) preloaded into every worker. Default on the cpu profile:
     TCMalloc and Intel OpenMP, found by ``find_cpu_preload``; ``()`` preloads nothing."""
+    kv_events: bool = False
+    """Workers publish their KV cache events over ZMQ (``--kv-events-config``), with a
+    replay buffer: what the kv_prefix routing policy needs."""
 
     def __post_init__(self) -> None:
         _check_choice("mode", self.mode, Mode)
@@ -283,7 +290,7 @@ class ClusterConfig:
         for key, value in counts.items():
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(key, f"must be a positive integer, got {value!r}")
-        if not 1024 <= self.base_port <= 65535 - self.size - NIXL_SIDE_CHANNEL_OFFSET:
+        if not 1024 <= self.base_port <= 65535 - self.size - KV_REPLAY_OFFSET:
             raise ConfigError("base_port", f"out of range: {self.base_port}")
         if self.max_model_len < 16:
             raise ConfigError("max_model_len", f"too small: {self.max_model_len}")
@@ -370,10 +377,32 @@ class WorkerSpec:
     env: Mapping[str, str]
     """Variables added to the parent's environment."""
     log_path: Path
+    kv_events: str | None = None
+    """Where the router subscribes to its KV cache events (None: it publishes none)."""
+    kv_replay: str | None = None
 
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
+
+
+def kv_events_config(config: ClusterConfig, index: int) -> tuple[str, str, str]:
+    """(``--kv-events-config`` JSON, subscribe endpoint, replay endpoint) of a worker.
+
+    The publisher binds when its endpoint has a wildcard host, so it is given
+    ``tcp://*:port`` and the router connects to ``tcp://host:port``; the replay socket
+    always binds, on the worker's own host.
+    """
+    events_port = config.base_port + KV_EVENTS_OFFSET + index
+    replay = f"tcp://{config.host}:{config.base_port + KV_REPLAY_OFFSET + index}"
+    doc = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"tcp://*:{events_port}",
+        "replay_endpoint": replay,
+        "topic": "kv-events",
+    }
+    return json.dumps(doc, separators=(",", ":")), f"tcp://{config.host}:{events_port}", replay
 
 
 def kv_transfer_config(config: ClusterConfig, role: Role, kv_dir: Path) -> str | None:
@@ -432,6 +461,10 @@ def plan_workers(config: ClusterConfig, kv_dir: Path | None = None) -> list[Work
         kv = kv_transfer_config(config, role, kv_dir)
         if kv is not None:
             argv += ["--kv-transfer-config", kv]
+        events: tuple[str, str, str] | None = None
+        if config.kv_events:
+            events = kv_events_config(config, index)
+            argv += ["--kv-events-config", events[0]]
         argv += config.extra_args
         env = {
             "HF_HUB_OFFLINE": "1",
@@ -457,7 +490,15 @@ def plan_workers(config: ClusterConfig, kv_dir: Path | None = None) -> list[Work
         env.update(config.env)
         specs.append(
             WorkerSpec(
-                name, role, config.host, port, tuple(argv), env, config.log_dir / f"{name}.log"
+                name,
+                role,
+                config.host,
+                port,
+                tuple(argv),
+                env,
+                config.log_dir / f"{name}.log",
+                kv_events=events[1] if events else None,
+                kv_replay=events[2] if events else None,
             )
         )
     return specs
@@ -543,6 +584,11 @@ class WorkerProcesses:
     @property
     def worker_urls(self) -> list[str]:
         return self._urls("worker")
+
+    @property
+    def kv_event_sources(self) -> dict[str, tuple[str, str | None]]:
+        """Worker URL -> (KV events endpoint, replay endpoint), for workers publishing."""
+        return {s.url: (s.kv_events, s.kv_replay) for s in self.specs if s.kv_events}
 
     def pid(self, name: str) -> int | None:
         proc = self._procs.get(name)
@@ -667,6 +713,16 @@ class WorkerProcesses:
             proc.stop(timeout_s=max(0.1, deadline - time.monotonic()))
         self._procs.clear()
         shutil.rmtree(self.kv_dir, ignore_errors=True)
+
+    def restart(self, name: str, grace_s: float = 15.0) -> None:
+        """Stop one worker (its whole group) and start it again with the same command;
+        ``wait_ready`` then waits for it. Its KV cache starts empty, as after a crash."""
+        spec = next(s for s in self.specs if s.name == name)
+        proc = self._procs.pop(name, None)
+        if proc is not None:
+            proc.terminate()
+            proc.stop(timeout_s=grace_s)
+        self._launch(spec)
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         """Send ``sig`` to one worker's process group (fault-injection in tests)."""

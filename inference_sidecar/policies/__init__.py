@@ -8,12 +8,21 @@ from typing import Any
 
 from inference_sidecar.policies.base import Policy
 from inference_sidecar.policies.bounded_hash import BoundedHashPolicy
+from inference_sidecar.policies.kv_prefix import KVPrefixPolicy
 from inference_sidecar.policies.round_robin import RoundRobinPolicy
 
-__all__ = ["POLICY_NAMES", "BoundedHashPolicy", "Policy", "RoundRobinPolicy", "make_policy"]
+__all__ = [
+    "POLICY_NAMES",
+    "BoundedHashPolicy",
+    "KVPrefixPolicy",
+    "Policy",
+    "RoundRobinPolicy",
+    "make_policy",
+]
 
 _FACTORIES: dict[str, Callable[..., Policy]] = {
     BoundedHashPolicy.name: BoundedHashPolicy,
+    KVPrefixPolicy.name: KVPrefixPolicy,
     RoundRobinPolicy.name: RoundRobinPolicy,
 }
 

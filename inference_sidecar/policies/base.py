@@ -7,7 +7,9 @@ knowing the policy, and ``is_new`` so a key seen for the first time is reported 
 "placed" rather than as sticky or spilled.
 
 ``size`` is the request's estimated prompt tokens (``routing_key.estimate_prompt_tokens``);
-0 means unknown, and a policy must then still work (on request counts alone).
+0 means unknown, and a policy must then still work (on request counts alone). ``blocks``
+are the prompt's KV block hashes, given only to a policy whose ``wants_blocks`` is True
+(computing them costs a tokenization), and possibly empty even then.
 """
 
 from __future__ import annotations
@@ -23,9 +25,15 @@ class Policy:
     """
 
     name: str = "policy"
+    wants_blocks: bool = False
 
     def pick(
-        self, key: str, workers: Sequence[str], loads: Mapping[str, int], size: int = 0
+        self,
+        key: str,
+        workers: Sequence[str],
+        loads: Mapping[str, int],
+        size: int = 0,
+        blocks: Sequence[int] = (),
     ) -> str:
         """Choose one of ``workers`` (non-empty) for ``key``.
 
@@ -46,7 +54,9 @@ class Policy:
         """True when the policy knows nothing of ``key`` yet (its first placement)."""
         return False
 
-    def on_start(self, worker: str, key: str = "", size: int = 0) -> Any:
+    def on_start(
+        self, worker: str, key: str = "", size: int = 0, blocks: Sequence[int] = ()
+    ) -> Any:
         """Called when a request is sent to ``worker``; the value returned (a ticket) is
         handed back to ``on_prefilled`` and ``on_finish`` for that request."""
         return None

@@ -146,8 +146,9 @@ class BoundedHashPolicy(Policy):
         """Uncached prompt tokens sent to ``worker`` whose prefill is not done yet."""
         return self._queued.get(worker, 0)
 
-    def uncached(self, key: str, worker: str, size: int) -> int:
-        """Estimated prompt tokens ``worker`` must compute for ``key``'s prompt of ``size``."""
+    def uncached(self, key: str, worker: str, size: int, blocks: Sequence[int] = ()) -> int:
+        """Estimated prompt tokens ``worker`` must compute for ``key``'s prompt of ``size``
+        (from the key's history; ``blocks`` are for policies that know the caches)."""
         for visited, tokens in self.visits(key):
             if visited == worker:
                 return max(0, size - tokens)
@@ -165,6 +166,13 @@ class BoundedHashPolicy(Policy):
         mean = sum(self.resident_tokens(w) for w in workers) / len(workers)
         return [w for w in workers if self.resident_tokens(w) <= self.load_factor * mean]
 
+    def new_key_candidates(
+        self, allowed: Sequence[str], size: int = 0, blocks: Sequence[int] = ()
+    ) -> list[str]:
+        """Where a key seen for the first time may go among ``allowed``: the roomy ones
+        (module doc, 5), or all of them if none is."""
+        return self.roomy(allowed) or list(allowed)
+
     def slowness(self, worker: str, workers: Sequence[str]) -> float:
         """``worker``'s recent latency over the median of ``workers``' (module doc, 4)."""
         known = {w: self._latency[w][0] for w in workers if self._is_recent(w)}
@@ -179,12 +187,18 @@ class BoundedHashPolicy(Policy):
         return min(high, max(low, ratio))
 
     def cost(
-        self, key: str, worker: str, size: int, load: int, workers: Sequence[str] = ()
+        self,
+        key: str,
+        worker: str,
+        size: int,
+        load: int,
+        workers: Sequence[str] = (),
+        blocks: Sequence[int] = (),
     ) -> float:
         """What sending the request to ``worker`` costs, in prompt tokens at the median
         worker's speed (see module doc)."""
         queue = self.queued_tokens(worker) + self.request_cost * load
-        tokens = self.recompute_weight * self.uncached(key, worker, size) + queue
+        tokens = self.recompute_weight * self.uncached(key, worker, size, blocks) + queue
         return tokens * self.slowness(worker, workers) if self.is_new(key) else tokens
 
     def order(self, key: str, workers: Sequence[str]) -> list[str]:
@@ -195,7 +209,12 @@ class BoundedHashPolicy(Policy):
     # ----- the policy ----------------------------------------------------------------------
 
     def pick(
-        self, key: str, workers: Sequence[str], loads: Mapping[str, int], size: int = 0
+        self,
+        key: str,
+        workers: Sequence[str],
+        loads: Mapping[str, int],
+        size: int = 0,
+        blocks: Sequence[int] = (),
     ) -> str:
         if not workers:
             raise ValueError("pick() needs at least one worker")
@@ -210,9 +229,9 @@ class BoundedHashPolicy(Policy):
         if size <= 0:
             return allowed[0]
         if self.is_new(key):
-            allowed = self.roomy(allowed) or allowed
+            allowed = self.new_key_candidates(allowed, size, blocks)
         # min() keeps the first of equal costs, i.e. the most affine worker.
-        return min(allowed, key=lambda w: self.cost(key, w, size, loads.get(w, 0), workers))
+        return min(allowed, key=lambda w: self.cost(key, w, size, loads.get(w, 0), workers, blocks))
 
     def home(self, key: str, workers: Sequence[str]) -> str | None:
         if not workers:
@@ -222,8 +241,10 @@ class BoundedHashPolicy(Policy):
     def is_new(self, key: str) -> bool:
         return key not in self._history
 
-    def on_start(self, worker: str, key: str = "", size: int = 0) -> Ticket:
-        pending = self.uncached(key, worker, size) if size > 0 else 0
+    def on_start(
+        self, worker: str, key: str = "", size: int = 0, blocks: Sequence[int] = ()
+    ) -> Ticket:
+        pending = self.uncached(key, worker, size, blocks) if size > 0 else 0
         self._queued[worker] = self._queued.get(worker, 0) + pending
         if key:
             self._remember(key, worker, size)

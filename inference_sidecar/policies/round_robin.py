@@ -21,7 +21,12 @@ class RoundRobinPolicy(Policy):
         self._counter = itertools.count()
 
     def pick(
-        self, key: str, workers: Sequence[str], loads: Mapping[str, int], size: int = 0
+        self,
+        key: str,
+        workers: Sequence[str],
+        loads: Mapping[str, int],
+        size: int = 0,
+        blocks: Sequence[int] = (),
     ) -> str:
         if not workers:
             raise ValueError("pick() needs at least one worker")

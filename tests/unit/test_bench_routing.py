@@ -326,15 +326,23 @@ def _config(**changes):
 
 class TestSchedule:
     def test_each_skewed_repeat_rotates_the_routers_and_round_robin_runs_once(self):
-        plan = schedule(ROUTERS, _config(skewed_repeats=3))
+        keys = ("sidecar_bounded_hash", "sidecar_round_robin", "vllm_router_consistent_hash")
+        specs = [spec for spec in ROUTERS if spec.key in keys]
+        plan = schedule(specs, _config(skewed_repeats=3))
         steady = [spec.key for kind, _, spec in plan if kind == "steady"]
-        assert steady == [spec.key for spec in ROUTERS]
+        assert steady == list(keys)
         skewed = [(r, spec.policy) for kind, r, spec in plan if kind == "skewed"]
         assert skewed == [
             (0, "bounded_hash"), (0, "round_robin"), (0, "consistent_hash"),
             (1, "consistent_hash"), (1, "bounded_hash"),
             (2, "consistent_hash"), (2, "bounded_hash"),
         ]  # fmt: skip
+
+    def test_the_restart_phase_runs_last_once_per_router(self):
+        plan = schedule(ROUTERS, _config(phases=("steady", "skewed", "restart")))
+        restarts = [spec.key for kind, _, spec in plan if kind == "restart"]
+        assert restarts == [spec.key for spec in ROUTERS]
+        assert all(kind == "restart" for kind, _, _ in plan[-len(ROUTERS) :])
 
     def test_phases_can_be_left_out(self):
         plan = schedule(ROUTERS, _config(skewed_repeats=2, phases=("skewed",)))

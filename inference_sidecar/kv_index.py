@@ -1,0 +1,341 @@
+"""Which worker holds which KV block, kept from the workers' KV cache events.
+
+Pure and synchronous, like ``routing_state``: the ZMQ shell (``kv_events``) decodes each
+worker's batches and the router's event loop hands them to ``KVIndex.apply`` one at a
+time, so no lock is needed and tests drive the index with plain calls and a fake clock.
+
+What vLLM publishes (``vllm/distributed/kv_events.py``): per engine step a batch
+``[timestamp, [event, ...], data_parallel_rank]`` with a sequence number counting up from
+0 when the worker starts. Events are ``BlockStored`` (new blocks, and blocks a request
+reused from the prefix cache), ``BlockRemoved`` (evicted) and ``AllBlocksCleared``.
+
+The index never trusts a worker's entries across a hole in what it heard:
+
+* a batch whose sequence number skips ahead (``gap``: the subscriber missed some, or the
+  router joined late) clears the worker's entries first, unless the shell filled the hole
+  from the worker's replay buffer (batches handed in with ``replayed=True``);
+* a number that goes back (``restart``: a new worker process, whose cache is empty)
+  clears them too;
+* ``reset`` clears them on demand (the worker went down).
+
+A cleared worker's index only under-reports (blocks it still holds look uncached, which
+costs a recomputation, never a wrong hit), and heals: a request that reuses a block makes
+the worker publish it again.
+
+Memory is bounded by the workers' caches, not by the number of shoppers: a worker holds at
+most its ``num_gpu_blocks`` blocks, and each worker's entries are capped at
+``max_blocks`` (oldest dropped first) in case a removal is ever missed.
+
+Staleness: a request of at least one full block always makes its worker publish a
+``BlockStored`` (new or reused blocks). ``expect_events`` notes such a request served
+with no batch heard since it was sent; a worker that has not published for
+``stale_after_s`` since is stale, and the policy goes
+back to estimating its cache by hashing (``KVPrefixPolicy``) until a batch arrives.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from inference_sidecar.kv_blocks import BlockHashing, external_hash
+
+DEFAULT_MAX_BLOCKS = 1 << 20
+"""Per worker: 64 GiB of SmolLM2-135M KV at 16 tokens a block, far above any CPU worker."""
+DEFAULT_STALE_AFTER_S = 10.0
+
+Outcome = Literal["applied", "gap", "restart", "duplicate"]
+
+
+class KVEventFormatError(ValueError):
+    """A payload that is not a KV event batch as vLLM publishes it."""
+
+
+@dataclass(frozen=True, slots=True)
+class Stored:
+    hashes: tuple[int, ...]
+    parent: int | None
+    token_ids: tuple[int, ...]
+    block_size: int
+
+
+@dataclass(frozen=True, slots=True)
+class Removed:
+    hashes: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Cleared:
+    pass
+
+
+Event = Stored | Removed | Cleared
+
+
+@dataclass(frozen=True, slots=True)
+class EventBatch:
+    seq: int
+    events: tuple[Event, ...]
+    ts: float = 0.0
+    ignored: int = 0
+    """Events of kinds this index does not use (another medium, an unknown tag)."""
+
+
+def _field(raw: Any, name: str, position: int) -> Any:
+    """A struct field, encoded as a map (msgspec's default) or an array (array_like)."""
+    if isinstance(raw, Mapping):
+        return raw.get(name)
+    if isinstance(raw, list | tuple) and len(raw) > position:
+        return raw[position]
+    return None
+
+
+def _decode_event(raw: Any) -> Event | None:
+    """One event: a tagged struct, ``{"type": "BlockStored", ...}`` or ``["BlockStored",
+    ...]``; None for kinds not used here (a medium other than the worker's own memory)."""
+    tag = raw.get("type") if isinstance(raw, Mapping) else (raw[0] if raw else None)
+    offset = 0 if isinstance(raw, Mapping) else 1
+    if tag == "BlockStored":
+        medium = _field(raw, "medium", 5 + offset)
+        if medium not in (None, "GPU"):
+            return None
+        hashes = _field(raw, "block_hashes", 0 + offset)
+        parent = _field(raw, "parent_block_hash", 1 + offset)
+        tokens = _field(raw, "token_ids", 2 + offset)
+        size = _field(raw, "block_size", 3 + offset)
+        if not isinstance(hashes, list) or not isinstance(tokens, list | None):
+            raise KVEventFormatError(f"BlockStored without block hashes: {raw!r:.200}")
+        return Stored(
+            tuple(external_hash(h) for h in hashes),
+            None if parent is None else external_hash(parent),
+            tuple(tokens or ()),
+            int(size or 0),
+        )
+    if tag == "BlockRemoved":
+        medium = _field(raw, "medium", 1 + offset)
+        if medium not in (None, "GPU"):
+            return None
+        hashes = _field(raw, "block_hashes", 0 + offset)
+        if not isinstance(hashes, list):
+            raise KVEventFormatError(f"BlockRemoved without block hashes: {raw!r:.200}")
+        return Removed(tuple(external_hash(h) for h in hashes))
+    if tag == "AllBlocksCleared":
+        return Cleared()
+    return None
+
+
+def decode_batch(seq: int, payload: Any) -> EventBatch:
+    """A batch from its sequence number and its msgpack-decoded payload
+    ``[ts, [event, ...], dp_rank?]``; raises ``KVEventFormatError`` naming what is wrong."""
+    if not isinstance(payload, list | tuple) or len(payload) < 2:
+        raise KVEventFormatError(f"a KV event batch is [ts, events, ...], got {payload!r:.200}")
+    ts, raw_events = payload[0], payload[1]
+    if not isinstance(raw_events, list):
+        raise KVEventFormatError(f"a batch's events must be a list, got {raw_events!r:.200}")
+    events: list[Event] = []
+    ignored = 0
+    try:
+        for raw in raw_events:
+            event = _decode_event(raw)
+            if event is None:
+                ignored += 1
+            else:
+                events.append(event)
+    except (TypeError, ValueError) as exc:
+        raise KVEventFormatError(str(exc)) from exc
+    return EventBatch(seq, tuple(events), float(ts or 0.0), ignored)
+
+
+@dataclass(slots=True)
+class WorkerBlocks:
+    """What the index knows of one worker."""
+
+    blocks: dict[int, None] = field(default_factory=dict)
+    """Block hashes, oldest stored first (an insertion-ordered set)."""
+    next_seq: int = 0
+    last_batch_at: float | None = None
+    awaiting_since: float | None = None
+    """When a request that must make the worker publish was prefilled, unanswered yet."""
+    mismatched: bool = False
+    """Its published hashes do not match ours (another seed or algorithm): never trusted."""
+
+
+@dataclass(slots=True)
+class IndexCounters:
+    """Totals per worker since start, read by the metrics."""
+
+    batches: int = 0
+    events: int = 0
+    ignored: int = 0
+    duplicates: int = 0
+    resyncs: dict[str, int] = field(default_factory=dict)
+    """Clears by reason: gap, restart, cleared (AllBlocksCleared), reset, overflow."""
+    verified: int = 0
+    mismatches: int = 0
+
+
+class KVIndex:
+    """Block hash -> workers holding it, per worker, from their event streams."""
+
+    def __init__(
+        self,
+        workers: Iterable[str] = (),
+        *,
+        hashing: BlockHashing | None = None,
+        max_blocks: int = DEFAULT_MAX_BLOCKS,
+        stale_after_s: float = DEFAULT_STALE_AFTER_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if max_blocks < 1 or stale_after_s <= 0:
+            raise ValueError("max_blocks must be >= 1 and stale_after_s > 0")
+        self.hashing = hashing
+        self.max_blocks = max_blocks
+        self.stale_after_s = stale_after_s
+        self._clock = clock
+        self._workers: dict[str, WorkerBlocks] = {}
+        self.counters: dict[str, IndexCounters] = {}
+        for worker in workers:
+            self.add_worker(worker)
+
+    # ----- workers -------------------------------------------------------------------
+
+    def add_worker(self, worker: str) -> None:
+        self._workers.setdefault(worker, WorkerBlocks())
+        self.counters.setdefault(worker, IndexCounters())
+
+    def remove_worker(self, worker: str) -> None:
+        """Forget ``worker`` altogether (it left the pool)."""
+        self._workers.pop(worker, None)
+
+    @property
+    def workers(self) -> tuple[str, ...]:
+        return tuple(self._workers)
+
+    def reset(self, worker: str, reason: str = "reset") -> None:
+        """Forget every block of ``worker`` (its cache may be gone); counted by reason."""
+        state = self._workers.get(worker)
+        if state is None:
+            return
+        state.blocks.clear()
+        counts = self.counters[worker].resyncs
+        counts[reason] = counts.get(reason, 0) + 1
+
+    # ----- events --------------------------------------------------------------------
+
+    def expected_seq(self, worker: str) -> int:
+        """The sequence number the next batch from ``worker`` should carry."""
+        state = self._workers.get(worker)
+        return state.next_seq if state is not None else 0
+
+    def apply(self, worker: str, batch: EventBatch, *, replayed: bool = False) -> Outcome:
+        """Apply one batch from ``worker`` (module doc: gaps and restarts clear first).
+
+        ``replayed``: the batch came from the worker's replay buffer, where a number
+        below the expected one is a duplicate rather than a restart.
+        """
+        self.add_worker(worker)
+        state, counters = self._workers[worker], self.counters[worker]
+        outcome: Outcome = "applied"
+        if batch.seq < state.next_seq:
+            if replayed:
+                counters.duplicates += 1
+                return "duplicate"
+            outcome = "restart"
+            self.reset(worker, "restart")
+        elif batch.seq > state.next_seq:
+            outcome = "gap"
+            self.reset(worker, "gap")
+        state.next_seq = batch.seq + 1
+        state.last_batch_at = self._clock()
+        state.awaiting_since = None
+        counters.batches += 1
+        counters.ignored += batch.ignored
+        for event in batch.events:
+            counters.events += 1
+            if isinstance(event, Stored):
+                self._store(worker, state, event)
+            elif isinstance(event, Removed):
+                for h in event.hashes:
+                    state.blocks.pop(h, None)
+            else:
+                if state.blocks:
+                    self.reset(worker, "cleared")
+        return outcome
+
+    def _store(self, worker: str, state: WorkerBlocks, event: Stored) -> None:
+        if event.parent is None and event.token_ids and self.hashing is not None:
+            self._verify(worker, state, event)
+        blocks = state.blocks
+        for h in event.hashes:
+            blocks.pop(h, None)  # a reused block becomes the newest
+            blocks[h] = None
+        overflow = len(blocks) - self.max_blocks
+        if overflow > 0:
+            for h in list(blocks)[:overflow]:
+                del blocks[h]
+            counts = self.counters[worker].resyncs
+            counts["overflow"] = counts.get("overflow", 0) + 1
+
+    def _verify(self, worker: str, state: WorkerBlocks, event: Stored) -> None:
+        """A chain published from its root must equal ours for the same tokens."""
+        assert self.hashing is not None
+        if event.block_size != self.hashing.block_size:
+            ours: tuple[int, ...] = ()
+        else:
+            ours = self.hashing.block_hashes(event.token_ids)
+        counters = self.counters[worker]
+        if ours and ours == event.hashes[: len(ours)]:
+            counters.verified += 1
+            state.mismatched = False
+        else:
+            counters.mismatches += 1
+            state.mismatched = True
+
+    # ----- staleness -----------------------------------------------------------------
+
+    def expect_events(self, worker: str, since: float | None = None) -> None:
+        """A request of at least one full block, sent at ``since`` (index clock; None:
+        now), was served by ``worker``: unless a batch arrived after it was sent, the
+        worker must publish soon, or its stream is broken."""
+        state = self._workers.get(worker)
+        if state is None or state.awaiting_since is not None:
+            return
+        now = self._clock()
+        if since is not None and state.last_batch_at is not None and state.last_batch_at >= since:
+            return
+        state.awaiting_since = now
+
+    def is_fresh(self, worker: str) -> bool:
+        """True when ``worker``'s entries can be trusted: its hashes match ours and it has
+        not kept silent past ``stale_after_s`` after a request that must make it publish."""
+        state = self._workers.get(worker)
+        if state is None or state.mismatched:
+            return False
+        waiting = state.awaiting_since
+        return waiting is None or self._clock() - waiting <= self.stale_after_s
+
+    # ----- lookups -------------------------------------------------------------------
+
+    def cached_blocks(self, worker: str, hashes: Sequence[int]) -> int:
+        """How many leading blocks of ``hashes`` ``worker`` holds (a prefix hit stops at
+        the first block missing, as vLLM's own lookup does)."""
+        state = self._workers.get(worker)
+        if state is None:
+            return 0
+        blocks = state.blocks
+        n = 0
+        for h in hashes:
+            if h not in blocks:
+                break
+            n += 1
+        return n
+
+    def holds(self, worker: str, block: int) -> bool:
+        state = self._workers.get(worker)
+        return state is not None and block in state.blocks
+
+    def block_count(self, worker: str) -> int:
+        state = self._workers.get(worker)
+        return len(state.blocks) if state is not None else 0

