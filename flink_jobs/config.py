@@ -201,7 +201,7 @@ class TriggerConfig:
 
 @dataclass(frozen=True)
 class PromptConfig:
-    template: str = "shopper_intent_v2.j2"
+    template: str = "shopper_intent_v3.j2"
     templates_dir: str = ""  # empty: the prompts/ folder shipped with the job
     max_prompt_tokens: int = 3500
     max_text_chars: int = 120

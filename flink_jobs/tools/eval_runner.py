@@ -47,7 +47,7 @@ from flink_jobs.tools.run_summary import read_stats, read_vllm_totals
 log = logging.getLogger(__name__)
 
 RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
-DEFAULT_TEMPLATES = ("shopper_intent_v1.j2", "shopper_intent_v2.j2")
+DEFAULT_TEMPLATES = ("shopper_intent_v1.j2", "shopper_intent_v2.j2", "shopper_intent_v3.j2")
 DEFAULT_SHOPPERS = 24
 #: vLLM's counters read per arm (their deltas are the arm's cost).
 VLLM_COUNTERS = (
