@@ -343,9 +343,17 @@ class FlinkCluster:
                 operation = found.get("operation", {})
                 if "failure-cause" in operation:
                     raise ClusterError(f"savepoint of {job_id} failed: {operation}")
+                self._wait_ended(job_id, deadline)
                 return operation["location"]
             time.sleep(0.3)
         raise ClusterError(f"savepoint of {job_id} not done after {timeout_s:.0f} s")
+
+    def _wait_ended(self, job_id: str, deadline: float) -> None:
+        """Until the stopped job's tasks have closed (its operators flush what they hold)."""
+        while self.status(job_id) not in ("FINISHED", "CANCELED", "FAILED"):
+            if time.monotonic() >= deadline:
+                raise ClusterError(f"job {job_id} still {self.status(job_id)} after its savepoint")
+            time.sleep(0.2)
 
     def cancel(self, job_id: str) -> None:
         httpx.patch(f"{self.rest_url}/jobs/{job_id}?mode=cancel", timeout=10)
