@@ -403,7 +403,7 @@ def save_writes(args: argparse.Namespace, now_ms: int, arms: Sequence[ArmRun]) -
     path = writes_path(args.out, args.dataset)
     document = {
         "dataset": args.dataset,
-        "events_file": str(args.events),
+        "events_file": _from_repo(args.events),
         "shoppers": args.shoppers,
         "now_ms": now_ms,
         "arms": {a.template: [asdict(w) for w in a.writes] for a in arms},
@@ -411,6 +411,18 @@ def save_writes(args: argparse.Namespace, now_ms: int, arms: Sequence[ArmRun]) -
     args.out.mkdir(parents=True, exist_ok=True)
     path.write_bytes(orjson.dumps(document, option=orjson.OPT_INDENT_2))
     return path
+
+
+_REPO = RESULTS.parents[1]
+
+
+def _from_repo(path: Path) -> str:
+    """The events file's path relative to the repository when it is inside it (so a saved
+    run rescores on any clone), else as given."""
+    try:
+        return path.resolve().relative_to(_REPO).as_posix()
+    except ValueError:
+        return str(path)
 
 
 def load_writes(path: Path) -> tuple[dict[str, Any], dict[str, list[intent_eval.IntentWrite]]]:
@@ -436,7 +448,7 @@ def rescore(dataset: str, out_dir: Path) -> int:
         raise SystemExit(f"{path} or {results_path} is missing: run the eval on {dataset} first")
     saved, writes = load_writes(path)
     document = orjson.loads(results_path.read_bytes())["datasets"][dataset]
-    values = select_records(Path(saved["events_file"]), saved["shoppers"])
+    values = select_records(_REPO / saved["events_file"], saved["shoppers"])
     _, events = moved_to_now(values, saved["now_ms"])
     arms = [
         ArmRun(a["template"], "", writes[a["template"]], a["stats"], a["cost"], a["elapsed_s"])
