@@ -58,13 +58,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         item.add_marker(getattr(pytest.mark, tier))
 
 
+#: Files that keep both cores busy on their own: run one after the other, never beside
+#: each other (a standalone Flink cluster's three JVMs beside two vLLM workers timed out).
+BOTH_CORES = ("tests/model/", "tests/service/test_scale_out.py")
+
+
 def work_unit(nodeid: str) -> str:
     """What one pytest-xdist worker runs in a row (``make test`` runs ``-n 2``): a file's
-    tests, which share its module fixtures, or the whole model tier, so a run starts one set
-    of vLLM workers (``llm_tier``) and model tests do not compete for the cores with each
-    other."""
+    tests, which share its module fixtures, or all of ``BOTH_CORES``: the whole model tier,
+    so a run starts one set of vLLM workers (``llm_tier``), and the standalone cluster."""
     path = nodeid.split("::", 1)[0]
-    return "tests/model" if path.startswith("tests/model/") else path
+    return "both-cores" if path.startswith(BOTH_CORES) else path
 
 
 @pytest.hookimpl(optionalhook=True)
