@@ -18,7 +18,7 @@ import time
 from collections import OrderedDict
 
 import orjson
-from pyflink.common import Duration, Row, Time
+from pyflink.common import Row, Time
 from pyflink.common.typeinfo import Types
 from pyflink.datastream import OutputTag, RuntimeContext, TimeDomain
 from pyflink.datastream.functions import KeyedProcessFunction, ProcessFunction
@@ -119,27 +119,11 @@ class DecodeEvents(ProcessFunction, _Counted):
         yield result
 
 
-# Flink's default for how often RocksDB's compaction filter re-reads the time while it
-# drops expired state (entries); the heap backend's default is 5 keys checked per access.
-_ROCKSDB_TTL_QUERY_TIME_AFTER = 1000
-_INCREMENTAL_TTL_CLEANUP_SIZE = 5
-
-
 def _state_ttl(config: AppConfig) -> StateTtlConfig:
-    """Expired state is cleaned in the background by Flink's default strategies, spelled out
-    rather than left to PyFlink: building its defaults makes a ``Duration`` through the Py4J
-    gateway, which an operator on a TaskManager in thread mode does not have (a standalone
-    cluster, Managed Flink), so ``open`` failed there ("FileNotFoundError" launching one);
-    only the in-process mini-cluster has it. The compaction filter's periodic compaction
-    time is Flink's default too: PyFlink passes only the entry count to Java, so the
-    ``Duration`` given here never needs a Java object."""
     return (
         StateTtlConfig.new_builder(Time.seconds(config.session.state_ttl_s))
         .set_update_type(StateTtlConfig.UpdateType.OnCreateAndWrite)
         .set_state_visibility(StateTtlConfig.StateVisibility.NeverReturnExpired)
-        .disable_cleanup_in_background()
-        .cleanup_incrementally(_INCREMENTAL_TTL_CLEANUP_SIZE, False)
-        .cleanup_in_rocksdb_compact_filter(_ROCKSDB_TTL_QUERY_TIME_AFTER, Duration(None))
         .build()
     )
 

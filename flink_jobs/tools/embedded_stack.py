@@ -46,9 +46,6 @@ CPU_REQUEST_TIMEOUT_S = 300.0
 STANDIN_REQUEST_TIMEOUT_S = 20.0
 STANDIN_READY_TIMEOUT_S = 30.0
 _STANDIN_MODULE = "bench.standin_llm"
-#: Partitions of the events topic: at least as many as the job's largest parallelism on
-#: this machine (4), so every source subtask reads some; a subtask with none idles.
-EVENTS_PARTITIONS = 4
 _REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -232,7 +229,7 @@ class EmbeddedStack:
 
 
 def start_embedded_stack(
-    workdir: Path, topics: list[str], llm_workers: int = 2, partitions: int = EVENTS_PARTITIONS
+    workdir: Path, topics: list[str], llm_workers: int = 2, partitions: int = 2
 ) -> EmbeddedStack:
     exit_stack = ExitStack()
     started = time.monotonic()
