@@ -59,8 +59,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 #: Files that keep both cores busy on their own: run one after the other, never beside
-#: each other (a standalone Flink cluster's three JVMs beside two vLLM workers timed out).
-BOTH_CORES = ("tests/model/", "tests/service/test_scale_out.py")
+#: each other.
+BOTH_CORES = ("tests/model/",)
 
 
 def work_unit(nodeid: str) -> str:
