@@ -32,15 +32,10 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from inference_sidecar.kv_index import KVIndex
 from inference_sidecar.policies.bounded_hash import (
-    DEFAULT_HISTORY_SIZE,
-    DEFAULT_LOAD_FACTOR,
-    DEFAULT_MIN_BOUND,
-    DEFAULT_RECOMPUTE_WEIGHT,
-    DEFAULT_REQUEST_COST,
-    DEFAULT_WORKERS_PER_KEY,
     BoundedHashPolicy,
     Ticket,
 )
@@ -59,23 +54,12 @@ class KVPrefixPolicy(BoundedHashPolicy):
     def __init__(
         self,
         kv_index: KVIndex | None = None,
-        load_factor: float = DEFAULT_LOAD_FACTOR,
-        min_bound: int = DEFAULT_MIN_BOUND,
-        recompute_weight: float = DEFAULT_RECOMPUTE_WEIGHT,
-        request_cost: int = DEFAULT_REQUEST_COST,
-        history_size: int = DEFAULT_HISTORY_SIZE,
-        workers_per_key: int = DEFAULT_WORKERS_PER_KEY,
+        *,
         clock: Callable[[], float] = time.monotonic,
+        **tuning: Any,
     ) -> None:
-        super().__init__(
-            load_factor=load_factor,
-            min_bound=min_bound,
-            recompute_weight=recompute_weight,
-            request_cost=request_cost,
-            history_size=history_size,
-            workers_per_key=workers_per_key,
-            clock=clock,
-        )
+        """``tuning``: ``bounded_hash``'s own keyword arguments, passed on unchanged."""
+        super().__init__(clock=clock, **tuning)
         self.index = kv_index if kv_index is not None else KVIndex(clock=clock)
         self.fallbacks: Counter[str] = Counter()
         """Per worker: choices in which its cache was estimated by hashing."""
