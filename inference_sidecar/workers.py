@@ -505,11 +505,27 @@ def plan_workers(config: ClusterConfig, kv_dir: Path | None = None) -> list[Work
 
 
 def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
-    """The last lines of a worker's log; empty when there is none."""
+    """The last lines of a worker's log, after the log's first root-cause lines.
+
+    vLLM's front end prints its own traceback after the engine core's, so the tail of a
+    failed start names only "Engine core initialization failed. See root cause above";
+    the lines saying what went wrong (``...Error: ...``) come earlier. Empty when there
+    is no log.
+    """
     try:
-        return read_log_tail(path, lines)
+        tail = read_log_tail(path, lines)
+        with open(path, encoding="utf-8", errors="replace") as f:
+            causes = [line.rstrip() for line in f if _ROOT_CAUSE.match(line)]
     except OSError:
         return ""
+    causes = [c for c in dict.fromkeys(causes) if c not in tail][:5]
+    if not causes:
+        return tail
+    return "\n".join(["--- error lines earlier in the log ---", *causes, "--- tail ---", tail])
+
+
+#: An exception line as Python prints it: ``zmq.error.ZMQError: Address already in use``.
+_ROOT_CAUSE = re.compile(r"^\s*(?:\(\w+ pid=\d+\)\s*)?[\w.]*(?:Error|Exception): ")
 
 
 def port_is_free(host: str, port: int) -> bool:
@@ -522,14 +538,24 @@ def port_is_free(host: str, port: int) -> bool:
     return True
 
 
+#: Every port a cluster binds sits at one of these offsets from its base port.
+PORT_OFFSETS = (0, NIXL_SIDE_CHANNEL_OFFSET, KV_EVENTS_OFFSET, KV_REPLAY_OFFSET)
+
+
 def find_free_port_range(
-    count: int, host: str = "127.0.0.1", start: int = 20000, stop: int = 40000
+    count: int, host: str = "127.0.0.1", start: int = 20000, stop: int = 29000
 ) -> int:
-    """A base port ``p`` with ``p .. p+count-1`` all free now (racy, good enough for tests)."""
+    """A base port ``p`` with ``p+o .. p+o+count-1`` free now for every ``PORT_OFFSETS`` o.
+
+    Racy, good enough for tests. The default range keeps every offset port below
+    Linux's ephemeral range (32768 and up), where vLLM's own internal ZMQ sockets and
+    every outgoing connection pick ports: a KV events port chosen there once collided
+    with one of them and the worker's engine core died at start-up.
+    """
     bases = list(range(start, stop - count, count + 7))
     random.shuffle(bases)  # concurrent callers rarely race for the same range
     for base in bases:
-        if all(port_is_free(host, base + i) for i in range(count)):
+        if all(port_is_free(host, base + o + i) for o in PORT_OFFSETS for i in range(count)):
             return base
     raise ConfigError("base_port", f"no {count} consecutive free ports in {start}..{stop}")
 
@@ -590,6 +616,15 @@ class WorkerProcesses:
         """Worker URL -> (KV events endpoint, replay endpoint), for workers publishing."""
         return {s.url: (s.kv_events, s.kv_replay) for s in self.specs if s.kv_events}
 
+    def _bound_ports(self) -> list[int]:
+        """The HTTP ports, plus the KV events and replay ports when workers publish them."""
+        ports = [s.port for s in self.specs]
+        for spec in self.specs:
+            for endpoint in (spec.kv_events, spec.kv_replay):
+                if endpoint:
+                    ports.append(int(endpoint.rsplit(":", 1)[1]))
+        return ports
+
     def pid(self, name: str) -> int | None:
         proc = self._procs.get(name)
         return proc.pid if proc is not None else None
@@ -597,7 +632,7 @@ class WorkerProcesses:
     # ----- lifecycle ----------------------------------------------------------------
 
     def start(self) -> WorkerProcesses:
-        busy = [s.port for s in self.specs if not port_is_free(s.host, s.port)]
+        busy = [port for port in self._bound_ports() if not port_is_free(self.config.host, port)]
         if busy:
             raise ConfigError("base_port", f"port(s) already in use: {busy}")
         if self.config.log_dir is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -14,10 +15,13 @@ import pytest
 
 from inference_sidecar.exceptions import ConfigError
 from inference_sidecar.workers import (
+    KV_EVENTS_OFFSET,
+    PORT_OFFSETS,
     VLLM_CLI,
     ClusterConfig,
     cpu_dtype,
     find_cpu_preload,
+    find_free_port_range,
     log_tail,
     plan_workers,
     prune_older_than,
@@ -268,6 +272,29 @@ def test_log_tail(tmp_path: Path) -> None:
     log.write_text("\n".join(f"line {i}" for i in range(100)))
     assert log_tail(log, 3) == "line 97\nline 98\nline 99"
     assert log_tail(tmp_path / "none.log") == ""
+
+
+def test_log_tail_leads_with_the_root_cause_printed_before_the_tail(tmp_path: Path) -> None:
+    log = tmp_path / "w.log"
+    cause = "(EngineCore pid=7) zmq.error.ZMQError: Address already in use (addr='tcp://*:22002')"
+    lines = ["INFO starting", cause, *(f"  frame {i}" for i in range(60))]
+    log.write_text("\n".join([*lines, "RuntimeError: Engine core initialization failed."]))
+    text = log_tail(log, 3)
+    assert text.splitlines()[:2] == ["--- error lines earlier in the log ---", cause]
+    assert text.endswith("frame 58\n  frame 59\nRuntimeError: Engine core initialization failed.")
+
+
+def test_free_port_ranges_stay_below_the_ephemeral_ports_at_every_offset() -> None:
+    base = find_free_port_range(3)
+    assert base + max(PORT_OFFSETS) + 2 < 32768
+
+
+def test_a_base_port_whose_kv_events_port_is_taken_is_not_offered() -> None:
+    start = find_free_port_range(1)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", start + KV_EVENTS_OFFSET))
+        with pytest.raises(ConfigError, match="base_port"):
+            find_free_port_range(1, start=start, stop=start + 2)
 
 
 def test_prune_older_than(tmp_path: Path) -> None:
