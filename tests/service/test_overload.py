@@ -323,10 +323,12 @@ def _write_report(run: OverloadRun) -> None:
 
 
 def test_the_sustainable_rate_was_measured_at_the_standins_latency(overload) -> None:
-    """The calibration saw the latency this module set, not the session's default."""
+    """The calibration saw the latency this module set, not the session's default (0.05 s,
+    which would measure 40 times the rate). The lower bound is loose: beside the model
+    tier's vLLM workers on the other xdist worker, a CI run's round took 2.85 s, not 2."""
     at_most = CALIBRATION_CALLS / STANDIN_LATENCY_S / PROMPTS_PER_EVENT
 
-    assert at_most * 0.7 <= overload.sustainable_events_per_s <= at_most
+    assert at_most * 0.4 <= overload.sustainable_events_per_s <= at_most
 
 
 def test_superseded_prompts_of_a_shopper_are_coalesced_during_the_burst(overload) -> None:
