@@ -123,6 +123,9 @@ class ShopperIntent:
     source: str = DEFAULT_SOURCE
     # The session's grounded facts (decoded JSON, docs/redis_layout.md); None when absent.
     facts: Any = None
+    # The model's own answer (JSON) before the job held it to the cart's facts; "" on a
+    # rules-only record. A record written before the field existed stored the answer as is.
+    answer_json: str = ""
 
     @property
     def is_rules_only(self) -> bool:
@@ -137,6 +140,14 @@ class ShopperIntent:
     def intent(self) -> Any:
         """The intent document (``{"intents": [...], "summary": ...}``), decoded."""
         return json.loads(self.intent_json)
+
+    @property
+    def answer(self) -> Any:
+        """The model's own answer, decoded: ``answer_json``, or the intent itself on a model
+        record written before the field existed; None on a rules-only record."""
+        if self.answer_json:
+            return json.loads(self.answer_json)
+        return None if self.is_rules_only else self.intent
 
     @property
     def categories(self) -> tuple[str, ...]:
@@ -212,6 +223,7 @@ def parse_intent(
             intent_json=text["intent"],
             source=text.get("source") or DEFAULT_SOURCE,
             facts=json.loads(text["facts"]) if text.get("facts") else None,
+            answer_json=text.get("answer", ""),
         )
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise MalformedIntentError(shopper_id, str(e)) from e

@@ -35,11 +35,13 @@ RECORD_FIELDS = (
     "model",
     "facts",
     "source",
+    "answer",
 )
 
 #: Fields of :data:`RECORD_FIELDS` that records written before them lack: readers take a
-#: missing ``source`` as :data:`DEFAULT_SOURCE` and a missing ``facts`` as unknown.
-OPTIONAL_FIELDS = ("facts", "source")
+#: missing ``source`` as :data:`DEFAULT_SOURCE`, a missing ``facts`` as unknown and a missing
+#: ``answer`` as the ``intent`` itself (the model's answer was stored unchanged then).
+OPTIONAL_FIELDS = ("facts", "source", "answer")
 
 #: Set by the script itself when a write lands (Redis's clock, not the writer's).
 WRITTEN_AT_FIELD = "written_at_ms"
@@ -52,7 +54,7 @@ NOTIFY_REQUIRED_FIELDS = ("shopper_id", "version_ts", "version_seq", "top_label"
 
 #: Fields of each update notification, in this order: the required ones, then what the write
 #: was (entries appended before these existed lack them).
-NOTIFY_FIELDS = (*NOTIFY_REQUIRED_FIELDS, "source", "template", "model", "intent")
+NOTIFY_FIELDS = (*NOTIFY_REQUIRED_FIELDS, "source", "template", "model", "intent", "answer")
 
 
 def intent_key(shopper_id: str, prefix: str = DEFAULT_PREFIX) -> str:

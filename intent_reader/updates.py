@@ -65,6 +65,7 @@ class IntentUpdate:
     template: str = ""
     model: str = ""
     intent_json: str = ""  # the intent written (JSON), "" in entries that predate it
+    answer_json: str = ""  # the model's own answer (JSON); "" on rules-only writes
 
     @property
     def version(self) -> tuple[int, int]:
@@ -98,6 +99,7 @@ def parse_update(entry_id: bytes | str, fields: Mapping[Any, Any]) -> IntentUpda
             template=data.get("template", ""),
             model=data.get("model", ""),
             intent_json=data.get("intent", ""),
+            answer_json=data.get("answer", ""),
         )
     except ValueError as e:
         raise MalformedUpdateError(f"entry {_text(entry_id)}: {e}") from e

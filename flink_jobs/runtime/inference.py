@@ -27,7 +27,7 @@ import redis
 
 from flink_jobs.config import AppConfig
 from flink_jobs.core.events import DeadLetter
-from flink_jobs.core.grounding import category_is_grounded
+from flink_jobs.core.grounding import category_is_grounded, reconcile
 from flink_jobs.core.intents import Intent, IntentError, parse_intent
 from flink_jobs.core.tasks import PromptTask, TaskResult
 from flink_jobs.runtime.intent_store import (
@@ -143,7 +143,7 @@ async def write(
     redis_retry_budget_s: float,
 ) -> TaskResult:
     """The Redis step of :func:`run_task`: the versioned upsert of the answered intent."""
-    record = intent_record(task, answered.intent, answered.model or task.model or model)
+    record = model_record(task, answered.intent, answered.model or task.model or model)
     return await _upsert(
         task,
         record,
@@ -168,8 +168,19 @@ async def write_rules(
     return await _upsert(task, record, store, redis_retry_budget_s)
 
 
-def intent_record(task: PromptTask, intent: Intent, model: str) -> IntentRecord:
-    """The record of ``intent`` for ``task``'s version, with the task's grounded facts."""
+def model_record(task: PromptTask, answer: Intent, model: str) -> IntentRecord:
+    """The record of the model's ``answer`` to ``task``: the answer beside the session's
+    rules-only intent (``grounding.reconcile``), with the answer itself kept in ``answer``."""
+    return intent_record(
+        task, reconcile(answer, task.rules), model, answer_json=answer.to_json().decode()
+    )
+
+
+def intent_record(
+    task: PromptTask, intent: Intent, model: str, answer_json: str = ""
+) -> IntentRecord:
+    """The record of ``intent`` for ``task``'s version, with the task's grounded facts (and
+    ``answer_json``, the model's answer as it returned, on a model's record)."""
     return IntentRecord(
         shopper_id=task.shopper_id,
         version_ts=task.version_ts,
@@ -184,6 +195,7 @@ def intent_record(task: PromptTask, intent: Intent, model: str) -> IntentRecord:
         model=model,
         facts_json=task.facts_json,
         source=intent.source,
+        answer_json=answer_json,
     )
 
 

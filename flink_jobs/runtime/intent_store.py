@@ -21,6 +21,8 @@ template_hash      hash of that template
 model              the model that produced the intent ("" for a rules-only record)
 facts              the session's grounded facts as JSON (``grounding.GroundedFacts``)
 source             ``model`` (the model's answer) or ``rules`` (derived by rules alone)
+answer             the model's own answer as JSON, before ``grounding.reconcile`` held it
+                   to the cart's facts ("" for a rules-only record)
 written_at_ms      Redis server time (epoch ms) of the write
 =================  =====================================================================
 
@@ -172,7 +174,7 @@ if KEYS[2] then
              'shopper_id', ARGV[last + 2], 'version_ts', ARGV[1], 'version_seq', ARGV[2],
              'top_label', ARGV[last + 3], 'written_at_ms', written_at_ms,
              'source', ARGV[@SOURCE@], 'template', ARGV[@TEMPLATE@], 'model', ARGV[@MODEL@],
-             'intent', ARGV[@INTENT@])
+             'intent', ARGV[@INTENT@], 'answer', ARGV[@ANSWER@])
 end
 return 1
 """
@@ -190,6 +192,7 @@ def _script(reevaluate: bool) -> str:
         .replace("@MODEL@", _value_index("model"))
         .replace("@SOURCE@", _value_index("source"))
         .replace("@INTENT@", _value_index("intent"))
+        .replace("@ANSWER@", _value_index("answer"))
         .replace("@REEVALUATE@", "true" if reevaluate else "false")
     )
 
@@ -263,6 +266,7 @@ class IntentRecord:
     model: str
     facts_json: str = ""
     source: str = DEFAULT_SOURCE
+    answer_json: str = ""
 
     def __post_init__(self) -> None:
         if not self.shopper_id:
@@ -306,6 +310,7 @@ class StoredIntent:
     written_at_ms: int
     facts_json: str = ""  # "" for a record written before the field existed
     source: str = DEFAULT_SOURCE
+    answer_json: str = ""  # "" for a rules-only record, or one written before the field
 
     @property
     def version(self) -> tuple[int, int]:
@@ -355,6 +360,7 @@ def upsert_args(record: IntentRecord, ttl_ms: int) -> list[str]:
         record.model,
         record.facts_json,
         record.source,
+        record.answer_json,
     )
     args = [str(record.version_ts), str(record.version_seq), str(int(ttl_ms))]
     for field, value in zip(RECORD_FIELDS, values, strict=True):
@@ -426,6 +432,7 @@ def parse_stored(shopper_id: str, fields: Mapping[bytes | str, bytes | str]) -> 
             written_at_ms=int(data["written_at_ms"]),
             facts_json=data.get("facts", ""),
             source=data.get("source") or DEFAULT_SOURCE,
+            answer_json=data.get("answer", ""),
         )
     except (KeyError, ValueError) as e:
         raise IntentStoreError(f"malformed intent hash for shopper {shopper_id!r}: {e}") from e

@@ -238,7 +238,7 @@ def score(
         "table_own": intent_eval.format_table(all_writes),
         "table_same": intent_eval.format_table(like),
         "grounded_categories": grounded_share(arms),
-        "browsing_with_signal": {g.template: g.intent.browsing_with_signal for g in like.groups},
+        "browsing_with_signal": {g.template: g.answer.browsing_with_signal for g in like.groups},
     }
 
 
@@ -309,34 +309,35 @@ def render_markdown(results: dict[str, Any]) -> str:
 
 
 def _verdict_lines(groups: Sequence[dict[str, Any]]) -> list[str]:
-    """Plain sentences from the like-with-like figures: each template's model intent
-    against the rules-only intent on every metric, and the last template against the first
-    on next-engagement top-1 and NDCG@10."""
+    """Plain sentences from the like-with-like figures: each template's record, and the
+    model's answer alone, against the rules-only intent on every metric; and each later
+    template's answers against the first's on next-engagement top-1 and NDCG@10."""
     lines = []
     for g in groups:
-        wins, ties, losses = [], [], []
-        for metric in intent_eval.METRICS:
-            ours, rules = g["intent"].get(metric), g["rules"].get(metric)
-            if ours is None or rules is None:
-                continue
-            sign = intent_eval.better(metric, ours, rules)
-            bucket = wins if sign > 0 else losses if sign < 0 else ties
-            bucket.append(f"{metric} {ours:.3f} vs {rules:.3f}")
-        lines.append(
-            f"- {g['template']}: the model's intent beats the rules-only intent on "
-            f"{_listed(wins)}; ties on {_listed(ties)}; loses on {_listed(losses)}."
-        )
-    if len(groups) >= 2:
-        first, last = groups[0], groups[-1]
+        for arm, name in (("record", "the record"), ("answer", "the model's answer alone")):
+            wins, ties, losses = [], [], []
+            for metric in intent_eval.METRICS:
+                ours, rules = g[arm].get(metric), g["rules"].get(metric)
+                if ours is None or rules is None:
+                    continue
+                sign = intent_eval.better(metric, ours, rules)
+                bucket = wins if sign > 0 else losses if sign < 0 else ties
+                bucket.append(f"{metric} {ours:.3f} vs {rules:.3f}")
+            lines.append(
+                f"- {g['template']}: {name} beats the rules-only intent on "
+                f"{_listed(wins)}; ties on {_listed(ties)}; loses on {_listed(losses)}."
+            )
+    first = groups[0] if groups else None
+    for later in groups[1:]:
         for metric in ("next_category_top1", "ndcg_at_10"):
-            a, b = first["intent"].get(metric), last["intent"].get(metric)
+            a, b = first["answer"].get(metric), later["answer"].get(metric)
             if a is None or b is None:
                 continue
             sign = intent_eval.better(metric, b, a)
             verdict = "beats" if sign > 0 else "loses to" if sign < 0 else "ties"
             lines.append(
-                f"- {metric}: {last['template']} {verdict} {first['template']}"
-                f" ({b:.3f} vs {a:.3f})."
+                f"- {metric}, the model's answers: {later['template']} {verdict}"
+                f" {first['template']} ({b:.3f} vs {a:.3f})."
             )
     return [*lines, ""] if lines else []
 
@@ -377,7 +378,7 @@ def _plot(results: dict[str, Any], path: Path) -> None:
         groups = results["datasets"][name]["scores"]["same_writes"]["groups"]
         labels, values = [], []
         for g in groups:
-            for arm in ("intent", "rules", "no_intent"):
+            for arm in ("answer", "record", "rules", "no_intent"):
                 labels.append(f"{g['template'].removeprefix('shopper_intent_')}\n{arm}")
                 values.append(g[arm].get("ndcg_at_10") or 0.0)
         ax.bar(range(len(values)), values)

@@ -3,9 +3,11 @@
 Pure and deterministic: given every shopper's events and the intents written for them
 (:class:`IntentWrite`: the newest event time the intent covers, its labels, and which
 template, model and source made it), :func:`evaluate` scores each write against the events
-after it and groups the figures by (template, model, source). Every figure is also given
-for two baselines on the same writes: the rules-only intent of the session at that point
-(``grounding.rules_intent``, recomputed here from the events) and, for re-ranking, no intent.
+after it and groups the figures by (template, model, source). Every figure is given for
+the model's answer alone, for the record the job stores for it (``grounding.reconcile``:
+the rules' labels first), and for two baselines on the same writes: the rules-only intent
+of the session at that point (``grounding.rules_intent``, recomputed here from the
+events) and, for re-ranking, no intent.
 
 A write's *session* is the shopper's run of events without a quiet gap longer than
 ``session_gap_s``, as the job cuts them; "after the write" means the events of that session
@@ -59,9 +61,11 @@ from flink_jobs.core.events import ShopperEvent
 from flink_jobs.core.grounding import (
     GroundedFacts,
     grounded_facts,
+    reconcile,
     rules_intent,
     session_category_enum,
 )
+from flink_jobs.core.intents import Intent
 from flink_jobs.core.session import SessionState, apply_event, new_session_state
 from intent_reader.client import IntentLabel, ShopperIntent
 from intent_reader.rerank import Candidate, category_matches, rerank
@@ -120,9 +124,11 @@ class IntentWrite:
 
     @classmethod
     def from_record(cls, shopper_id: str, record: Mapping[str, Any]) -> IntentWrite:
-        """From an intent hash's fields (``intent_reader.layout``): ``intent`` (the JSON
-        body), ``version_ts``, ``template``, ``model``, and ``source`` when present."""
-        body = record["intent"]
+        """From an intent hash's fields (``intent_reader.layout``): the model's ``answer``
+        (the JSON body; ``intent`` when the record has none), ``version_ts``, ``template``,
+        ``model``, and ``source`` when present. The labels are the model's own: the record's
+        are recomputed in scoring (``grounding.reconcile``)."""
+        body = record.get("answer") or record["intent"]
         if isinstance(body, str | bytes):
             body = orjson.loads(body)
         return cls(
@@ -181,7 +187,8 @@ class GroupReport:
     model: str
     source: str
     counts: Counts
-    intent: Scores  # the writes themselves
+    answer: Scores  # the model's answers, as the writes carry them
+    record: Scores  # the records the job stores for them (``grounding.reconcile``)
     rules: Scores  # the rules-only intent of the same writes
     no_intent: Scores  # re-ranking without an intent (its other figures are None)
 
@@ -191,7 +198,8 @@ class GroupReport:
             "model": self.model,
             "source": self.source,
             "counts": asdict(self.counts),
-            "intent": asdict(self.intent),
+            "answer": asdict(self.answer),
+            "record": asdict(self.record),
             "rules": asdict(self.rules),
             "no_intent": asdict(self.no_intent),
         }
@@ -302,7 +310,7 @@ class _Point:
 
     write: IntentWrite
     facts: GroundedFacts
-    rules_labels: tuple[IntentLabel, ...]
+    rules: Intent
     newest_type: str
     events_covered: int  # the shopper's events up to the write: a run-independent position
     next_engagement: ShopperEvent | None
@@ -410,7 +418,7 @@ def _points(
             _Point(
                 write=w,
                 facts=facts,
-                rules_labels=labels_of(rules_intent(facts, state).body),
+                rules=rules_intent(facts, state),
                 newest_type=state.events[-1].event_type if state.events else "",
                 events_covered=applied,
                 next_engagement=next(
@@ -423,9 +431,28 @@ def _points(
     return points
 
 
+def record_labels(p: _Point) -> tuple[IntentLabel, ...]:
+    """The labels of the record the job stores for the point's write: the model's answer
+    held to the cart's facts (``grounding.reconcile``); a rules write's own labels."""
+    if p.write.source != "model":
+        return p.write.labels
+    items = [
+        {"label": x.label, "confidence": x.confidence}
+        | ({"category": x.category} if x.category else {})
+        for x in p.write.labels
+    ]
+    top = p.write.labels[0] if p.write.labels else IntentLabel("browsing", 0.0)
+    answer = Intent({"intents": items, "summary": ""}, top.label, top.confidence, "")
+    return labels_of(reconcile(answer, p.rules).body)
+
+
 def _score_group(key, points, catalogue, n_candidates, seed, purchase_labels) -> GroupReport:
     template, model, source = key
-    arms = {"intent": lambda p: p.write.labels, "rules": lambda p: p.rules_labels}
+    arms = {
+        "answer": lambda p: p.write.labels,
+        "record": record_labels,
+        "rules": lambda p: labels_of(p.rules.body),
+    }
     tallies = {arm: defaultdict(_Tally) for arm in arms}
     means = {arm: defaultdict(_Mean) for arm in (*arms, "no_intent")}
     auc_inputs: dict[str, tuple[list[float], list[bool]]] = {arm: ([], []) for arm in arms}
@@ -493,7 +520,8 @@ def _score_group(key, points, catalogue, n_candidates, seed, purchase_labels) ->
         model=model,
         source=source,
         counts=Counts(writes=len(points), **counts),
-        intent=scores("intent"),
+        answer=scores("answer"),
+        record=scores("record"),
         rules=scores("rules"),
         no_intent=scores("no_intent"),
     )
@@ -507,7 +535,8 @@ def format_table(result: EvalResult) -> str:
     header = ["template", "model", "source", "arm", "writes", *METRICS]
     rows = [header, ["---"] * len(header)]
     for g in result.groups:
-        for arm, scores in (("intent", g.intent), ("rules", g.rules), ("none", g.no_intent)):
+        arms = (("answer", g.answer), ("record", g.record), ("rules", g.rules))
+        for arm, scores in (*arms, ("none", g.no_intent)):
             cells = [_cell(getattr(scores, m)) for m in METRICS]
             rows.append([g.template, g.model, g.source, arm, str(g.counts.writes), *cells])
     return "\n".join("| " + " | ".join(row) + " |" for row in rows)

@@ -5,7 +5,8 @@
 * the real job, bounded over a few shoppers' sessions, writes records that carry the
   session's facts, the rules-only record first and the model's after, and every category
   the model names is one of the session's (checked over every write landed, from the
-  notification stream).
+  notification stream), and each model record is the model's answer behind the rules'
+  labels of the same prompt (``grounding.reconcile``), the answer kept beside it.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ import pytest
 import redis
 
 from flink_jobs.config import load_config
-from flink_jobs.core.grounding import FALLBACK_CATEGORIES, category_levels
+from flink_jobs.core.grounding import FALLBACK_CATEGORIES, category_levels, reconcile
+from flink_jobs.core.intents import parse_intent
 from flink_jobs.core.tasks import PromptTask
 from flink_jobs.runtime.inference import Answered, ask
 from flink_jobs.runtime.llm_client import LlmClient
@@ -107,6 +109,13 @@ def test_the_jobs_records_carry_facts_and_model_categories_from_the_session(
     assert stats.get("dead_letter_intent_ungrounded_category", 0) == 0
     for fields in hashes.values():
         assert orjson.loads(fields[b"facts"])["event_counts"], "every record carries facts"
+    rules = {(w.shopper_id, w.version): w for w in writes if w.source == "rules"}
     for write in model:
         allowed = engaged.get(write.shopper_id, set()) | set(FALLBACK_CATEGORIES)
+        answer = parse_intent(write.answer_json)
+        assert set(categories_named(answer.body)) <= allowed, (write, allowed)
         assert set(categories_named(write.intent)) <= allowed, (write, allowed)
+        ruled = rules.get((write.shopper_id, write.version))
+        if ruled is not None:
+            expected = reconcile(answer, parse_intent(ruled.intent_json))
+            assert write.intent == expected.body, (write, ruled)

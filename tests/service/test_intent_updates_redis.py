@@ -72,6 +72,7 @@ class TestWriterNotifies:
                 "template": "t",
                 "model": "m",
                 "intent": stored.intent_json,
+                "answer": stored.answer_json,
             }
         ]
 

@@ -36,6 +36,13 @@ MODEL_BODY = {
 }
 
 
+#: What the model said before the record put the rules' label first (``grounding.reconcile``).
+ANSWER_BODY = {
+    "intents": [{"label": "browsing", "confidence": 0.9, "category": "Headphones"}],
+    "summary": MODEL_BODY["summary"],
+}
+
+
 def write(ts: int, seq: int, source: str, *, template_hash: str = "h1") -> IntentRecord:
     body = RULES_BODY if source == "rules" else MODEL_BODY
     record = intent_record(
@@ -47,7 +54,12 @@ def write(ts: int, seq: int, source: str, *, template_hash: str = "h1") -> Inten
         template_hash=template_hash,
         model="" if source == "rules" else "SmolLM2-135M-Instruct",
     )
-    return dataclasses.replace(record, facts_json=orjson.dumps(FACTS).decode(), source=source)
+    return dataclasses.replace(
+        record,
+        facts_json=orjson.dumps(FACTS).decode(),
+        source=source,
+        answer_json="" if source == "rules" else orjson.dumps(ANSWER_BODY).decode(),
+    )
 
 
 @pytest.fixture
@@ -156,11 +168,14 @@ class TestReaders:
         assert via_async["nobody"] is None
         got = via_async["shopper-1"]
         assert (got.source, got.facts, got.top_label) == ("rules", FACTS, "ready_to_buy")
+        assert got.answer is None
+        store.upsert(write(1_000, 4, "model"))
+        assert sync.get("shopper-1").answer == ANSWER_BODY
         assert dataclasses.replace(got, age_ms=0, written_age_ms=0) == dataclasses.replace(
             via_sync["shopper-1"], age_ms=0, written_age_ms=0
         )
 
-    def test_the_notification_carries_source_template_model_and_intent(
+    def test_the_notification_carries_source_template_model_intent_and_answer(
         self, redis_client: redis.Redis, unique_name: str
     ) -> None:
         stream = f"{unique_name}:updates"
@@ -175,4 +190,5 @@ class TestReaders:
             ("model", "SmolLM2-135M-Instruct"),
         ]
         assert [u.intent for u in updates] == [RULES_BODY, MODEL_BODY]
+        assert [u.answer_json for u in updates] == ["", orjson.dumps(ANSWER_BODY).decode()]
         assert {u.template for u in updates} == {"shopper_intent_v2.j2"}

@@ -55,17 +55,22 @@ def test_saved_writes_load_back_as_the_same_writes(tmp_path):
     assert (saved["now_ms"], saved["shoppers"]) == (1_800_000_000_000, 3)
 
 
-def test_the_report_says_where_the_model_beats_ties_and_loses_to_the_rules():
+def test_the_report_says_where_the_record_and_the_answer_beat_tie_and_lose_to_the_rules():
     def group(template, ndcg, browsing):
-        scores = {"ndcg_at_10": ndcg, "browsing_with_signal": browsing, "purchase_auc": None}
+        answer = {"ndcg_at_10": ndcg, "browsing_with_signal": browsing, "purchase_auc": None}
+        record = {"ndcg_at_10": 0.3, "browsing_with_signal": 0.0, "purchase_auc": 0.7}
         rules = {"ndcg_at_10": 0.3, "browsing_with_signal": 0.0, "purchase_auc": 0.6}
-        return {"template": template, "intent": scores, "rules": rules}
+        return {"template": template, "answer": answer, "record": record, "rules": rules}
 
     lines = eval_runner._verdict_lines([group("v1.j2", 0.1, 0.5), group("v2.j2", 0.4, 0.0)])
 
     assert lines[0] == (
-        "- v1.j2: the model's intent beats the rules-only intent on none; ties on none;"
+        "- v1.j2: the record beats the rules-only intent on purchase_auc 0.700 vs 0.600;"
+        " ties on ndcg_at_10 0.300 vs 0.300, browsing_with_signal 0.000 vs 0.000; loses on none."
+    )
+    assert lines[1] == (
+        "- v1.j2: the model's answer alone beats the rules-only intent on none; ties on none;"
         " loses on ndcg_at_10 0.100 vs 0.300, browsing_with_signal 0.500 vs 0.000."
     )
-    assert "beats the rules-only intent on ndcg_at_10 0.400 vs 0.300; ties on" in lines[1]
-    assert "- ndcg_at_10: v2.j2 beats v1.j2 (0.400 vs 0.100)." in lines
+    assert "alone beats the rules-only intent on ndcg_at_10 0.400 vs 0.300; ties on" in lines[3]
+    assert "- ndcg_at_10, the model's answers: v2.j2 beats v1.j2 (0.400 vs 0.100)." in lines

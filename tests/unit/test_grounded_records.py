@@ -11,10 +11,12 @@ import pytest
 
 from flink_jobs.config import AppConfig, PromptConfig
 from flink_jobs.core.grounding import grounded_facts, rules_intent, session_category_enum
+from flink_jobs.core.intents import parse_intent as parse_answer
 from flink_jobs.core.prompting import PromptRenderer
 from flink_jobs.core.tasks import PromptTask
 from flink_jobs.core.timeline import on_event
 from flink_jobs.runtime.inference import intent_record as record_of
+from flink_jobs.runtime.inference import model_record
 from flink_jobs.runtime.intent_store import RECORD_FIELDS, parse_stored, upsert_args
 from intent_reader import parse_intent
 from intent_reader.client import FIELDS
@@ -31,6 +33,11 @@ from tests.builders import (
 )
 
 CONFIG = AppConfig()
+ANSWER = parse_answer(
+    '{"intents":[{"label":"comparing_options","confidence":0.9,"category":"Headphones"},'
+    '{"label":"ready_to_buy","confidence":0.4,"category":"Headphones"}],'
+    '"summary":"Compared earbuds"}'
+)
 RENDER = PromptRenderer(PromptConfig()).render
 NOW_MS = at(600)
 
@@ -96,20 +103,29 @@ class TestTheRecord:
         args = upsert_args(record_of(task, task.rules, ""), ttl_ms=60_000)
 
         fields = dict(zip(args[3::2], args[4::2], strict=True))
-        assert RECORD_FIELDS[-2:] == ("facts", "source")
-        assert (fields["source"], fields["model"]) == ("rules", "")
+        assert RECORD_FIELDS[-3:] == ("facts", "source", "answer")
+        assert (fields["source"], fields["model"], fields["answer"]) == ("rules", "", "")
         assert orjson.loads(fields["facts"]) == orjson.loads(task.facts_json)
 
     def test_the_models_record_carries_the_same_facts(self) -> None:
         task, _ = fired_prompt()
-        from flink_jobs.core.intents import parse_intent as parse_answer
 
-        answer = parse_answer(
-            '{"intents":[{"label":"ready_to_buy","confidence":0.9}],"summary":"s"}'
-        )
-        record = record_of(task, answer, "SmolLM2-135M-Instruct")
+        record = model_record(task, ANSWER, "SmolLM2-135M-Instruct")
 
         assert (record.source, record.facts_json) == ("model", task.facts_json)
+
+    def test_the_models_record_leads_with_the_rules_and_keeps_the_answer_beside(self) -> None:
+        task, _ = fired_prompt()  # just added headphones to the cart: ready_to_buy by rule 2
+
+        record = model_record(task, ANSWER, "SmolLM2-135M-Instruct")
+
+        assert orjson.loads(record.intent_json)["intents"] == [
+            {"label": "ready_to_buy", "confidence": 0.7, "category": "Headphones"},
+            {"label": "comparing_options", "confidence": 0.7, "category": "Headphones"},
+        ]
+        assert (record.top_label, record.top_confidence) == ("ready_to_buy", 0.7)
+        assert orjson.loads(record.answer_json) == ANSWER.body
+        assert record.summary == "Compared earbuds"
 
     def test_an_unknown_source_is_refused(self) -> None:
         with pytest.raises(ValueError, match="source"):
@@ -161,6 +177,22 @@ class TestTheReader:
 
         intent = parse_intent("shopper-1", values, NOW_MS, 10**9)
         assert (intent.source, intent.facts, intent.is_rules_only) == ("model", None, False)
+        assert intent.answer == intent.intent  # the answer was stored as is then
+
+    def test_a_models_record_reads_with_the_answer_beside_the_intent(self) -> None:
+        task, _ = fired_prompt()
+        values = self._values(model_record(task, ANSWER, "SmolLM2-135M-Instruct"))
+
+        intent = parse_intent(SHOPPER, values, NOW_MS, 10**9)
+
+        assert intent.top_label == "ready_to_buy"
+        assert intent.answer == ANSWER.body
+
+    def test_a_rules_only_record_has_no_answer(self) -> None:
+        task, _ = fired_prompt()
+        values = self._values(record_of(task, task.rules, ""))
+
+        assert parse_intent(SHOPPER, values, NOW_MS, 10**9).answer is None
 
 
 NOTIFIED = {
@@ -180,6 +212,7 @@ class TestTheNotification:
             b"template": b"shopper_intent_v2.j2",
             b"model": b"",
             b"intent": body,
+            b"answer": b"",
         }
 
         update = parse_update(b"1-0", {**NOTIFIED, **extra})
@@ -190,6 +223,7 @@ class TestTheNotification:
             "",
         )
         assert update.intent == orjson.loads(body)
+        assert update.answer_json == ""
 
     def test_an_entry_appended_before_those_fields_existed_still_parses(self) -> None:
         update = parse_update(b"1-0", NOTIFIED)

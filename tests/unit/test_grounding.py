@@ -1,6 +1,6 @@
 """Grounded facts: counted exactly from the session's events; the rules-only intent, one
-test per numbered rule; the categories the model may name, and the per-request schema
-that holds it to them."""
+test per numbered rule; the record's intent (the rules' labels, then the model's); the
+categories the model may name, and the per-request schema that holds it to them."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from flink_jobs.core.grounding import (
     category_is_grounded,
     grounded_facts,
     leaf_category,
+    reconcile,
     rules_intent,
     sanitise_category,
     session_category_enum,
@@ -374,6 +375,62 @@ class TestRules:
             assert isinstance(parsed, Intent), parsed
             seen_labels.add(intent.top_label)
         assert len(seen_labels) == 6
+
+
+def answer_of(*items: tuple[str, float, str]) -> Intent:
+    body = {
+        "intents": [{"label": x, "confidence": c, "category": k} for x, c, k in items],
+        "summary": "What the model said",
+    }
+    return Intent(body, items[0][0], items[0][1], body["summary"])
+
+
+class TestReconcile:
+    def test_the_rules_label_leads_and_the_models_other_labels_follow(self) -> None:
+        rules = rules_of(event(1, "add_to_cart", 0, TENT), event(2, "purchase", 40, TENT))
+        answer = answer_of(("browsing", 0.9, "Camping"), ("deal_seeking", 0.5, "Headphones"))
+
+        record = reconcile(answer, rules)
+
+        assert labels(record) == [
+            ("post_purchase", 0.8, "Camping"),
+            ("browsing", 0.8, "Camping"),
+            ("deal_seeking", 0.5, "Headphones"),
+        ]
+        assert (record.top_label, record.top_confidence) == ("post_purchase", 0.8)
+        assert (record.summary, record.source) == ("What the model said", "model")
+
+    def test_a_label_the_rules_gave_appears_once_with_the_rules_confidence(self) -> None:
+        rules = rules_of(event(1, "view", 0, GREEN_TEA), event(2, "add_to_cart", 30, GREEN_TEA))
+        answer = answer_of(("ready_to_buy", 0.95, "Coffee & Tea"), ("browsing", 0.2, "Camping"))
+
+        assert labels(reconcile(answer, rules)) == [
+            ("ready_to_buy", 0.7, "Coffee & Tea"),
+            ("browsing", 0.2, "Camping"),
+        ]
+
+    def test_at_most_three_labels_remain(self) -> None:
+        rules = rules_of(event(1, "add_to_cart", 0, GREEN_TEA), event(2, "view", 30, TENT))
+        answer = answer_of(("deal_seeking", 0.3, "Camping"), ("browsing", 0.2, "Camping"))
+
+        assert labels(reconcile(answer, rules)) == [
+            ("abandoning_cart", 0.6, "Coffee & Tea"),
+            ("ready_to_buy", 0.25, "Coffee & Tea"),
+            ("deal_seeking", 0.25, "Camping"),
+        ]
+
+    def test_the_result_is_valid_against_the_intent_schema(self) -> None:
+        rules = rules_of(event(1, "view", 0, TENT), event(2, "view", 10, HEADPHONES))
+        answer = answer_of(("researching_product", 0.6, "Camping"))
+
+        record = reconcile(answer, rules)
+
+        assert parse_intent(orjson.dumps(record.body).decode()) == record
+
+    def test_without_a_rules_intent_the_answer_is_the_record(self) -> None:
+        answer = answer_of(("browsing", 0.5, "Camping"))
+
+        assert reconcile(answer, None) is answer
 
 
 class TestCategoryEnum:

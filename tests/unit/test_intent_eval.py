@@ -103,7 +103,7 @@ class TestNextEngagementCategory:
             [write("s1", 10, ("comparing_options", 0.6, "Camping"), ("browsing", 0.3, "Audio"))],
         )
 
-        assert (group.intent.next_category_top1, group.intent.next_category_any) == (0.0, 1.0)
+        assert (group.answer.next_category_top1, group.answer.next_category_any) == (0.0, 1.0)
         assert group.counts.followed_by_engagement == 1
 
     def test_rules_baseline_is_the_rules_intent_at_the_same_point(self) -> None:
@@ -111,14 +111,14 @@ class TestNextEngagementCategory:
         # search: rule 6, browsing in Camping; the next engagement is a headphone.
         group = only_group(self.EVENTS, [write("s1", 10, ("browsing", 0.5, "Headphones"))])
 
-        assert (group.intent.next_category_top1, group.rules.next_category_top1) == (1.0, 0.0)
+        assert (group.answer.next_category_top1, group.rules.next_category_top1) == (1.0, 0.0)
 
     def test_a_write_with_nothing_after_it_is_not_scored(self) -> None:
         group = only_group(self.EVENTS, [write("s1", 30, ("browsing", 0.5, "Headphones"))])
 
         assert group.counts.followed_by_engagement == 0
-        assert group.intent.next_category_top1 is None
-        assert group.intent.ndcg_at_10 is None
+        assert group.answer.next_category_top1 is None
+        assert group.answer.ndcg_at_10 is None
 
     def test_the_next_session_does_not_count(self) -> None:
         events = [ev("s2", "view", 0, A1), ev("s2", "view", GAP_S + 1, A2)]
@@ -136,12 +136,12 @@ class TestNextEngagementCategory:
 
         group = only_group(events, [write("s3", 0, ("ready_to_buy", 0.7, "Camping"))])
 
-        assert group.intent.next_category_top1 == 0.0
+        assert group.answer.next_category_top1 == 0.0
 
     def test_an_intent_without_a_category_misses(self) -> None:
         group = only_group(self.EVENTS, [write("s1", 10, ("browsing", 0.5, None))])
 
-        assert (group.intent.next_category_top1, group.intent.next_category_any) == (0.0, 0.0)
+        assert (group.answer.next_category_top1, group.answer.next_category_any) == (0.0, 0.0)
 
     def test_the_ceiling_counts_next_engagements_in_a_category_the_model_was_offered(self) -> None:
         # At t=0 only Headphones (and its parents) is offered and the next engagement is
@@ -178,7 +178,7 @@ class TestPurchaseForesight:
         # positives 0.8, 0.0; negatives 0.6, 0.3: 0.8 beats both, 0.0 neither: 2 / 4
         group = only_group(self.EVENTS, self.WRITES)
 
-        assert group.intent.purchase_auc == 0.5
+        assert group.answer.purchase_auc == 0.5
         assert group.counts.purchase_after == 2
 
     def test_rules_baseline_auc(self) -> None:
@@ -196,7 +196,7 @@ class TestPurchaseForesight:
             self.EVENTS, self.WRITES, purchase_labels=("ready_to_buy", "abandoning_cart")
         )
 
-        assert group.intent.purchase_auc == 0.375
+        assert group.answer.purchase_auc == 0.375
 
 
 class TestConsistencyWithHardFacts:
@@ -214,8 +214,19 @@ class TestConsistencyWithHardFacts:
         group = only_group(events, writes)
 
         assert group.counts.just_purchased == 2
-        assert (group.intent.post_purchase_consistency, group.rules.post_purchase_consistency) == (
+        assert (group.answer.post_purchase_consistency, group.rules.post_purchase_consistency) == (
             0.5,
+            1.0,
+        )
+
+    def test_the_record_is_scored_as_the_job_stores_it_the_rules_label_first(self) -> None:
+        events = [ev("c2", "purchase", 0, B1)]
+        writes = [write("c2", 0, ("browsing", 0.5, "Camping"))]
+
+        group = only_group(events, writes)
+
+        assert (group.answer.post_purchase_consistency, group.record.post_purchase_consistency) == (
+            0.0,
             1.0,
         )
 
@@ -236,7 +247,7 @@ class TestConsistencyWithHardFacts:
         assert group.counts.cart_left == 2
         # rules: c3@10 abandoning_cart (rule 3), c4@0 ready_to_buy (rule 2)
         assert (
-            group.intent.abandoning_cart_consistency,
+            group.answer.abandoning_cart_consistency,
             group.rules.abandoning_cart_consistency,
         ) == (0.5, 0.5)
 
@@ -260,7 +271,7 @@ class TestBrowsingWithSignal:
 
         assert group.counts.with_signal == 2
         # rules: b1 browsing (one product twice, no search), b3 abandoning_cart
-        assert (group.intent.browsing_with_signal, group.rules.browsing_with_signal) == (0.5, 0.5)
+        assert (group.answer.browsing_with_signal, group.rules.browsing_with_signal) == (0.5, 0.5)
 
 
 class TestReranking:
@@ -271,14 +282,14 @@ class TestReranking:
         # below B1's: rank 2 of 2
         group = only_group(self.EVENTS, [write("r1", 0, ("post_purchase", 1.0, "Headphones"))])
 
-        assert group.intent.ndcg_at_10 == pytest.approx(1 / math.log2(3))
-        assert group.intent.recall_at_10 == 1.0
+        assert group.answer.ndcg_at_10 == pytest.approx(1 / math.log2(3))
+        assert group.answer.recall_at_10 == 1.0
 
     def test_a_boosted_category_puts_the_engaged_product_first(self) -> None:
         # ready_to_buy at confidence 1 doubles A1's score, above any base score
         group = only_group(self.EVENTS, [write("r1", 0, ("ready_to_buy", 1.0, "Headphones"))])
 
-        assert group.intent.ndcg_at_10 == 1.0
+        assert group.answer.ndcg_at_10 == 1.0
 
     def test_an_intent_matching_no_candidate_ranks_as_no_intent(self) -> None:
         catalogue = [ev("x", "view", i, {**C1, "product_id": f"sku-{i:03d}"}) for i in range(40)]
@@ -286,8 +297,8 @@ class TestReranking:
 
         group = only_group(events, [write("r2", 0, ("browsing", 0.9, "Toys"))], candidates=30)
 
-        assert group.intent.ndcg_at_10 == group.no_intent.ndcg_at_10
-        assert group.intent.recall_at_10 == group.no_intent.recall_at_10
+        assert group.answer.ndcg_at_10 == group.no_intent.ndcg_at_10
+        assert group.answer.recall_at_10 == group.no_intent.recall_at_10
 
     def test_every_group_ranks_the_same_candidates_without_intent(self) -> None:
         catalogue = [ev("x", "view", i, {**C1, "product_id": f"sku-{i:03d}"}) for i in range(40)]
@@ -300,7 +311,7 @@ class TestReranking:
         v1, v2 = evaluate(events, writes, candidates=30).groups
 
         assert v1.no_intent == v2.no_intent
-        assert v2.intent.ndcg_at_10 == 1.0
+        assert v2.answer.ndcg_at_10 == 1.0
 
     def test_the_same_inputs_score_the_same(self) -> None:
         catalogue = [ev("x", "view", i, {**C1, "product_id": f"sku-{i:03d}"}) for i in range(40)]
@@ -431,9 +442,10 @@ class TestGroupsAndInputs:
 
         lines = format_table(result).splitlines()
 
-        assert len(lines) == 2 + 3
-        assert lines[2].startswith("| v2 | m | model | intent | 1 | 1.000 | 1.000 |")
-        assert lines[4].startswith("| v2 | m | model | none | 1 |  |  |  |")
+        assert len(lines) == 2 + 4
+        assert lines[2].startswith("| v2 | m | model | answer | 1 | 1.000 | 1.000 |")
+        assert lines[3].startswith("| v2 | m | model | record | 1 | 1.000 | 1.000 |")
+        assert lines[5].startswith("| v2 | m | model | none | 1 |  |  |  |")
 
     def test_the_result_is_json(self) -> None:
         events = [ev("t2", "view", 0, A1), ev("t2", "view", 10, A2)]
@@ -442,4 +454,4 @@ class TestGroupsAndInputs:
         doc = orjson.loads(orjson.dumps(result.as_dict()))
 
         assert doc["groups"][0]["counts"]["writes"] == 1
-        assert set(doc["groups"][0]["intent"]) == set(doc["groups"][0]["rules"])
+        assert set(doc["groups"][0]["answer"]) == set(doc["groups"][0]["rules"])
