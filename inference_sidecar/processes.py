@@ -100,8 +100,11 @@ class SupervisedProcess:
         *,
         cwd: Path | None = None,
         env: Mapping[str, str] | None = None,
+        niceness: int = 0,
     ) -> None:
         self.name = name
+        self.niceness = niceness
+        """Added to the process's scheduling niceness at start (its children inherit it)."""
         self.argv = [os.fspath(a) for a in argv]
         self.log_path = Path(log_path)
         self.cwd = cwd
@@ -147,6 +150,11 @@ class SupervisedProcess:
             env=env,
             start_new_session=True,  # its own process group: a stop reaches its children
         )
+        if self.niceness:
+            # Before the child has imported anything, so every process it starts inherits it.
+            os.setpriority(
+                os.PRIO_PROCESS, self._popen.pid, os.getpriority(os.PRIO_PROCESS, 0) + self.niceness
+            )
         with _live_lock:
             _live.add(self)
             if not _atexit_registered:

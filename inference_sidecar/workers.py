@@ -274,6 +274,10 @@ class ClusterConfig:
     kv_events: bool = False
     """Workers publish their KV cache events over ZMQ (``--kv-events-config``), with a
     replay buffer: what the kv_prefix routing policy needs."""
+    niceness: int = 0
+    """Added to every worker's scheduling niceness (0-19). On a host the workers share with
+    the stream job (the embedded stack), a positive value lets the job's latency-critical
+    work (events, rules-only records) run before the model's batch work."""
 
     def __post_init__(self) -> None:
         _check_choice("mode", self.mode, Mode)
@@ -292,6 +296,8 @@ class ClusterConfig:
                 raise ConfigError(key, f"must be a positive integer, got {value!r}")
         if not 1024 <= self.base_port <= 65535 - self.size - KV_REPLAY_OFFSET:
             raise ConfigError("base_port", f"out of range: {self.base_port}")
+        if not isinstance(self.niceness, int) or not 0 <= self.niceness <= 19:
+            raise ConfigError("niceness", f"must be an integer in 0..19, got {self.niceness!r}")
         if self.max_model_len < 16:
             raise ConfigError("max_model_len", f"too small: {self.max_model_len}")
         if self.kv_cache_bytes < 1 << 20:
@@ -653,7 +659,9 @@ class WorkerProcesses:
         return self
 
     def _launch(self, spec: WorkerSpec) -> None:
-        proc = SupervisedProcess(spec.name, spec.argv, spec.log_path, env=spec.env)
+        proc = SupervisedProcess(
+            spec.name, spec.argv, spec.log_path, env=spec.env, niceness=self.config.niceness
+        )
         self._procs[spec.name] = proc.start()
         logger.info(
             "started %s (pid %d) on %s, log %s", spec.name, proc.pid, spec.url, spec.log_path

@@ -108,6 +108,15 @@ class TestWorkerProcesses:
         with WorkerProcesses(cfg, ready_timeout_s=30, stall_timeout_s=1.0) as pool:
             assert pool.restarts == {}
 
+    def test_workers_run_at_the_configured_niceness(
+        self, tmp_path: Path, fake_python: Path
+    ) -> None:
+        cfg = self.config(tmp_path, fake_python, niceness=7)
+        mine = os.getpriority(os.PRIO_PROCESS, 0)
+        with WorkerProcesses(cfg, ready_timeout_s=20) as pool:
+            pids = [pool.pid(s.name) for s in pool.specs]
+            assert [os.getpriority(os.PRIO_PROCESS, pid) for pid in pids] == [mine + 7] * 2
+
     def test_busy_port_is_reported(self, tmp_path: Path, fake_python: Path) -> None:
         cfg = self.config(tmp_path, fake_python)
         with socket.socket() as s:

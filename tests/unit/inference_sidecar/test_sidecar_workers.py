@@ -56,6 +56,8 @@ class TestClusterConfig:
             ({"mode": "disaggregated", "decode": 0}, "decode"),
             ({"base_port": 80}, "base_port"),
             ({"max_model_len": 8}, "max_model_len"),
+            ({"niceness": 20}, "niceness"),
+            ({"niceness": -1}, "niceness"),
         ],
     )
     def test_invalid_values_name_their_key(self, kw, key) -> None:
