@@ -29,6 +29,7 @@ from flink_jobs.tools.replay import replay_records
 from flink_jobs.tools.run_summary import read_stats
 from flink_jobs.tools.sample_data import BadRecords, SampleConfig, generate_sample
 from intent_reader.updates import IntentUpdates
+from tests.service.job_process import job_groups
 from tests.service.test_two_speed_outbox import grounded_task
 
 pytestmark = [pytest.mark.timeout(900)]
@@ -66,22 +67,13 @@ def test_the_jobs_records_carry_facts_and_model_categories_from_the_session(
     sample = generate_sample(
         SampleConfig(shoppers=6, seed=5, duration_s=120.0, bad=BadRecords.none())
     )
-    config = load_config(
-        overrides={
-            "kafka": {
-                "bootstrap_servers": kafka_bootstrap,
-                "events_topic": f"{name}-events",
-                "dead_letter_topic": f"{name}-dlq",
-                "group_id": name,
-                "starting_offsets": "earliest",
-                "bounded": True,
-            },
-            "redis": {"url": redis_url, "key_prefix": name, "notify_stream": f"{name}:updates"},
-            "llm": {**llm_tier.job_settings(), "latest_wins": False},
-            "prompt": {"template": "shopper_intent_v2.j2"},
-        },
-        environ={},
+    groups = job_groups(
+        name, kafka_bootstrap, redis_url, {**llm_tier.job_settings(), "latest_wins": False}
     )
+    groups["kafka"]["bounded"] = True
+    groups["redis"]["notify_stream"] = f"{name}:updates"
+    groups["prompt"] = {"template": "shopper_intent_v2.j2"}
+    config = load_config(overrides=groups, environ={})
     create_topics(kafka_bootstrap, [config.kafka.events_topic, config.kafka.dead_letter_topic], 1)
     summary = replay_records(kafka_bootstrap, config.kafka.events_topic, sample.records)
     assert summary.ok, summary.describe(config.kafka.events_topic)

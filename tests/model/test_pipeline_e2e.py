@@ -38,6 +38,7 @@ from flink_jobs.tools.run_summary import (
     read_stats,
 )
 from flink_jobs.tools.sample_data import SampleConfig, generate_sample
+from tests.service.job_process import job_groups
 
 # Ten minutes of 40 shoppers' events at 5x: two minutes of replay, the same events per
 # second the CPU workers faced with 80 shoppers at 2.5x (every other assertion here is
@@ -71,21 +72,9 @@ def pipeline_run(kafka_bootstrap: str, redis_url: str, llm_tier) -> PipelineRun:
     sample = generate_sample(SampleConfig(shoppers=SHOPPERS, seed=11, duration_s=600.0))
     expected = orjson.loads(sample.expected.to_json())
     name = f"e2e-{time.monotonic_ns()}"
-    config = load_config(
-        overrides={
-            "kafka": {
-                "bootstrap_servers": kafka_bootstrap,
-                "events_topic": f"{name}-events",
-                "dead_letter_topic": f"{name}-dlq",
-                "group_id": name,
-                "starting_offsets": "earliest",
-            },
-            "redis": {"url": redis_url, "key_prefix": name},
-            "llm": llm_tier.job_settings(),
-            "job": {"checkpoint_interval_s": 5},
-        },
-        environ={},
-    )
+    groups = job_groups(name, kafka_bootstrap, redis_url, llm_tier.job_settings())
+    groups["job"] = {"checkpoint_interval_s": 5}
+    config = load_config(overrides=groups, environ={})
     create_topics(kafka_bootstrap, [config.kafka.events_topic, config.kafka.dead_letter_topic], 2)
     client = redis.Redis.from_url(redis_url)
     job = create_job(config).execute_async(name)

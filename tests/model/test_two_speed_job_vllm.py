@@ -30,7 +30,7 @@ from flink_jobs.tools.run_summary import read_stats
 from flink_jobs.tools.sample_data import BadRecords, SampleConfig, generate_sample
 from intent_reader.layout import SOURCE_RANKS, intent_key
 from intent_reader.updates import IntentUpdate, IntentUpdates
-from tests.service.job_process import JobProcess
+from tests.service.job_process import JobProcess, job_groups
 
 SHOPPERS = 12
 SPEED = 2.0
@@ -67,22 +67,15 @@ def run(kafka_bootstrap, redis_url, llm_tier, tmp_path_factory) -> Run:
         SampleConfig(shoppers=SHOPPERS, seed=31, duration_s=90.0, bad=BadRecords.none())
     )
     create_topics(kafka_bootstrap, [f"{name}-events", f"{name}-dlq"], 1)
-    groups = {
-        "kafka": {
-            "bootstrap_servers": kafka_bootstrap,
-            "events_topic": f"{name}-events",
-            "dead_letter_topic": f"{name}-dlq",
-            "group_id": name,
-            "starting_offsets": "earliest",
-        },
-        "redis": {"url": redis_url, "key_prefix": name, "notify_stream": stream},
-        "llm": {**llm_tier.job_settings(), "latest_wins": False},
-        "prompt": {"arms": ARMS},
-        "job": {
-            "checkpoint_interval_s": 2,
-            "checkpoint_dir": str(workdir / "checkpoints"),
-            "watermark_idle_advance_s": 5,
-        },
+    groups = job_groups(
+        name, kafka_bootstrap, redis_url, {**llm_tier.job_settings(), "latest_wins": False}
+    )
+    groups["redis"]["notify_stream"] = stream
+    groups["prompt"] = {"arms": ARMS}
+    groups["job"] = {
+        "checkpoint_interval_s": 2,
+        "checkpoint_dir": str(workdir / "checkpoints"),
+        "watermark_idle_advance_s": 5,
     }
     client = redis.Redis.from_url(redis_url)
     replayed = threading.Event()
