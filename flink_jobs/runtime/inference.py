@@ -73,8 +73,22 @@ class Answered:
     prompt_tokens: int
 
 
+@dataclass(slots=True)
+class AttemptTally:
+    """The LLM calls a prompt has started so far, kept outside :func:`ask` so a superseded
+    prompt's retries are still counted (``llm_retries``) when its task is cancelled."""
+
+    made: int = 0
+
+    def add(self) -> None:
+        self.made += 1
+
+
 async def ask(
-    task: PromptTask, llm: LlmClient, invalid_answer_retries: int = 1
+    task: PromptTask,
+    llm: LlmClient,
+    invalid_answer_retries: int = 1,
+    tally: AttemptTally | None = None,
 ) -> Answered | TaskResult:
     """The LLM step of :func:`run_task`: a valid intent, or the dead letter saying why not.
     It writes nothing, so it can be abandoned at any point (``PromptRunner.supersede``)."""
@@ -85,7 +99,12 @@ async def ask(
     prompt_tokens = 0
     for _ in range(1 + invalid_answer_retries):
         try:
-            answer = await llm.complete(task.prompt, task.shopper_id, task.categories)
+            answer = await llm.complete(
+                task.prompt,
+                task.shopper_id,
+                task.categories,
+                on_attempt=tally.add if tally is not None else None,
+            )
         except LlmError as exc:
             return TaskResult(
                 "dead_letter",
@@ -310,14 +329,17 @@ class PromptRunner:
 
     async def __call__(self, task: PromptTask) -> TaskResult:
         llm, store = self.clients()
-        asking = asyncio.ensure_future(ask(task, llm, self._config.llm.invalid_answer_retries))
+        tally = AttemptTally()
+        asking = asyncio.ensure_future(
+            ask(task, llm, self._config.llm.invalid_answer_retries, tally)
+        )
         self._asking[task.shopper_id] = (task.seq, asking)
         try:
             answered = await asking
         except asyncio.CancelledError:
             if asyncio.current_task().cancelling():  # the runner itself is stopping
                 raise
-            return TaskResult("superseded", attempts=1)  # its request was out
+            return TaskResult("superseded", attempts=max(1, tally.made))  # its request was out
         finally:
             if self._asking.get(task.shopper_id, (None, None))[1] is asking:
                 del self._asking[task.shopper_id]

@@ -231,12 +231,20 @@ class LlmClient:
         )
 
     async def complete(
-        self, prompt: RenderedPrompt, shopper_id: str, categories: Sequence[str] = ()
+        self,
+        prompt: RenderedPrompt,
+        shopper_id: str,
+        categories: Sequence[str] = (),
+        on_attempt: Callable[[], None] | None = None,
     ) -> LlmAnswer:
+        """The answer to ``prompt``, retried on transient failures. ``on_attempt`` is called
+        as each attempt starts: a caller that cancels the call still knows how many it made."""
         headers, body = build_request(prompt, shopper_id, self._config, categories)
         started = time.monotonic()
         last: _RetryableError | None = None
         for attempt in range(1, self._config.max_attempts + 1):
+            if on_attempt is not None:
+                on_attempt()
             try:
                 completion = await asyncio.wait_for(
                     self._attempt(headers, body), timeout=self._config.request_timeout_s

@@ -361,6 +361,38 @@ class TestSupersede:
         assert request_cancelled
         assert stored is None
 
+    def test_a_call_superseded_while_retrying_reports_the_attempts_it_made(
+        self, redis_url: str, prefix: str
+    ) -> None:
+        asks = 0
+        second_asked = asyncio.Event()
+
+        async def fails_then_hangs(request: httpx.Request) -> httpx.Response:
+            nonlocal asks
+            asks += 1
+            if asks == 1:
+                return httpx.Response(503, json={"error": "busy"})
+            second_asked.set()
+            await asyncio.sleep(60)
+            raise AssertionError("unreachable")
+
+        retrying = replace(LLM, max_attempts=3, backoff_initial_s=0.01, backoff_max_s=0.01)
+
+        async def body(p: Pipeline) -> TaskResult:
+            llm = LlmClient(retrying, transport=httpx.MockTransport(fails_then_hangs))
+            runner = PromptRunner(replace(AppConfig(), llm=retrying), lambda: (llm, p.store))
+            try:
+                call = asyncio.create_task(runner(task(seq=3)))
+                await asyncio.wait_for(second_asked.wait(), 10)
+                runner.supersede("shopper-00146", 3)
+                return await asyncio.wait_for(call, 5)
+            finally:
+                await llm.aclose()
+
+        result = run_in_pipeline(redis_url, prefix, fails_then_hangs, body)
+
+        assert (result.outcome, result.attempts) == ("superseded", 2)  # one retry counted
+
     def test_a_call_whose_answer_is_in_is_written(self, redis_url: str, prefix: str) -> None:
         async def body(p: Pipeline) -> tuple[TaskResult, StoredIntent | None]:
             held = HeldStore(p.store)
