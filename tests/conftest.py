@@ -38,8 +38,14 @@ from typing import TYPE_CHECKING, Protocol
 
 import pytest
 import redis
+from hypothesis import settings
 
 from flink_jobs.tools import embedded_stack, local_services
+
+# Timing is the benchmarks' business (bench/), not the tests': hypothesis checks no
+# per-example deadline (a CI run beside the model tier once took 603 ms for one example).
+settings.register_profile("shopper-intents", deadline=None)
+settings.load_profile("shopper-intents")
 
 if TYPE_CHECKING:
     from testcontainers.core.container import DockerContainer

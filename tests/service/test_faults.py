@@ -679,7 +679,9 @@ def _job_log_lines(text: str) -> list[str]:
     lines: list[str] = []
     for path in logs:
         with open(path, errors="replace") as f:
-            lines += [line.rstrip() for line in f if text in line]
+            # Lines can start with NUL padding where another process's writer truncated
+            # the shared log while this one appended (a CI run saw one).
+            lines += [line.rstrip().lstrip("\x00") for line in f if text in line]
     return lines
 
 
