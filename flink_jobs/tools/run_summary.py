@@ -120,9 +120,13 @@ def percentile(values: list[float], pct: float) -> float:
 
 
 def latency_summary(values_ms: list[int]) -> dict[str, float]:
-    """p50 and p99 in seconds."""
+    """How many samples, and their p50, p90, p99 and max in seconds."""
     seconds = [v / 1000 for v in values_ms]
-    return {"p50": round(percentile(seconds, 50), 2), "p99": round(percentile(seconds, 99), 2)}
+    summary: dict[str, float] = {"n": len(seconds)}
+    for q in (50, 90, 99):
+        summary[f"p{q}"] = round(percentile(seconds, q), 2)
+    summary["max"] = round(max(seconds), 2) if seconds else math.nan
+    return summary
 
 
 @dataclass(frozen=True)
@@ -212,6 +216,28 @@ def read_json_topic(
             at_end.discard(msg.partition())
             records.append(orjson.loads(msg.value()))
         return records
+    finally:
+        consumer.close()
+
+
+def group_lag(bootstrap: str, group_id: str, topic: str) -> int:
+    """Records of ``topic`` past what ``group_id`` has committed, over every partition (a
+    partition it never committed counts whole). The job commits at each completed
+    checkpoint, so 0 means a checkpoint covers every record: unlike ``events_in``, which a
+    killed job under-counts by what it had not yet flushed, this survives a restart."""
+    from confluent_kafka import Consumer, TopicPartition
+
+    consumer = Consumer(
+        {"bootstrap.servers": bootstrap, "group.id": group_id, "enable.auto.commit": False}
+    )
+    try:
+        partitions = consumer.list_topics(topic, timeout=10).topics[topic].partitions
+        committed = consumer.committed([TopicPartition(topic, p) for p in partitions], timeout=10)
+        lag = 0
+        for position in committed:
+            low, high = consumer.get_watermark_offsets(position, timeout=10)
+            lag += high - (position.offset if position.offset >= 0 else low)
+        return lag
     finally:
         consumer.close()
 

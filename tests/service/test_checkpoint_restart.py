@@ -29,7 +29,7 @@ import redis
 from flink_jobs.checkpoints import latest_checkpoint
 from flink_jobs.tools.local_services import cache_dir, create_topics
 from flink_jobs.tools.replay import replay_records
-from flink_jobs.tools.run_summary import is_settled, read_json_topic, read_stats
+from flink_jobs.tools.run_summary import group_lag, is_settled, read_json_topic, read_stats
 from flink_jobs.tools.sample_data import SampleConfig, generate_sample
 from intent_reader.layout import intent_key
 from tests.service.job_process import JobProcess, call_processes
@@ -133,7 +133,12 @@ def _groups(name: str, bootstrap: str, redis_url: str, llm: dict, run: str) -> d
     }
 
 
-def _wait(check, what: str, timeout_s: float = PHASE_TIMEOUT_S, job: JobProcess | None = None):
+def _wait(
+    check, what: str, timeout_s: float = PHASE_TIMEOUT_S, job: JobProcess | None = None,
+    state=lambda: "",
+):  # fmt: skip
+    """Polls ``check``; a timeout says ``state()``, what was still missing, and the job's
+    log tail, so a failed run can be diagnosed from the CI output alone."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if check():
@@ -143,7 +148,8 @@ def _wait(check, what: str, timeout_s: float = PHASE_TIMEOUT_S, job: JobProcess 
                 f"the job exited while waiting for {what}:\n{job.log_text()[-3000:]}"
             )
         time.sleep(0.5)
-    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+    log = f"\njob log tail:\n{job.log_text()[-3000:]}" if job is not None else ""
+    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}{state()}{log}")
 
 
 def unanswered(
@@ -170,24 +176,38 @@ def _wait_answered(
     client: redis.Redis, watcher: VersionWatcher, bootstrap: str, name: str, produced: int,
     job: JobProcess,
 ) -> None:  # fmt: skip
-    """Until every record was read and every shopper's newest prompt is answered (or
-    dead-lettered), with no new prompt for 15 s: the last prompts fire from timers after the
-    replay. After a restart the at-least-once stats count replayed records again, so their
-    balance (``is_settled``) cannot tell; the prompts topic and Redis can."""
+    """Until a checkpoint covers every record and every shopper's newest prompt is answered
+    (or dead-lettered), with no new prompt for 15 s: the last prompts fire from timers after
+    the replay. The stats cannot tell: the killed job lost the counts it had not flushed,
+    some of records before its last checkpoint, and the restarted job counts records after
+    that checkpoint again. The group's committed offsets, the prompts topic and Redis can."""
     last, since = None, time.monotonic()
+    missing: dict = {}
 
     def answered() -> bool:
         nonlocal last, since
-        if read_stats(client, watcher.prefix).get("events_in", 0) < produced:
+        stats = read_stats(client, watcher.prefix)
+        lag = group_lag(bootstrap, f"{name}-b", f"{name}-events")
+        if lag:
+            missing.update(stats=stats, produced=produced, lag=lag)
             return False
         prompts = read_json_topic(bootstrap, f"{name}-b-prompts", timeout_s=10)
         if len(prompts) != last:
             last, since = len(prompts), time.monotonic()
         dead_letters = read_json_topic(bootstrap, f"{name}-b-dlq", timeout_s=10)
         versions = intent_versions(client, watcher.prefix)
-        return not unanswered(prompts, dead_letters, versions) and time.monotonic() - since > 15
+        open_ = unanswered(prompts, dead_letters, versions)
+        missing.update(
+            stats=stats, produced=produced, lag=0, unanswered=open_, prompts=len(prompts)
+        )
+        return not open_ and time.monotonic() - since > 15
 
-    _wait(answered, "run B to answer every shopper's newest prompt", job=job)
+    _wait(
+        answered,
+        "run B to answer every shopper's newest prompt",
+        job=job,
+        state=lambda: f"; last seen: {missing}",
+    )
 
 
 @pytest.fixture(scope="module")
