@@ -433,11 +433,15 @@ def rules_intent(facts: GroundedFacts, state: SessionState) -> Intent:
 
 #: The intent schema's limit on ``intents``.
 MAX_INTENTS = 3
+#: Labels that say where the shopper's cart stands. The session's facts decide them
+#: exactly (rules 1-3), so a record takes them from the rules and never from the model.
+CART_STAGE_LABELS = frozenset({"ready_to_buy", "abandoning_cart", "post_purchase"})
 
 
 def reconcile(answer: Intent, rules: Intent | None) -> Intent:
     """The intent the record stores for the model's ``answer`` to a prompt whose session gave
-    ``rules`` (``rules_intent``): the rules' labels first, then the model's other labels.
+    ``rules`` (``rules_intent``): the rules' labels first, then the model's other labels,
+    except those of the cart's stage (``CART_STAGE_LABELS``), which only the rules give.
 
     A label appears once (its first occurrence wins), at most ``MAX_INTENTS`` remain, and a
     follower's confidence is capped at the one before it, so the list stays most confident
@@ -450,11 +454,17 @@ def reconcile(answer: Intent, rules: Intent | None) -> Intent:
     led by the rules, the model's extra labels and categories ranked about as well as the
     rules (within a few hundredths either way). A model that beats the rules on its own
     answers should lead instead.
+
+    Why the cart's stage is the rules' alone: the model called sessions with an empty cart
+    ``abandoning_cart`` and rated ``ready_to_buy`` after a purchase, which the facts beside
+    it refute; with those labels taken from the model, the records' purchase foresight fell
+    below the rules' (bench/README.md, "Intent quality").
     """
     if rules is None:
         return answer
+    answered = [i for i in answer.body["intents"] if i["label"] not in CART_STAGE_LABELS]
     merged: list[dict[str, Any]] = []
-    for item in [*rules.body["intents"], *answer.body["intents"]]:
+    for item in [*rules.body["intents"], *answered]:
         if len(merged) == MAX_INTENTS:
             break
         if any(m["label"] == item["label"] for m in merged):

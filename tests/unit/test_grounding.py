@@ -409,6 +409,25 @@ class TestReconcile:
             ("browsing", 0.2, "Camping"),
         ]
 
+    def test_the_carts_stage_comes_from_the_rules_never_from_the_model(self) -> None:
+        rules = rules_of(event(1, "view", 0, TENT), event(2, "view", 10, HEADPHONES))
+        answer = answer_of(
+            ("abandoning_cart", 0.9, "Camping"),
+            ("post_purchase", 0.8, "Camping"),
+            ("ready_to_buy", 0.7, "Camping"),
+        )
+
+        assert labels(reconcile(answer, rules)) == [("browsing", 0.5, "Headphones")]
+
+    def test_after_a_purchase_the_models_ready_to_buy_is_left_out(self) -> None:
+        rules = rules_of(event(1, "add_to_cart", 0, TENT), event(2, "purchase", 40, TENT))
+        answer = answer_of(("ready_to_buy", 0.9, "Camping"), ("gift_shopping", 0.4, "Camping"))
+
+        assert labels(reconcile(answer, rules)) == [
+            ("post_purchase", 0.8, "Camping"),
+            ("gift_shopping", 0.4, "Camping"),
+        ]
+
     def test_at_most_three_labels_remain(self) -> None:
         rules = rules_of(event(1, "add_to_cart", 0, GREEN_TEA), event(2, "view", 30, TENT))
         answer = answer_of(("deal_seeking", 0.3, "Camping"), ("browsing", 0.2, "Camping"))
