@@ -102,6 +102,8 @@ class DecodeEvents(ProcessFunction, _Counted):
 
     def open(self, runtime_context: RuntimeContext) -> None:
         self._open_counters(runtime_context, self._config)
+        # The source's task is up (a fresh start, or a restart): a replay can start now.
+        self._count("task_starts")
         # Records per second over the last minute, for reporters that show no rates.
         self._events_in_rate = self._metrics.meter("events_in_per_s", 60)
 

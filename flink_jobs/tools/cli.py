@@ -74,6 +74,12 @@ def main(argv: list[str] | None = None) -> int:
         help=f"scheduling niceness of the vLLM workers, 0-19 (default {LLM_NICENESS})",
     )
     demo.add_argument(
+        "--llm-cores",
+        type=_core_list,
+        default=(),
+        help="cores to pin the vLLM workers to, round-robin, e.g. 1 or 2,3 (default: all)",
+    )
+    demo.add_argument(
         "--workdir", type=Path, default=None, help="logs and state (default: <cache>/demo)"
     )
     demo.add_argument(
@@ -105,6 +111,27 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def _core_list(text: str) -> tuple[int, ...]:
+    """``--llm-cores``: comma-separated core numbers, or ``all`` (an empty tuple)."""
+    if text.strip() == "all":
+        return ()
+    try:
+        cores = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected core numbers like 1 or 2,3, or 'all'; got {text!r}"
+        ) from None
+    from inference_sidecar.workers import available_cores
+
+    allowed = available_cores()
+    outside = [core for core in cores if core not in allowed]
+    if outside:
+        raise argparse.ArgumentTypeError(
+            f"{outside} not among the cores this process may use: {list(allowed)}"
+        )
+    return cores
+
+
 def run_demo(args: argparse.Namespace) -> int:
     from flink_jobs.job import create_job
     from flink_jobs.tools.embedded_stack import start_embedded_stack
@@ -120,7 +147,11 @@ def run_demo(args: argparse.Namespace) -> int:
             topics = [config.kafka.events_topic, config.kafka.dead_letter_topic]
             stack = resources.enter_context(
                 start_embedded_stack(
-                    workdir, topics, llm_workers=args.llm_workers, llm_niceness=args.llm_niceness
+                    workdir,
+                    topics,
+                    llm_workers=args.llm_workers,
+                    llm_niceness=args.llm_niceness,
+                    llm_cores=args.llm_cores,
                 )
             )
             overrides = stack.config_overrides()
@@ -177,19 +208,18 @@ def _watch(args, config, worker_urls: list[str], records: list, workdir: Path) -
         )
 
     def replay() -> None:
-        # The first record alone, then the rest once the job has read it: the freshness
-        # figures are the running job's, not its start-up's (the JVM, the Python worker and
-        # the source's first fetch took 3-5 s here, and the first prompts waited for them).
-        first = send(records[:1])
+        # Once the job's source task is up: the freshness figures are the running job's,
+        # not its start-up's (the JVM, the Python worker and the source's first fetch took
+        # 3-5 s here, and the first prompts waited for them).
         deadline = time.monotonic() + JOB_START_TIMEOUT_S
-        while read_stats(client, prefix).get("events_in", 0) < 1:
+        while read_stats(client, prefix).get("task_starts", 0) < 1:
             if time.monotonic() > deadline:
                 log.warning(
-                    "the job read no event in %.0f s; replaying anyway", JOB_START_TIMEOUT_S
+                    "the job did not start in %.0f s; replaying anyway", JOB_START_TIMEOUT_S
                 )
                 break
             time.sleep(0.2)
-        replay_result["summary"] = first.merged(send(records[1:]))
+        replay_result["summary"] = send(records)
 
     log.info("replaying %d records from %s at %.0fx", len(records), args.sample, args.speed)
     started = time.monotonic()
@@ -243,7 +273,7 @@ def _watch(args, config, worker_urls: list[str], records: list, workdir: Path) -
     return 0
 
 
-#: How long the demo waits for the job to read its first event before replaying the rest.
+#: How long the demo waits for the job's source task to start before replaying.
 JOB_START_TIMEOUT_S = 180.0
 
 
@@ -260,6 +290,10 @@ def _summary(client, prefix, stats, worker_urls, elapsed, replay_summary) -> dic
         # The rules-only record's freshness (llm.rules_first): the grounded part's staleness.
         "event_to_rules_latency_s": latency_summary(
             read_samples(client, prefix, "event_to_rules_ms")
+        ),
+        # Its share spent in the job, before the prompt reached the LLM calls' outbox.
+        "event_to_prompt_latency_s": latency_summary(
+            read_samples(client, prefix, "event_to_prompt_ms")
         ),
         "llm_latency_s": latency_summary(read_samples(client, prefix, "llm_latency_ms")),
         "llm_calls_per_event": round(

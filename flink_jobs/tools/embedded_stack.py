@@ -78,9 +78,10 @@ def start_llm_tier(
     workers: int = 2,
     ready_timeout_s: float = 300.0,
     niceness: int = LLM_NICENESS,
+    cores: tuple[int, ...] = (),
 ) -> LlmTier:
-    """Start ``workers`` vLLM workers (one core each, at ``niceness``) and the router in
-    front of them."""
+    """Start ``workers`` vLLM workers (at ``niceness``, pinned round-robin to ``cores``,
+    default every core we may use) and the router in front of them."""
     from inference_sidecar.workers import ClusterConfig, WorkerProcesses, find_free_port_range
 
     workdir.mkdir(parents=True, exist_ok=True)
@@ -95,6 +96,7 @@ def start_llm_tier(
                 log_dir=workdir / "logs",
                 kv_cache_bytes=KV_CACHE_BYTES,
                 niceness=niceness,
+                cores=cores,
             ),
             ready_timeout_s=ready_timeout_s,
         )
@@ -247,6 +249,7 @@ def start_embedded_stack(
     llm_workers: int = 2,
     partitions: int = 2,
     llm_niceness: int = LLM_NICENESS,
+    llm_cores: tuple[int, ...] = (),
 ) -> EmbeddedStack:
     exit_stack = ExitStack()
     started = time.monotonic()
@@ -259,7 +262,7 @@ def start_embedded_stack(
         log.info(
             "starting %d vLLM worker(s) and the router (about a minute on a CPU)...", llm_workers
         )
-        llm = start_llm_tier(workdir / "llm", llm_workers, niceness=llm_niceness)
+        llm = start_llm_tier(workdir / "llm", llm_workers, niceness=llm_niceness, cores=llm_cores)
         exit_stack.callback(llm.stop)
         log.info("LLM tier ready at %s (workers %s)", llm.base_url, ", ".join(llm.worker_urls))
     except BaseException:

@@ -499,18 +499,6 @@ class ReplaySummary:
     def ok(self) -> bool:
         return self.failed == 0 and self.sent == self.records
 
-    def merged(self, later: ReplaySummary) -> ReplaySummary:
-        """One summary of this replay followed by ``later`` (to the same topic)."""
-        return ReplaySummary(
-            records=self.records + later.records,
-            sent=self.sent + later.sent,
-            failed=self.failed + later.failed,
-            bytes=self.bytes + later.bytes,
-            elapsed_s=self.elapsed_s + later.elapsed_s,
-            errors=dict(Counter(self.errors) + Counter(later.errors)),
-            first_error=self.first_error or later.first_error,
-        )
-
     def describe(self, topic: str) -> str:
         rate = self.sent / self.elapsed_s if self.elapsed_s > 0 else float("inf")
         text = (

@@ -15,7 +15,6 @@ import pytest
 from flink_jobs.tools.replay import (
     InputFormatError,
     PlannedSend,
-    ReplaySummary,
     SourceRecord,
     event_time_ms,
     main,
@@ -405,26 +404,3 @@ class TestMetrics:
             port = taken.getsockname()[1]
             assert main(["replay", str(path), "--metrics-port", str(port), "--quiet"]) == 2
         assert "cannot serve metrics" in capsys.readouterr().err
-
-
-def test_two_replays_to_one_topic_merge_into_one_summary() -> None:
-    first = ReplaySummary(records=1, sent=1, failed=0, bytes=100, elapsed_s=0.5)
-    rest = ReplaySummary(
-        records=9,
-        sent=8,
-        failed=1,
-        bytes=800,
-        elapsed_s=2.0,
-        errors={"_MSG_TIMED_OUT": 1},
-        first_error="KafkaError{code=_MSG_TIMED_OUT}",
-    )
-
-    merged = first.merged(rest)
-
-    assert (merged.records, merged.sent, merged.failed, merged.bytes) == (10, 9, 1, 900)
-    assert merged.elapsed_s == 2.5
-    assert (merged.errors, merged.first_error) == (
-        {"_MSG_TIMED_OUT": 1},
-        "KafkaError{code=_MSG_TIMED_OUT}",
-    )
-    assert not merged.ok
