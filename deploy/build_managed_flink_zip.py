@@ -81,7 +81,9 @@ EXAMPLE_OVERRIDES: dict[str, dict[str, Any]] = {
     },
     "redis": {"url": "rediss://master.shopper-intents.abc123.use1.cache.amazonaws.com:6379/0"},
     "llm": {"base_url": "http://router.shopper-intents.internal:8000/v1"},
-    "job": {"parallelism": 2, "jars": ""},
+    # parallelism 0: the application's ParallelismConfiguration decides (autoscaling may
+    # change it; a value here would pin it).
+    "job": {"parallelism": 0, "jars": ""},
 }
 
 

@@ -224,7 +224,15 @@ class PromptConfig:
 @dataclass(frozen=True)
 class JobConfig:
     name: str = "shopper-intents"
+    # 0 leaves it to whoever runs the job: ``flink run -p``, or Managed Flink's
+    # ParallelismConfiguration (which autoscaling changes; a parallelism set in the code
+    # would pin it). A mini-cluster would take one per core, so local runs default to 1.
     parallelism: int = 1
+    # The number of key groups the shoppers' state is split into, fixed for the job's life:
+    # a snapshot restores at any parallelism up to it, and only at the same value (a new
+    # one cannot restore the keyed state). 128 is what Flink derives for any parallelism
+    # up to 85 when none is set, so snapshots taken before this setting existed restore.
+    max_parallelism: int = 128
     checkpoint_interval_s: float = 10.0
     max_event_bytes: int = 16 * 1024
     # Watermark = newest record timestamp - out_of_orderness_s. Events are held until the
@@ -270,7 +278,7 @@ class JobConfig:
 
     def validate(self) -> None:
         for name in (
-            "parallelism",
+            "max_parallelism",
             "checkpoint_interval_s",
             "max_event_bytes",
             "session_cache_size",
@@ -282,10 +290,16 @@ class JobConfig:
             "watermark_idle_advance_s",
             "source_idleness_s",
             "buffer_timeout_ms",
+            "parallelism",
         ):
             if getattr(self, name) < 0:
                 raise ConfigError(f"job.{name} must be >= 0")
         _one_of(self.python_execution_mode, ("thread", "process"), "job", "python_execution_mode")
+        if self.parallelism > self.max_parallelism:
+            raise ConfigError(
+                f"job.parallelism ({self.parallelism}) must be <= job.max_parallelism"
+                f" ({self.max_parallelism})"
+            )
         if self.restore_from == "latest" and not self.checkpoint_dir:
             raise ConfigError('job.restore_from "latest" needs job.checkpoint_dir')
 

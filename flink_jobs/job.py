@@ -115,7 +115,9 @@ def build_environment(config: AppConfig, jars: list[str]) -> StreamExecutionEnvi
         log.info("restoring from %s", restore)
         flink_conf.set_string("execution.state-recovery.path", Path(restore).resolve().as_uri())
     env = StreamExecutionEnvironment.get_execution_environment(flink_conf)
-    env.set_parallelism(config.job.parallelism)
+    if config.job.parallelism:
+        env.set_parallelism(config.job.parallelism)
+    env.set_max_parallelism(config.job.max_parallelism)
     env.get_config().set_auto_watermark_interval(config.job.watermark_interval_ms)
     env.set_buffer_timeout(config.job.buffer_timeout_ms)
     env.enable_checkpointing(

@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from collections import OrderedDict
 
 import orjson
-from pyflink.common import Row, Time
+from pyflink.common import Duration, Row, Time
 from pyflink.common.typeinfo import Types
 from pyflink.datastream import OutputTag, RuntimeContext, TimeDomain
 from pyflink.datastream.functions import KeyedProcessFunction, ProcessFunction
@@ -69,6 +70,12 @@ class _Counted:
 
     The Flink side is gauges over counts kept here (``metrics.GaugeCounters``):
     PyFlink drops counter updates made in ``on_timer``.
+
+    What an operator starts (the stats thread, the outbox's thread and call process) stops
+    in ``close`` or when the operator is released, whichever comes first (``weakref.finalize``):
+    in thread mode PyFlink calls ``close`` only at the end of a bounded input, and a job
+    stopped with a savepoint, cancelled or restarted just releases its operators. Each stop
+    once left a call process behind on the TaskManager (tests/service/test_scale_out.py).
     """
 
     def _open_counters(self, ctx: RuntimeContext, config: AppConfig) -> None:
@@ -77,15 +84,16 @@ class _Counted:
         self._stats = StatsReporter(
             config.redis.url, config.redis.key_prefix, config.job.stats_flush_s
         )
+        self._retire_stats = weakref.finalize(self, self._stats.close)
 
     def _count(self, name: str, amount: int = 1) -> None:
         self._flink_counters.inc(name, amount)
         self._stats.add(name, amount)
 
     def _close_counters(self) -> None:
-        if getattr(self, "_stats", None) is not None:
-            self._stats.close()
-            self._stats = None
+        if getattr(self, "_retire_stats", None) is not None:
+            self._retire_stats()
+        self._stats = None
 
 
 class DecodeEvents(ProcessFunction, _Counted):
@@ -121,11 +129,27 @@ class DecodeEvents(ProcessFunction, _Counted):
         yield result
 
 
+# Flink's default for how often RocksDB's compaction filter re-reads the time while it
+# drops expired state (entries); the heap backend's default is 5 keys checked per access.
+_ROCKSDB_TTL_QUERY_TIME_AFTER = 1000
+_INCREMENTAL_TTL_CLEANUP_SIZE = 5
+
+
 def _state_ttl(config: AppConfig) -> StateTtlConfig:
+    """Expired state is cleaned in the background by Flink's default strategies, spelled out
+    rather than left to PyFlink: building its defaults makes a ``Duration`` through the Py4J
+    gateway, which an operator on a TaskManager in thread mode does not have (a standalone
+    cluster, Managed Flink), so ``open`` failed there ("FileNotFoundError" launching one);
+    only the in-process mini-cluster has it. The compaction filter's periodic compaction
+    time is Flink's default too: PyFlink passes only the entry count to Java, so the
+    ``Duration`` given here never needs a Java object."""
     return (
         StateTtlConfig.new_builder(Time.seconds(config.session.state_ttl_s))
         .set_update_type(StateTtlConfig.UpdateType.OnCreateAndWrite)
         .set_state_visibility(StateTtlConfig.StateVisibility.NeverReturnExpired)
+        .disable_cleanup_in_background()
+        .cleanup_incrementally(_INCREMENTAL_TTL_CLEANUP_SIZE, False)
+        .cleanup_in_rocksdb_compact_filter(_ROCKSDB_TTL_QUERY_TIME_AFTER, Duration(None))
         .build()
     )
 
@@ -183,6 +207,11 @@ class _RecentSessions:
             self._states.popitem(last=False)
 
 
+def _stop_outbox(outbox: Outbox) -> None:
+    log.info("shopper sessions ended: stopping its LLM calls")
+    outbox.close()
+
+
 class ShopperSessions(KeyedProcessFunction, _Counted):
     """Keyed by shopper: ``timeline.on_event`` / ``on_timer`` on keyed state, and the
     shopper's prompts through the :class:`~flink_jobs.runtime.outbox.Outbox`.
@@ -222,12 +251,13 @@ class ShopperSessions(KeyedProcessFunction, _Counted):
             write_rules=runner.write_rules if self._config.llm.rules_first else None,
             latest_wins=self._config.llm.latest_wins,
         ).start()
+        self._retire_outbox = weakref.finalize(self, _stop_outbox, self._outbox)
         self._poll_ms = int(self._config.llm.poll_interval_s * 1000)
 
     def close(self) -> None:
-        if getattr(self, "_outbox", None) is not None:
-            self._outbox.close()
-            self._outbox = None
+        if getattr(self, "_retire_outbox", None) is not None:
+            self._retire_outbox()
+        self._outbox = None
         self._close_counters()
 
     def process_element(self, event: ShopperEvent | DeadLetter, ctx: KeyedProcessFunction.Context):

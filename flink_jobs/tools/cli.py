@@ -2,10 +2,12 @@
 
 ``shopper-intents demo``
     Starts the embedded stack (broker, Redis, vLLM on the CPU, router), submits the job
-    to a PyFlink mini-cluster, replays the bundled sample of shopper sessions, shows
-    progress and the intents as they land, prints a summary and stops everything when
-    the run has settled (or on Ctrl-C). With ``--external`` it starts nothing and uses
-    the Kafka, Redis and LLM endpoints of the configuration.
+    to a PyFlink mini-cluster (or, with ``--taskmanagers N``, to a standalone cluster of a
+    JobManager and N TaskManager processes with ``flink run``), replays the bundled
+    sample of shopper sessions, shows progress and the intents as they land, prints a
+    summary and stops everything when the run has settled (or on Ctrl-C). With
+    ``--external`` it starts nothing and uses the Kafka, Redis and LLM endpoints of the
+    configuration.
 
 ``shopper-intents run``
     Runs the job against the endpoints in the configuration (env / properties file).
@@ -80,6 +82,19 @@ def main(argv: list[str] | None = None) -> int:
         help="cores to pin the vLLM workers to, round-robin, e.g. 1 or 2,3 (default: all)",
     )
     demo.add_argument(
+        "--taskmanagers",
+        type=int,
+        default=0,
+        help="run the job on a standalone cluster of N TaskManagers (one slot each) instead"
+        " of the in-process mini-cluster, which starts faster (default: the mini-cluster)",
+    )
+    demo.add_argument(
+        "--parallelism",
+        type=int,
+        default=None,
+        help="the job's parallelism (default: 1, or the TaskManagers' slots on a cluster)",
+    )
+    demo.add_argument(
         "--workdir", type=Path, default=None, help="logs and state (default: <cache>/demo)"
     )
     demo.add_argument(
@@ -133,8 +148,7 @@ def _core_list(text: str) -> tuple[int, ...]:
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    from flink_jobs.job import create_job
-    from flink_jobs.tools.embedded_stack import start_embedded_stack
+    from flink_jobs.tools.embedded_stack import EVENTS_PARTITIONS, start_embedded_stack
     from flink_jobs.tools.replay import read_records
 
     records = first_shoppers(read_records(args.sample), args.shoppers)
@@ -152,16 +166,58 @@ def run_demo(args: argparse.Namespace) -> int:
                     llm_workers=args.llm_workers,
                     llm_niceness=args.llm_niceness,
                     llm_cores=args.llm_cores,
+                    partitions=EVENTS_PARTITIONS,
                 )
             )
             overrides = stack.config_overrides()
             overrides["kafka"]["starting_offsets"] = "earliest"
             config = load_config(overrides=overrides)
             worker_urls = stack.llm.worker_urls
-        log.info("submitting the Flink job to a local mini-cluster")
-        job = create_job(config).execute_async(config.job.name)
-        resources.callback(_cancel, job)
+        if args.taskmanagers > 0:
+            _submit_to_cluster(args, config, workdir, resources)
+        else:
+            from flink_jobs.job import create_job
+
+            if args.parallelism:
+                config = load_config(
+                    overrides={**_overrides_of(config), "job": {"parallelism": args.parallelism}}
+                )
+            log.info("submitting the Flink job to a local mini-cluster")
+            job = create_job(config).execute_async(config.job.name)
+            resources.callback(_cancel, job)
         return _watch(args, config, worker_urls, records, workdir)
+
+
+def _overrides_of(config) -> dict:
+    """The endpoints a demo's embedded stack put into ``config``, as overrides again."""
+    return {
+        "kafka": {
+            "bootstrap_servers": config.kafka.bootstrap_servers,
+            "starting_offsets": config.kafka.starting_offsets,
+        },
+        "redis": {"url": config.redis.url},
+        "llm": {"base_url": config.llm.base_url, "request_timeout_s": config.llm.request_timeout_s},
+    }
+
+
+def _submit_to_cluster(args, config, workdir: Path, resources: ExitStack) -> None:
+    """A JobManager and ``--taskmanagers`` TaskManagers, the job submitted with ``flink
+    run`` at ``--parallelism`` (default: every slot), its settings in the environment as
+    Managed Flink or docker-compose would give them."""
+    from flink_jobs.tools.flink_cluster import ClusterSpec, FlinkCluster, job_script, settings_env
+
+    cluster = resources.enter_context(
+        FlinkCluster(workdir / "flink", ClusterSpec(taskmanagers=args.taskmanagers))
+    )
+    parallelism = args.parallelism or args.taskmanagers
+    env = settings_env({**_overrides_of(config), "job": {"parallelism": 0}})
+    log.info(
+        "submitting the Flink job to a cluster of %d TaskManager(s) at parallelism %d",
+        args.taskmanagers,
+        parallelism,
+    )
+    job_id = cluster.submit(job_script(), env, parallelism)
+    resources.callback(cluster.cancel, job_id)
 
 
 def _cancel(job) -> None:

@@ -52,6 +52,9 @@ LLM_NICENESS = 19
 STANDIN_REQUEST_TIMEOUT_S = 20.0
 STANDIN_READY_TIMEOUT_S = 30.0
 _STANDIN_MODULE = "bench.standin_llm"
+#: Partitions of the events topic: at least as many as the job's largest parallelism on
+#: this machine (4), so every source subtask reads some; a subtask with none idles.
+EVENTS_PARTITIONS = 4
 _REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -247,7 +250,7 @@ def start_embedded_stack(
     workdir: Path,
     topics: list[str],
     llm_workers: int = 2,
-    partitions: int = 2,
+    partitions: int = EVENTS_PARTITIONS,
     llm_niceness: int = LLM_NICENESS,
     llm_cores: tuple[int, ...] = (),
 ) -> EmbeddedStack:

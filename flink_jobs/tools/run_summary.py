@@ -220,11 +220,10 @@ def read_json_topic(
         consumer.close()
 
 
-def group_lag(bootstrap: str, group_id: str, topic: str) -> int:
-    """Records of ``topic`` past what ``group_id`` has committed, over every partition (a
-    partition it never committed counts whole). The job commits at each completed
-    checkpoint, so 0 means a checkpoint covers every record: unlike ``events_in``, which a
-    killed job under-counts by what it had not yet flushed, this survives a restart."""
+def group_progress(bootstrap: str, group_id: str, topic: str) -> tuple[int, int]:
+    """(records of ``topic`` that ``group_id`` has committed, records in ``topic``), over
+    every partition; a partition it never committed counts as none. The job commits at each
+    completed checkpoint or savepoint."""
     from confluent_kafka import Consumer, TopicPartition
 
     consumer = Consumer(
@@ -232,14 +231,24 @@ def group_lag(bootstrap: str, group_id: str, topic: str) -> int:
     )
     try:
         partitions = consumer.list_topics(topic, timeout=10).topics[topic].partitions
-        committed = consumer.committed([TopicPartition(topic, p) for p in partitions], timeout=10)
-        lag = 0
-        for position in committed:
+        committed, total = 0, 0
+        for position in consumer.committed(
+            [TopicPartition(topic, p) for p in partitions], timeout=10
+        ):
             low, high = consumer.get_watermark_offsets(position, timeout=10)
-            lag += high - (position.offset if position.offset >= 0 else low)
-        return lag
+            committed += max(position.offset, low) - low
+            total += high - low
+        return committed, total
     finally:
         consumer.close()
+
+
+def group_lag(bootstrap: str, group_id: str, topic: str) -> int:
+    """Records of ``topic`` past what ``group_id`` has committed. 0 means a checkpoint
+    covers every record: unlike ``events_in``, which a killed job under-counts by what it
+    had not yet flushed, this survives a restart."""
+    committed, total = group_progress(bootstrap, group_id, topic)
+    return total - committed
 
 
 def _text(value: bytes | str) -> str:

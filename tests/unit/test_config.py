@@ -189,7 +189,7 @@ class TestBadValues:
             ("session", "max_events", "0"),
             ("llm", "max_concurrency", "-1"),
             ("redis", "intent_ttl_s", "0"),
-            ("job", "parallelism", "0"),
+            ("job", "max_parallelism", "0"),
             ("job", "watermark_interval_ms", "0"),
             ("prompt", "max_prompt_tokens", "0"),
         ],
@@ -199,6 +199,15 @@ class TestBadValues:
     ) -> None:
         with pytest.raises(ConfigError, match=rf"{group}\.{key} must be > 0"):
             load_config(overrides={group: {key: value}}, environ={})
+
+    def test_a_parallelism_of_0_is_left_to_the_cluster(self) -> None:
+        """``flink run -p`` or Managed Flink's parallelism setting decides, and may change."""
+        assert load_config(overrides={"job": {"parallelism": "0"}}, environ={}).job.parallelism == 0
+
+    def test_a_parallelism_above_the_max_parallelism_is_refused(self) -> None:
+        """The key groups (max parallelism) bound the subtasks that can share them."""
+        with pytest.raises(ConfigError, match=r"job\.parallelism \(200\) must be <= job\.max_p"):
+            load_config(overrides={"job": {"parallelism": "200"}}, environ={})
 
     def test_a_negative_buffer_timeout_is_refused(self) -> None:
         """Flink reads -1 as "send a buffer only when full": fine for a batch, not here."""
