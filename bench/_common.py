@@ -207,6 +207,10 @@ def read_hwm_kib(pid: int) -> int | None:
 
 def classify_process(cmdline: str) -> str | None:
     """Which part of the stack a command line is (None: not ours to report)."""
+    if "org.apache.flink.runtime.taskexecutor.TaskManagerRunner" in cmdline:
+        return "flink_taskmanager"  # a standalone cluster's (flink_cluster.py)
+    if "org.apache.flink.runtime.entrypoint.StandaloneSessionClusterEntrypoint" in cmdline:
+        return "flink_jobmanager"
     if "org.apache.flink" in cmdline or ("java" in cmdline.split(" ", 1)[0] and "flink" in cmdline):
         return "flink_jvm"
     if "pyflink.fn_execution" in cmdline or "beam_boot" in cmdline or "pyflink/bin" in cmdline:

@@ -87,6 +87,14 @@ def test_peaks_are_summarised_per_kind_as_largest_and_sum():
     ("cmdline", "kind"),
     [
         ("java -cp x org.apache.flink.client.python.PythonGatewayServer", "flink_jvm"),
+        (
+            "java -cp x org.apache.flink.runtime.taskexecutor.TaskManagerRunner --configDir c",
+            "flink_taskmanager",
+        ),
+        (
+            "java -cp x org.apache.flink.runtime.entrypoint.StandaloneSessionClusterEntrypoint",
+            "flink_jobmanager",
+        ),
         ("/usr/bin/redis-server 127.0.0.1:1234", "redis"),
         ("/x/.cache/bin/tansu broker --listener-url tcp://127.0.0.1:1", "tansu"),
         ("python -m vllm.entrypoints.openai.api_server --model m", "vllm_worker"),
@@ -401,3 +409,10 @@ def test_ab_settings_become_config_override_groups():
 def test_a_setting_without_a_group_is_refused():
     with pytest.raises(ValueError, match=r"GROUP\.KEY=VALUE"):
         pipeline_capacity.settings(["quiet_s=1"])
+
+
+def test_the_scale_out_benchmarks_core_bound_rate_is_cores_over_cpu_per_event():
+    from bench.scale_out import core_bound
+
+    assert core_bound(0.5, 2) == 4000.0
+    assert core_bound(None, 2) is None
