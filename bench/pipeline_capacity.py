@@ -269,7 +269,16 @@ def settings(items: Sequence[str]) -> dict[str, dict[str, str]]:
 def job_config(stack: Stack, name: str, extra: dict[str, dict[str, str]] | None = None):
     from flink_jobs.config import load_config
 
-    overrides: dict[str, dict[str, Any]] = {
+    overrides = job_overrides(stack, name)
+    for group, values in (extra or {}).items():
+        overrides.setdefault(group, {}).update(values)
+    return load_config(overrides=overrides)
+
+
+def job_overrides(stack: Stack, name: str) -> dict[str, dict[str, Any]]:
+    """The job's settings for a run called ``name`` on ``stack`` (its own topics, group and
+    key prefix; the stand-in as its LLM)."""
+    return {
         "kafka": {
             "bootstrap_servers": stack.kafka.bootstrap,
             "events_topic": f"{name}-events",
@@ -281,9 +290,6 @@ def job_config(stack: Stack, name: str, extra: dict[str, dict[str, str]] | None 
         "llm": {"base_url": f"{stack.llm_url}/v1", "model": "stand-in-model"},
         "job": {"name": name, "stats_flush_s": "0.5"},
     }
-    for group, values in (extra or {}).items():
-        overrides.setdefault(group, {}).update(values)
-    return load_config(overrides=overrides)
 
 
 def submit(config, shape: str = ""):
@@ -318,6 +324,31 @@ def poll_until(client, prefix, done, timeout_s, memory: PeakMemory, on_poll=None
             break
         time.sleep(POLL_S)
     return series
+
+
+def poll_drain(
+    client, prefix: str, total: int, timeout_s: float, memory: PeakMemory, on_count=None
+):
+    """Poll until ``total`` events have their outcome: the series of polls, the (time,
+    events done) counts, and the CPU milliseconds per event by part of the stack from 10 %
+    of them done to the end (start-up excluded). ``on_count(done)`` runs at every poll."""
+    cpu = CpuClock(memory.root)
+    cpu_from: dict[str, Any] = {}
+
+    def on_poll(series) -> None:
+        counted = events_accounted(series[-1][1])
+        cpu.sample()
+        if not cpu_from and counted >= 0.1 * total:
+            cpu_from.update(mark=cpu.mark(), events=counted)
+        if on_count is not None:
+            on_count(counted)
+
+    series = poll_until(
+        client, prefix, lambda s: events_accounted(s) >= total, timeout_s, memory, on_poll
+    )
+    cpu_s = cpu.since(cpu_from["mark"]) if cpu_from else {}
+    counts = [(t, events_accounted(s)) for t, s in series]
+    return series, counts, cpu_per_event(cpu_s, counts[-1][1] - cpu_from.get("events", 0))
 
 
 # --- profiling ---------------------------------------------------------------------------------
@@ -389,15 +420,9 @@ def run_drain(
     profilers: list[subprocess.Popen] = []
     profile_path = out_dir / f"{BENCHMARK}.pyspy.txt"
 
-    cpu = CpuClock(memory.root)
-    cpu_from: dict[str, Any] = {}
     profiled = args.profile_s and not floor_shape
 
-    def on_poll(series) -> None:
-        counted = events_accounted(series[-1][1])
-        cpu.sample()
-        if not cpu_from and counted >= 0.1 * len(records):
-            cpu_from.update(mark=cpu.mark(), events=counted)
+    def on_count(counted: int) -> None:
         if profiled and "pids" not in profile and counted >= 0.1 * len(records):
             pids = python_workers(memory.root)
             profile["pids"] = pids
@@ -409,15 +434,9 @@ def run_drain(
     started = time.monotonic()
     job = submit(config, floor_shape)
     try:
-        series = poll_until(
-            client,
-            name,
-            lambda s: events_accounted(s) >= len(records),
-            args.timeout_s,
-            memory,
-            on_poll,
+        series, counts, cpu_ms = poll_drain(
+            client, name, len(records), args.timeout_s, memory, on_count
         )
-        cpu_s = cpu.since(cpu_from["mark"]) if cpu_from else {}
         for proc in profilers:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=args.profile_s + 30)
@@ -425,7 +444,6 @@ def run_drain(
     finally:
         cancel(job)
     wall = time.monotonic() - started
-    counts = [(t, events_accounted(s)) for t, s in series]
     decoded = [(t, s.get("events_in", 0)) for t, s in series]
     final = settle[-1][1] if settle else series[-1][1]
     if profilers:
@@ -454,7 +472,7 @@ def run_drain(
         "decoded_events_per_s": rounded(drain_rate(decoded, len(records)), 0),
         "decode_throughput_series": windowed_rates(decoded),
         "stats": final,
-        "cpu_ms_per_event": cpu_per_event(cpu_s, counts[-1][1] - cpu_from.get("events", 0)),
+        "cpu_ms_per_event": cpu_ms,
         "prompts_per_event": rounded(
             final.get("prompts_sent", 0) / max(1, final.get("events_accepted", 0))
         ),

@@ -34,7 +34,6 @@ import redis
 
 from bench._common import (
     RESULTS_DIR,
-    CpuClock,
     PeakMemory,
     ratio,
     result_doc,
@@ -45,14 +44,13 @@ from bench._common import (
 )
 from bench.pipeline_capacity import (
     Stack,
-    cpu_per_event,
     drain_rate,
+    job_overrides,
     make_events,
-    poll_until,
+    poll_drain,
     preload,
 )
 from flink_jobs.tools.local_services import create_topics, stop_on_sigterm
-from flink_jobs.tools.run_summary import events_accounted
 
 BENCHMARK = "scale_out"
 PARTITIONS = 4
@@ -73,20 +71,11 @@ SHAPES = (
 )
 
 
-def job_settings(stack: Stack, name: str) -> dict[str, dict[str, Any]]:
-    """The job's settings as ``flink run`` gets them (``SI_*``); parallelism from ``-p``."""
-    return {
-        "kafka": {
-            "bootstrap_servers": stack.kafka.bootstrap,
-            "events_topic": f"{name}-events",
-            "dead_letter_topic": f"{name}-dlq",
-            "group_id": name,
-            "starting_offsets": "earliest",
-        },
-        "redis": {"url": stack.redis.url, "key_prefix": name},
-        "llm": {"base_url": f"{stack.llm_url}/v1", "model": "stand-in-model"},
-        "job": {"name": name, "parallelism": 0, "stats_flush_s": 0.5},
-    }
+def _settings(stack: Stack, name: str) -> dict[str, dict[str, Any]]:
+    """The job's settings as ``flink run`` passes them (``SI_*``); parallelism from ``-p``."""
+    settings = job_overrides(stack, name)
+    settings["job"]["parallelism"] = 0
+    return settings
 
 
 def core_bound(cpu_ms_total: float | None, cores: int) -> float | None:
@@ -106,37 +95,18 @@ def run_shape(stack: Stack, shape: Shape, records: Sequence[bytes], workdir: Pat
     print(f"{shape.label}: {len(records):,} events on the topic in {produce_s:.1f} s")
     client = redis.Redis.from_url(stack.redis.url)
     memory = PeakMemory(os.getpid())
-    cpu = CpuClock()
-    cpu_from: dict[str, Any] = {}
-
-    def on_poll(series) -> None:
-        counted = events_accounted(series[-1][1])
-        cpu.sample()
-        if not cpu_from and counted >= 0.1 * len(records):
-            cpu_from.update(mark=cpu.mark(), events=counted)
-
     spec = ClusterSpec(taskmanagers=shape.taskmanagers, slots_per_taskmanager=shape.slots)
     with FlinkCluster(workdir / name, spec) as cluster:
         started = time.monotonic()
         job_id = cluster.submit(
-            job_script(), settings_env(job_settings(stack, name)), shape.parallelism
+            job_script(), settings_env(_settings(stack, name)), shape.parallelism
         )
         try:
-            series = poll_until(
-                client,
-                name,
-                lambda s: events_accounted(s) >= len(records),
-                args.timeout_s,
-                memory,
-                on_poll,
-            )
-            cpu_s = cpu.since(cpu_from["mark"]) if cpu_from else {}
+            _, counts, per_event = poll_drain(client, name, len(records), args.timeout_s, memory)
         finally:
             cluster.cancel(job_id)
         wall = time.monotonic() - started
-    counts = [(t, events_accounted(s)) for t, s in series]
     rate = drain_rate(counts, len(records))
-    per_event = cpu_per_event(cpu_s, counts[-1][1] - cpu_from.get("events", 0))
     result = {
         "shape": shape.label,
         "taskmanagers": shape.taskmanagers,

@@ -166,7 +166,7 @@ def run_demo(args: argparse.Namespace) -> int:
                     llm_workers=args.llm_workers,
                     llm_niceness=args.llm_niceness,
                     llm_cores=args.llm_cores,
-                    partitions=EVENTS_PARTITIONS,
+                    partitions=max(EVENTS_PARTITIONS, args.parallelism or 0, args.taskmanagers),
                 )
             )
             overrides = stack.config_overrides()

@@ -52,9 +52,11 @@ LLM_NICENESS = 19
 STANDIN_REQUEST_TIMEOUT_S = 20.0
 STANDIN_READY_TIMEOUT_S = 30.0
 _STANDIN_MODULE = "bench.standin_llm"
-#: Partitions of the events topic: at least as many as the job's largest parallelism on
-#: this machine (4), so every source subtask reads some; a subtask with none idles.
-EVENTS_PARTITIONS = 4
+#: Partitions of the events topic unless the job's parallelism needs more (a source
+#: subtask without a partition idles). No more than that at the demo's rate: the watermark
+#: is the slowest partition's, and the sparser each partition, the longer every prompt
+#: waits for it (event to rules-only record p99 0.87 s with 2, 2.66 s with 4: bench/README.md).
+EVENTS_PARTITIONS = 2
 _REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
