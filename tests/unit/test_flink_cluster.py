@@ -55,3 +55,7 @@ def test_the_job_id_is_read_from_flink_runs_output() -> None:
 def test_job_settings_become_the_variables_config_reads() -> None:
     env = settings_env({"kafka": {"bounded": True}, "job": {"parallelism": 0}})
     assert env == {"SI_KAFKA_BOUNDED": "True", "SI_JOB_PARALLELISM": "0"}
+
+
+def test_the_web_uis_metric_fetcher_is_off_so_no_flink_thread_reads_python_gauges():
+    assert cluster_settings(ClusterSpec(), 1, 2, 3)["metrics.fetcher.update-interval"] == 0
