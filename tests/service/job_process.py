@@ -15,6 +15,8 @@ from typing import Any
 
 import psutil
 
+from flink_jobs.tools.flink_cluster import settings_env
+
 
 def call_processes(root: int) -> list[int]:
     """Pids of the LLM call processes (``flink_jobs.runtime.call_process``) below ``root``."""
@@ -26,15 +28,6 @@ def call_processes(root: int) -> list[int]:
         except psutil.NoSuchProcess:
             pass
     return pids
-
-
-def config_env(groups: Mapping[str, Mapping[str, Any]]) -> dict[str, str]:
-    """``{group: {field: value}}`` as the ``SI_<GROUP>_<FIELD>`` variables config.py reads."""
-    return {
-        f"SI_{group.upper()}_{name.upper()}": str(value)
-        for group, fields in groups.items()
-        for name, value in fields.items()
-    }
 
 
 def job_groups(
@@ -72,7 +65,7 @@ class JobProcess:
         """``python <command>`` with the job settings ``groups``: the job unless told."""
         self.log_path = log_path
         env = {k: v for k, v in os.environ.items() if not _inherited_by_accident(k)}
-        env.update(config_env(groups))
+        env.update(settings_env(groups))
         self._log = log_path.open("wb")
         self._proc = subprocess.Popen(
             [sys.executable, *command],
