@@ -25,10 +25,20 @@ most once per change.
 rules-only record are two outcomes, counted apart) and feeds both places its figures
 go: a :class:`Tally` (the Flink gauges, for Managed Flink / CloudWatch) and the Redis stats
 (``runtime.counters.StatsReporter``, for the local console and the tests).
+
+:class:`GaugeBoard` is how the gauges reach Flink in thread mode without Flink calling
+Python: each is a Java object holding a number (``shopperintents.PublishedGauge``) that the
+operator's thread sets from the Python-side value at most once per ``interval_s``. A gauge
+PyFlink registers in thread mode wraps a Python callable that the JVM calls from its own
+threads (a reporter's, the JobManager's metric fetcher); one such call while a finishing
+task's interpreter was closing crashed a TaskManager (deploy/README.md). In process mode
+Beam reads Python gauges in the Python worker at the end of a bundle, so they stay as
+PyFlink gives them.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 import time
@@ -40,6 +50,8 @@ if TYPE_CHECKING:
     from flink_jobs.core.tasks import PromptTask
     from flink_jobs.runtime.outbox import Settled
 
+log = logging.getLogger(__name__)
+
 #: Suffixes of the gauges registered for each timing.
 TIMING_SUFFIXES = ("count", "sum", "p50", "p95", "max")
 
@@ -48,6 +60,100 @@ class MetricGroup(Protocol):
     def gauge(self, name: str, obj: Callable[[], int]) -> Any: ...
 
     def add_group(self, name: str, extra: str | None = None) -> MetricGroup: ...
+
+
+#: The Java gauge class (flink_jobs/java/shopperintents/PublishedGauge.java).
+PUBLISHED_GAUGE_CLASS = "shopperintents.PublishedGauge"
+
+
+def _java_group(group: MetricGroup) -> Any | None:
+    """The Java metric group behind a thread-mode PyFlink group, None for any other (process
+    mode, a test's fake): PyFlink's embedded ``MetricGroupImpl`` keeps it as ``_metrics``."""
+    if type(group).__module__.startswith("pyflink.fn_execution.metrics.embedded"):
+        return getattr(group, "_metrics", None)
+    return None
+
+
+def _new_published_gauge() -> Any:
+    """A ``PublishedGauge``, loaded by the task thread's class loader: the job's jars are
+    on it, while pemja's ``findClass`` sees only the TaskManager's own classpath (and a
+    class it cannot find leaves the interpreter unusable). ``Class.newInstance``: through
+    pemja, ``getDeclaredConstructor()`` with no arguments crashed the JVM."""
+    from pemja import findClass  # only inside PyFlink's embedded interpreter
+
+    loader = findClass("java.lang.Thread").currentThread().getContextClassLoader()
+    return loader.loadClass(PUBLISHED_GAUGE_CLASS).newInstance()
+
+
+class GaugeBoard:
+    """The operator's gauges as values Flink reads on its own (module docstring).
+
+    ``publish`` is called from the operator's thread after each record and timer; it copies
+    every value at most once per ``interval_s`` (a clock read otherwise). ``publish_now``
+    copies them at once (the operator closing)."""
+
+    def __init__(
+        self,
+        interval_s: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+        new_gauge: Callable[[], Any] = _new_published_gauge,
+        java_group: Callable[[MetricGroup], Any | None] = _java_group,
+    ) -> None:
+        self._interval = interval_s
+        self._clock = clock
+        self._new_gauge: Callable[[], Any] | None = new_gauge
+        self._java_group = java_group
+        self._published: list[tuple[Any, Callable[[], int]]] = []
+        self._due = 0.0
+
+    def gauge(self, group: MetricGroup, name: str, read: Callable[[], int]) -> None:
+        java = self._java_group(group) if self._new_gauge is not None else None
+        if java is not None:
+            try:
+                gauge = self._new_gauge()
+            except Exception as exc:  # pemja raises what Java threw: any of it means "not here"
+                log.warning(
+                    "%s is not loadable (%s): the job's gauges fall back to Python callables; "
+                    "put shopper-intents-connectors.jar on the job's classpath",
+                    PUBLISHED_GAUGE_CLASS,
+                    exc,
+                )
+                self._new_gauge = None
+                java = None
+        if java is None:
+            group.gauge(name, read)
+            return
+        java.gauge(name, gauge)
+        gauge.set(int(read()))
+        self._published.append((gauge, read))
+
+    def publish(self) -> None:
+        now = self._clock()
+        if now >= self._due:
+            self._due = now + self._interval
+            self.publish_now()
+
+    def publish_now(self) -> None:
+        for gauge, read in self._published:
+            gauge.set(int(read()))
+
+
+class PublishedGroup:
+    """A metric group whose gauges go through a :class:`GaugeBoard`; what else the operators
+    use (subgroups, meters) passes through."""
+
+    def __init__(self, group: Any, board: GaugeBoard) -> None:
+        self._group = group
+        self._board = board
+
+    def gauge(self, name: str, obj: Callable[[], int]) -> None:
+        self._board.gauge(self._group, name, obj)
+
+    def add_group(self, name: str, extra: str | None = None) -> PublishedGroup:
+        return PublishedGroup(self._group.add_group(name, extra), self._board)
+
+    def meter(self, name: str, time_span_in_seconds: int = 60) -> Any:
+        return self._group.meter(name, time_span_in_seconds)
 
 
 class GaugeCounters:

@@ -39,7 +39,7 @@ from flink_jobs.core.tasks import PromptTask, TaskResult
 from flink_jobs.core.timeline import Step, hold_event, is_held, on_event, on_timer
 from flink_jobs.metrics import INFER_COUNTS as INFER_COUNTS  # the gauges' names, re-exported
 from flink_jobs.metrics import INFER_TIMINGS as INFER_TIMINGS
-from flink_jobs.metrics import GaugeCounters, OutcomeRecorder
+from flink_jobs.metrics import GaugeBoard, GaugeCounters, OutcomeRecorder, PublishedGroup
 from flink_jobs.runtime.call_process import CallProcess
 from flink_jobs.runtime.counters import StatsReporter
 from flink_jobs.runtime.inference import PromptRunner
@@ -69,7 +69,9 @@ class _Counted:
     """Counters that go both to Flink's metric group and to the Redis stats hash.
 
     The Flink side is gauges over counts kept here (``metrics.GaugeCounters``):
-    PyFlink drops counter updates made in ``on_timer``.
+    PyFlink drops counter updates made in ``on_timer``. Their values reach Flink through a
+    ``metrics.GaugeBoard``, published from the operator's thread after records and timers,
+    so that Flink never calls into Python to read them.
 
     What an operator starts (the stats thread, the outbox's thread and call process) stops
     in ``close`` or when the operator is released, whichever comes first (``weakref.finalize``):
@@ -79,7 +81,10 @@ class _Counted:
     """
 
     def _open_counters(self, ctx: RuntimeContext, config: AppConfig) -> None:
-        self._metrics = ctx.get_metrics_group().add_group("shopper_intents")
+        self._gauges = GaugeBoard()
+        self._metrics = PublishedGroup(
+            ctx.get_metrics_group().add_group("shopper_intents"), self._gauges
+        )
         self._flink_counters = GaugeCounters(self._metrics)
         self._stats = StatsReporter(
             config.redis.url, config.redis.key_prefix, config.job.stats_flush_s
@@ -91,6 +96,8 @@ class _Counted:
         self._stats.add(name, amount)
 
     def _close_counters(self) -> None:
+        if getattr(self, "_gauges", None) is not None:
+            self._gauges.publish_now()
         if getattr(self, "_retire_stats", None) is not None:
             self._retire_stats()
         self._stats = None
@@ -112,15 +119,13 @@ class DecodeEvents(ProcessFunction, _Counted):
         self._open_counters(runtime_context, self._config)
         # The source's task is up (a fresh start, or a restart): a replay can start now.
         self._count("task_starts")
-        # Records per second over the last minute, for reporters that show no rates.
-        self._events_in_rate = self._metrics.meter("events_in_per_s", 60)
 
     def close(self) -> None:
         self._close_counters()
 
     def process_element(self, value: Row, ctx: ProcessFunction.Context):
+        self._gauges.publish()
         self._count("events_in")
-        self._events_in_rate.mark_event()
         source = SourcePosition(value[0], value[1], value[2], value[3])
         result = decode_event(bytes(value[4]), source, _now_ms(), self._config.job.max_event_bytes)
         if isinstance(result, DeadLetter):
@@ -264,6 +269,7 @@ class ShopperSessions(KeyedProcessFunction, _Counted):
         if isinstance(event, DeadLetter):  # counted by DecodeEvents
             yield DEAD_LETTERS, _dead_letter_json(event)
             return
+        self._gauges.publish()
         watermark = ctx.timer_service().current_watermark()
         if is_held(event, watermark):  # appended: neither the session nor the held are read
             step = hold_event(event, self._held_count.value() or 0, self._config)
@@ -279,11 +285,13 @@ class ShopperSessions(KeyedProcessFunction, _Counted):
         yield from self._commit(step, ctx)
 
     def on_timer(self, timestamp: int, ctx: KeyedProcessFunction.OnTimerContext):
-        if ctx.time_domain() == TimeDomain.PROCESSING_TIME:
-            if self._outbox is None:
-                # A poll that fires after close: a bounded input's end waited for every
-                # pending prompt before the operator closed, so there is nothing to collect.
-                return
+        poll = ctx.time_domain() == TimeDomain.PROCESSING_TIME
+        if poll and self._outbox is None:
+            # A poll that fires after close: a bounded input's end waited for every
+            # pending prompt before the operator closed, so there is nothing to collect.
+            return
+        self._gauges.publish()
+        if poll:
             yield from self._settle(ctx, wait=False)
             return
         if timestamp == END_OF_INPUT_MS:

@@ -14,6 +14,8 @@ interpreter (thread mode embeds one per TaskManager), so what a single mini-clus
 - ``submit`` runs ``flink run -d -p P -py <module file>`` (``-s`` to restore a savepoint)
   and returns the job id; ``stop_with_savepoint``, ``status`` and ``cancel`` use the
   REST API; ``kill_taskmanager`` is a crash (SIGKILL), ``add_taskmanager`` a replacement.
+- ``ClusterSpec.reporter_ports`` turns on Flink's Prometheus reporter in every process, and
+  ``scrape_metrics`` reads what they serve: the series the Grafana dashboard queries.
 
 Errors: ``ServiceStartError`` (a process exited or never became ready, with its log's
 tail) and ``ClusterError`` (a submission or a savepoint failed, with what Flink said).
@@ -36,6 +38,7 @@ from pathlib import Path
 from typing import Self
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from flink_jobs.tools.local_services import (
     LOOPBACK,
@@ -54,13 +57,7 @@ SAVEPOINT_TIMEOUT_S = 120.0
 # every crash test wait most of a minute before the job restarts.
 HEARTBEAT_INTERVAL_MS = 1000
 HEARTBEAT_TIMEOUT_MS = 8000
-# The JobManager's metric fetcher (what the web UI and GET /jobs/<id> read) asks each
-# TaskManager for every metric every 10 s, which calls our Python gauges from a Flink
-# metrics thread; one such call, made while a finishing task's interpreter was closed,
-# crashed the TaskManager's JVM (SIGSEGV in take_gil, in a CI run of test_scale_out). 0
-# turns the fetcher off: these clusters have no web UI user. Reporters read the gauges the
-# same way (deploy/README.md, "Known issue").
-METRIC_FETCHER_INTERVAL_MS = 0
+PROMETHEUS_REPORTER = "org.apache.flink.metrics.prometheus.PrometheusReporterFactory"
 _JOB_ID = re.compile(r"JobID ([0-9a-f]{32})")
 
 
@@ -89,11 +86,18 @@ class ClusterSpec:
     jobmanager_memory: str = "1024m"
     taskmanager_memory: str = "1280m"
     python_executable: str = sys.executable
+    # Flink's Prometheus reporter in every process, each on the first free port of this
+    # range (as docker-compose configures it). It reads the job's Python gauges only when
+    # scraped, so a scrape while a task's interpreter closes risks the race named in
+    # deploy/README.md ("Known issue"): scrape a running job, not one that is stopping.
+    reporter_ports: range | None = None
     extra: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.taskmanagers < 1 or self.slots_per_taskmanager < 1:
             raise ValueError("a cluster needs at least one TaskManager with one slot")
+        if self.reporter_ports is not None and len(self.reporter_ports) < self.taskmanagers + 1:
+            raise ValueError("the reporter's port range needs a port per process")
 
 
 def distribution_java_opts(config_yaml: str) -> str:
@@ -128,11 +132,18 @@ def cluster_settings(
         "taskmanager.memory.process.size": spec.taskmanager_memory,
         "heartbeat.interval": HEARTBEAT_INTERVAL_MS,
         "heartbeat.timeout": HEARTBEAT_TIMEOUT_MS,
-        "metrics.fetcher.update-interval": METRIC_FETCHER_INTERVAL_MS,
         "python.executable": spec.python_executable,
         "python.client.executable": spec.python_executable,
         "parallelism.default": 1,
+        **(_reporter_settings(spec.reporter_ports) if spec.reporter_ports else {}),
         **dict(spec.extra),
+    }
+
+
+def _reporter_settings(ports: range) -> dict[str, str]:
+    return {
+        "metrics.reporter.prom.factory.class": PROMETHEUS_REPORTER,
+        "metrics.reporter.prom.port": f"{ports.start}-{ports.stop - 1}",
     }
 
 
@@ -362,6 +373,22 @@ class FlinkCluster:
             if time.monotonic() >= deadline:
                 raise ClusterError(f"job {job_id} still {self.status(job_id)} after its savepoint")
             time.sleep(0.2)
+
+    def scrape_metrics(self) -> dict[str, list[tuple[dict[str, str], float]]]:
+        """Every series the processes' Prometheus reporters serve: name -> (labels, value)
+        (empty without ``ClusterSpec.reporter_ports``). A port in the range that answers
+        something else (another service took it) is skipped."""
+        series: dict[str, list[tuple[dict[str, str], float]]] = {}
+        for port in self.spec.reporter_ports or ():
+            try:
+                response = httpx.get(f"http://{LOOPBACK}:{port}/metrics", timeout=5)
+                families = list(text_string_to_metric_families(response.text))
+            except (httpx.HTTPError, ValueError):
+                continue
+            for family in families:
+                for sample in family.samples:
+                    series.setdefault(sample.name, []).append((dict(sample.labels), sample.value))
+        return series
 
     def cancel(self, job_id: str) -> None:
         httpx.patch(f"{self.rest_url}/jobs/{job_id}?mode=cancel", timeout=10)

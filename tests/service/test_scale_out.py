@@ -30,7 +30,7 @@ import redis
 
 from flink_jobs.checkpoints import latest_checkpoint
 from flink_jobs.tools.flink_cluster import ClusterSpec, FlinkCluster, job_script, settings_env
-from flink_jobs.tools.local_services import create_topics
+from flink_jobs.tools.local_services import create_topics, free_port
 from flink_jobs.tools.replay import read_records, replay_records
 from flink_jobs.tools.run_summary import (
     EVENT_OUTCOMES,
@@ -43,6 +43,7 @@ from flink_jobs.tools.run_summary import (
 from flink_jobs.tools.sample_data import BadRecords, SampleConfig, generate_sample
 from intent_reader.layout import SOURCE_RANKS, intent_key
 from intent_reader.updates import IntentUpdate, IntentUpdates
+from tests.dashboards import FLINK_PREFIX, flink_builtin_names_used, grouping_labels_used
 from tests.service.job_process import call_processes
 
 pytestmark = pytest.mark.timeout(20 * 60)
@@ -63,7 +64,9 @@ PHASE_EVENTS = 20
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory) -> FlinkCluster:
-    with FlinkCluster(tmp_path_factory.mktemp("flink"), ClusterSpec(taskmanagers=2)) as started:
+    first = free_port()
+    spec = ClusterSpec(taskmanagers=2, reporter_ports=range(first, first + 8))
+    with FlinkCluster(tmp_path_factory.mktemp("flink"), spec) as started:
         yield started
 
 
@@ -253,6 +256,12 @@ def _running_the_job(cluster: FlinkCluster):
     return newest[max(newest)]
 
 
+def _checkpoints(cluster: FlinkCluster, job_id: str) -> int:
+    """Checkpoints the job completed."""
+    found = cluster._rest(f"/jobs/{job_id}/checkpoints") or {}
+    return found.get("counts", {}).get("completed", 0)
+
+
 def _restarted(cluster: FlinkCluster, job_id: str) -> bool:
     """The job went through RESTARTING since it was submitted (its status timestamps)."""
     return bool(cluster.job(job_id).get("timestamps", {}).get("RESTARTING"))
@@ -262,6 +271,8 @@ def _restarted(cluster: FlinkCluster, job_id: str) -> bool:
 class Phase:
     parallelism: int
     savepoint: str | None = None
+    # What the cluster's Prometheus reporters served mid-phase, once a checkpoint completed.
+    reported: dict[str, list[tuple[dict[str, str], float]]] | None = None
     stats: dict[str, int] | None = None  # at its stop-with-savepoint
     committed: int | None = None  # records the consumer group had committed by then
 
@@ -326,6 +337,10 @@ def rescaled_run(
             run_for(job_id, PHASE_EVENTS)
             if i == len(phases) - 1:
                 break
+            if phase.parallelism > 1:
+                done = lambda j=job_id: _checkpoints(cluster, j) > 0  # noqa: E731
+                _wait(done, "a checkpoint", cluster, job_id)
+                phase.reported = cluster.scrape_metrics()
             savepoint = phase.savepoint = cluster.stop_with_savepoint(
                 job_id, workdir / "savepoints"
             )
@@ -429,3 +444,39 @@ def test_every_shoppers_newest_prompt_is_answered_across_the_rescales(rescaled_r
 def test_no_write_lands_over_a_newer_one_across_the_rescales(rescaled_run: RescaleRun):
     assert rescaled_run.writes
     assert _regressions(rescaled_run.writes) == []
+
+
+# --- what the cluster's Prometheus reporters serve (scraped at parallelism 2) -------------
+
+
+def _reported(rescaled_run: RescaleRun) -> dict[str, list[tuple[dict[str, str], float]]]:
+    reported = rescaled_run.phases[1].reported
+    assert reported, "nothing scraped from the reporters at parallelism 2"
+    return reported
+
+
+def test_the_dashboards_flink_series_are_what_a_real_reporter_serves(rescaled_run: RescaleRun):
+    reported = _reported(rescaled_run)
+    used = flink_builtin_names_used()
+    assert used, "the dashboard should show Flink's own scaling metrics"
+    assert sorted(used - reported.keys()) == []
+
+
+def test_the_dashboards_flink_panels_group_by_labels_the_series_carry(rescaled_run: RescaleRun):
+    reported = _reported(rescaled_run)
+    missing = [
+        f"{name} by {label}"
+        for name, labels in grouping_labels_used().items()
+        if name in reported
+        for label in labels
+        if not any(label in series_labels for series_labels, _ in reported[name])
+    ]
+    assert missing == []
+
+
+def test_the_jobs_own_counts_reach_the_reporter_from_each_subtask(rescaled_run: RescaleRun):
+    """Published by the operators' threads (``metrics.GaugeBoard``), read by the reporter
+    without calling Python: one series per decoder subtask, counting the records read."""
+    events_in = _reported(rescaled_run).get(FLINK_PREFIX + "events_in", [])
+    assert len(events_in) == 2
+    assert sum(value for _labels, value in events_in) > 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from flink_jobs.tools.flink_cluster import (
+    PROMETHEUS_REPORTER,
     ClusterSpec,
     cluster_settings,
     parse_job_id,
@@ -57,5 +58,15 @@ def test_job_settings_become_the_variables_config_reads() -> None:
     assert env == {"SI_KAFKA_BOUNDED": "True", "SI_JOB_PARALLELISM": "0"}
 
 
-def test_the_web_uis_metric_fetcher_is_off_so_no_flink_thread_reads_python_gauges():
-    assert cluster_settings(ClusterSpec(), 1, 2, 3)["metrics.fetcher.update-interval"] == 0
+def test_the_prometheus_reporter_takes_the_first_free_port_of_the_range():
+    settings = cluster_settings(ClusterSpec(reporter_ports=range(9300, 9304)), 1, 2, 3)
+    assert settings["metrics.reporter.prom.factory.class"] == PROMETHEUS_REPORTER
+    assert settings["metrics.reporter.prom.port"] == "9300-9303"
+    assert not any(
+        k.startswith("metrics.reporter") for k in cluster_settings(ClusterSpec(), 1, 2, 3)
+    )
+
+
+def test_the_reporter_range_needs_a_port_per_process():
+    with pytest.raises(ValueError, match="a port per process"):
+        ClusterSpec(taskmanagers=2, reporter_ports=range(9300, 9302))

@@ -1,4 +1,5 @@
-"""metrics.GaugeCounters: the async operator's Flink metrics, kept in Python, read as gauges."""
+"""metrics: the operators' Flink metrics, kept in Python and read as gauges (``GaugeCounters``,
+``Tally``), which reach Flink in thread mode as published numbers (``GaugeBoard``)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from collections.abc import Callable
 
 import pytest
 
-from flink_jobs.metrics import GaugeCounters, Tally, gauge_names
+from flink_jobs.metrics import GaugeBoard, GaugeCounters, PublishedGroup, Tally, gauge_names
 
 
 class FakeGroup:
@@ -124,3 +125,119 @@ def test_gauge_counters_register_a_gauge_on_first_use() -> None:
     counters.inc("prompts_sent", 2)
     counters.inc("events_in")
     assert group.read() == {"prompts_sent": 3, "events_in": 1}
+
+
+# --- GaugeBoard: gauges Flink reads without calling Python ---------------------------------
+
+
+class JavaGauge:
+    """What ``shopperintents.PublishedGauge`` is to the JVM: a number, set from Python."""
+
+    def __init__(self) -> None:
+        self.value: int | None = None
+
+    def set(self, value: int) -> None:
+        self.value = value
+
+
+class JavaGroup:
+    """The Java metric group behind a thread-mode PyFlink group: it takes gauge objects."""
+
+    def __init__(self) -> None:
+        self.gauges: dict[str, object] = {}
+
+    def gauge(self, name: str, gauge: object) -> object:
+        self.gauges[name] = gauge
+        return gauge
+
+    def read(self) -> dict[str, int | None]:
+        """What a reporter sees: the published numbers, nothing called."""
+        return {name: g.value for name, g in self.gauges.items()}
+
+
+class ThreadModeGroup(FakeGroup):
+    """A PyFlink thread-mode group, with its Java group; a Python gauge on it is an error
+    unless the test expects the fallback."""
+
+    def __init__(self, python_gauges_expected: bool = False) -> None:
+        super().__init__()
+        self.java = JavaGroup()
+        self.python_gauges_expected = python_gauges_expected
+
+    def gauge(self, name: str, obj: Callable[[], int]) -> None:
+        assert self.python_gauges_expected, "a Python callable handed to the JVM as a gauge"
+        super().gauge(name, obj)
+
+    def add_group(self, name: str, extra: str | None = None) -> ThreadModeGroup:
+        sub = ThreadModeGroup()
+        sub.java = self.java  # one flat view for the test
+        return sub
+
+
+def _board(clock: Clock, interval_s: float = 1.0) -> GaugeBoard:
+    return GaugeBoard(
+        interval_s,
+        clock,
+        new_gauge=JavaGauge,
+        java_group=lambda g: g.java if isinstance(g, ThreadModeGroup) else None,
+    )
+
+
+def test_in_thread_mode_flink_reads_numbers_the_operator_published() -> None:
+    clock, group = Clock(), ThreadModeGroup()
+    board = _board(clock)
+    counters = GaugeCounters(PublishedGroup(group, board))
+    counters.inc("events_in", 3)
+    assert group.java.read() == {"events_in": 0}  # registered at its first count
+    board.publish()
+    assert group.java.read() == {"events_in": 3}
+
+
+def test_publishing_copies_the_values_at_most_once_per_interval() -> None:
+    clock, group = Clock(), ThreadModeGroup()
+    board = _board(clock, interval_s=1.0)
+    tally = Tally(["written"])
+    tally.register(PublishedGroup(group, board))
+    board.publish()
+    tally.add("written", 2)
+    clock.now += 0.5
+    board.publish()
+    assert group.java.read()["written"] == 0
+    clock.now += 0.5
+    board.publish()
+    assert group.java.read()["written"] == 2
+    tally.add("written")
+    board.publish_now()
+    assert group.java.read()["written"] == 3
+
+
+def test_subgroups_publish_through_the_same_board() -> None:
+    clock, group = Clock(), ThreadModeGroup()
+    board = _board(clock)
+    tally = Tally(["prompts_sent"])
+    tally.register(PublishedGroup(group, board).add_group("arm", "v3"))
+    tally.add("prompts_sent")
+    board.publish_now()
+    assert group.java.read() == {"prompts_sent": 1}
+
+
+def test_outside_thread_mode_gauges_stay_python_callables() -> None:
+    """Process mode: Beam reads them in the Python worker, no JVM thread calls Python."""
+    group = FakeGroup()
+    tally = Tally(["written"])
+    tally.register(PublishedGroup(group, _board(Clock())))
+    tally.add("written")
+    assert group.read() == {"written": 1}
+
+
+def test_without_the_java_class_gauges_fall_back_to_python_callables_with_a_warning(caplog):
+    def missing() -> JavaGauge:
+        raise RuntimeError("java.lang.ClassNotFoundException: shopperintents.PublishedGauge")
+
+    group = ThreadModeGroup(python_gauges_expected=True)
+    board = GaugeBoard(1.0, Clock(), new_gauge=missing, java_group=lambda g: g.java)
+    tally = Tally(["written"])
+    tally.register(PublishedGroup(group, board))
+    tally.add("written")
+    assert group.read() == {"written": 1}
+    assert "shopper-intents-connectors.jar" in caplog.text

@@ -4,18 +4,15 @@ The promises: Prometheus scrapes only services and ports that docker-compose.yml
 scrapes every service that serves metrics; Flink's Prometheus reporter is configured for
 the Flink services; Grafana's provisioning points at the mounted files and at a datasource
 that exists; and every metric name a dashboard query reads is one the code registers
-(derived from the code, so renaming a metric without the dashboard fails here).
-
-Flink's Prometheus reporter names a user metric ``flink_<scope>_<group>_<name>``; for the
-job's operators that is ``flink_taskmanager_job_task_operator_shopper_intents_<name>``
-(checked against Flink 2.2.1's reporter: ``flink_jobs/metrics.py`` says how).
+(derived from the code, so renaming a metric without the dashboard fails here) or one of
+Flink's own (``tests.dashboards.FLINK_BUILTIN``, which the service tier checks against a
+real reporter's scrape).
 """
 
 from __future__ import annotations
 
 import ast
 import itertools
-import json
 import re
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -23,6 +20,16 @@ from typing import Any
 import pytest
 import yaml
 
+from tests.dashboards import (
+    DASHBOARDS,
+    FLINK_BUILTIN,
+    FLINK_PREFIX,
+    dashboards,
+    flink_builtin_names_used,
+    metric_names,
+    panels,
+    queries,
+)
 from tests.unit.test_compose_file import bind_mounts, command_argv
 
 REPO = Path(__file__).resolve().parents[2]
@@ -30,21 +37,10 @@ COMPOSE = REPO / "docker-compose.yml"
 OBSERVABILITY = REPO / "deploy" / "observability"
 PROMETHEUS_CONFIG = OBSERVABILITY / "prometheus.yml"
 GRAFANA = OBSERVABILITY / "grafana"
-DASHBOARDS = sorted((GRAFANA / "dashboards").glob("*.json"))
 
-FLINK_PREFIX = "flink_taskmanager_job_task_operator_shopper_intents_"
 PROM_FACTORY = "org.apache.flink.metrics.prometheus.PrometheusReporterFactory"
 #: Series every Prometheus has without any exporter.
 PROMETHEUS_BUILTIN = {"up", "scrape_duration_seconds", "scrape_samples_scraped"}
-#: PromQL functions, aggregations and keywords (what is not a metric name in a query).
-PROMQL_WORDS = {
-    "abs", "and", "avg", "avg_over_time", "bool", "bottomk", "ceil", "clamp_max",
-    "clamp_min", "count", "count_over_time", "delta", "deriv", "floor", "group_left",
-    "group_right", "histogram_quantile", "idelta", "ignoring", "increase", "irate",
-    "label_replace", "max", "max_over_time", "min", "min_over_time", "offset", "on", "or",
-    "quantile", "quantile_over_time", "rate", "round", "scalar", "sort", "sort_desc", "sum",
-    "sum_over_time", "time", "topk", "unless", "vector",
-}  # fmt: skip
 
 
 # --- reading the files -------------------------------------------------------------------
@@ -117,37 +113,6 @@ def scrape_targets(prometheus: dict[str, Any]) -> list[tuple[str, str, int]]:
                 host, _, port = target.rpartition(":")
                 out.append((job["job_name"], host, int(port)))
     return out
-
-
-def dashboards() -> list[dict[str, Any]]:
-    return [json.loads(path.read_text()) for path in DASHBOARDS]
-
-
-def panels(dashboard: dict[str, Any]) -> list[dict[str, Any]]:
-    out = []
-    for panel in dashboard["panels"]:
-        out.append(panel)
-        out.extend(panel.get("panels") or [])  # collapsed rows keep theirs inside
-    return out
-
-
-def queries(dashboard: dict[str, Any]) -> list[tuple[str, str]]:
-    """(panel title, PromQL) of every target."""
-    return [
-        (panel["title"], target["expr"])
-        for panel in panels(dashboard)
-        for target in panel.get("targets") or []
-    ]
-
-
-def metric_names(expr: str) -> set[str]:
-    """The metric names a PromQL expression reads."""
-    text = re.sub(r'"(?:[^"\\]|\\.)*"', "", expr)  # label values
-    text = re.sub(r"\{[^}]*\}", "", text)  # label matchers
-    text = re.sub(r"\[[^\]]*\]", "", text)  # range selectors
-    text = re.sub(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", "", text)
-    text = re.sub(r"(?<![\w:])\d+(\.\d+)?([eE][-+]?\d+)?", "", text)  # numbers
-    return {t for t in re.findall(r"[A-Za-z_:][A-Za-z0-9_:]*", text) if t not in PROMQL_WORDS}
 
 
 # --- what the code registers -------------------------------------------------------------
@@ -234,7 +199,13 @@ def vllm_metric_names() -> set[str] | None:
 
 
 def known_metric_names() -> set[str]:
-    return flink_metric_names() | router_metric_names() | replay_metric_names() | PROMETHEUS_BUILTIN
+    return (
+        flink_metric_names()
+        | FLINK_BUILTIN
+        | router_metric_names()
+        | replay_metric_names()
+        | PROMETHEUS_BUILTIN
+    )
 
 
 # --- Prometheus --------------------------------------------------------------------------
@@ -371,6 +342,12 @@ def test_dashboard_queries_read_only_metrics_the_code_registers() -> None:
                 if name not in known:
                     unknown.append(f"{title}: {name}")
     assert not unknown, "dashboard metrics no code registers:\n" + "\n".join(unknown)
+
+
+def test_the_flink_builtin_list_is_exactly_what_the_dashboard_reads() -> None:
+    """The service tier scrapes a real reporter for each name of the list: a name the
+    dashboard stopped reading would be checked for nothing."""
+    assert flink_builtin_names_used() == FLINK_BUILTIN
 
 
 def test_dashboard_vllm_names_exist() -> None:
