@@ -110,7 +110,7 @@ def policy_fire_times(events, config, render) -> dict[str, list[int]]:
     def take(step, shopper: str) -> None:
         if step.state is not None:
             states[shopper] = step.state
-        held[shopper] = step.held
+        held[shopper] = step.held_after(held.get(shopper, ()))
         for when in step.timers:
             heapq.heappush(timers, (when, shopper))
         fires.setdefault(shopper, []).extend(p.event_time_ms for p in step.prompts)

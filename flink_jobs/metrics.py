@@ -28,7 +28,7 @@ go: a :class:`Tally` (the Flink gauges, for Managed Flink / CloudWatch) and the 
 
 :class:`GaugeBoard` is how the gauges reach Flink in thread mode without Flink calling
 Python: each is a Java object holding a number (``shopperintents.PublishedGauge``) that the
-operator's thread sets from the Python-side value at most once per ``interval_s``. A gauge
+operator's thread sets from the Python-side value at most every few seconds. A gauge
 PyFlink registers in thread mode wraps a Python callable that the JVM calls from its own
 threads (a reporter's, the JobManager's metric fetcher); one such call while a finishing
 task's interpreter was closing crashed a TaskManager (deploy/README.md). In process mode
@@ -85,6 +85,11 @@ def _new_published_gauge() -> Any:
     return loader.loadClass(PUBLISHED_GAUGE_CLASS).newInstance()
 
 
+#: How often the gauges are copied: Flink's metric fetcher reads every 10 s by default and
+#: Prometheus scrapes every 15 s or more; each copy computes the timings' quantiles.
+PUBLISH_INTERVAL_S = 5.0
+
+
 class GaugeBoard:
     """The operator's gauges as values Flink reads on its own (module docstring).
 
@@ -94,7 +99,7 @@ class GaugeBoard:
 
     def __init__(
         self,
-        interval_s: float = 1.0,
+        interval_s: float = PUBLISH_INTERVAL_S,
         clock: Callable[[], float] = time.monotonic,
         new_gauge: Callable[[], Any] = _new_published_gauge,
         java_group: Callable[[MetricGroup], Any | None] = _java_group,

@@ -195,13 +195,9 @@ class _RecentSessions:
         self._size = size
         self._states: OrderedDict[str, SessionState] = OrderedDict()
 
-    def get(self, shopper_id: str, load) -> SessionState | None:
+    def get(self, shopper_id: str) -> SessionState | None:
         state = self._states.get(shopper_id)
-        if state is None:
-            state = load()
-            if state is not None:
-                self.put(shopper_id, state)
-        else:
+        if state is not None:
             self._states.move_to_end(shopper_id)
         return state
 
@@ -273,16 +269,11 @@ class ShopperSessions(KeyedProcessFunction, _Counted):
         watermark = ctx.timer_service().current_watermark()
         if is_held(event, watermark):  # appended: neither the session nor the held are read
             step = hold_event(event, self._held_count.value() or 0, self._config)
+            loaded = None
         else:
-            step = on_event(
-                self._session_of(event.shopper_id),
-                self._held_events(),
-                event,
-                watermark,
-                self._config,
-                self._renderer.render,
-            )
-        yield from self._commit(step, ctx)
+            loaded, held = self._session_and_held(event.shopper_id)
+            step = on_event(loaded, held, event, watermark, self._config, self._renderer.render)
+        yield from self._commit(step, ctx, loaded)
 
     def on_timer(self, timestamp: int, ctx: KeyedProcessFunction.OnTimerContext):
         poll = ctx.time_domain() == TimeDomain.PROCESSING_TIME
@@ -297,31 +288,33 @@ class ShopperSessions(KeyedProcessFunction, _Counted):
         if timestamp == END_OF_INPUT_MS:
             yield from self._settle(ctx, wait=True)
             return
-        step = on_timer(
-            self._session_of(ctx.get_current_key()),
-            self._held_events(),
-            timestamp,
-            self._config,
-            self._renderer.render,
-        )
-        yield from self._commit(step, ctx)
+        loaded, held = self._session_and_held(ctx.get_current_key())
+        step = on_timer(loaded, held, timestamp, self._config, self._renderer.render)
+        yield from self._commit(step, ctx, loaded)
 
-    def _session_of(self, shopper_id: str) -> SessionState | None:
-        return self._recent.get(shopper_id, self._session.value)
-
-    def _held_events(self) -> list[ShopperEvent]:
-        """The held events, in arrival order (the timeline orders them); those a snapshot of
-        an earlier version kept in one value come first and move over with the next write."""
+    def _session_and_held(self, shopper_id: str) -> tuple[SessionState | None, list[ShopperEvent]]:
+        """The shopper's session and held events (in arrival order: the timeline orders
+        them). Held events a snapshot of an earlier version kept in one value move to the
+        list, first; a shopper whose session this operator holds in memory has been looked
+        at since the operator opened, so that value is read only for the others."""
         held = list(self._held.get() or ())
-        legacy = self._legacy_held.value()
-        if legacy:
-            self._legacy_held.clear()
-            held = [*legacy, *held]
-        return held
+        state = self._recent.get(shopper_id)
+        if state is None:
+            state = self._session.value()
+            legacy = self._legacy_held.value()
+            if legacy:
+                held = [*legacy, *held]
+                self._held.update(held)
+                self._held_count.update(len(held))
+                self._legacy_held.clear()
+        return state, held
 
-    def _commit(self, step: Step, ctx):
+    def _commit(self, step: Step, ctx, loaded: SessionState | None = None):
+        """Store what ``step`` changed; ``loaded``: the session it started from, which the
+        state already holds (sessions are immutable: a changed one is another object)."""
         if step.state is not None:
-            self._session.update(step.state)
+            if step.state is not loaded:
+                self._session.update(step.state)
             self._recent.put(step.state.shopper_id, step.state)
         if step.held is None:  # appended to, the others untouched
             if step.held_added:

@@ -16,13 +16,14 @@ tokenizer into the Flink job.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import math
 import re
 import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import jinja2
 import orjson
@@ -30,12 +31,14 @@ import orjson
 from flink_jobs.config import PromptConfig
 from flink_jobs.core.arms import Arm, assign_arm, parse_arms
 from flink_jobs.core.events import load_schema, pickled_by_fields
-from flink_jobs.core.grounding import grounded_facts, rules_intent
+from flink_jobs.core.grounding import GroundedFacts, grounded_facts, rules_intent
 from flink_jobs.core.session import SessionState
 from flink_jobs.paths import resource_dir
 
 PROMPTS_DIR = resource_dir("prompts")
 BYTES_PER_TOKEN = 3
+#: Quoted texts remembered by ``untrusted`` (each at most ``prompt.max_text_chars``).
+UNTRUSTED_CACHE_SIZE = 8192
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
 # Format characters (Unicode category Cf, as of Unicode 15): the soft hyphen, Arabic and
 # Syriac number marks, ALM, Mongolian vowel separator, zero-width characters, LRM/RLM,
@@ -91,8 +94,16 @@ def untrusted(value: Any, max_chars: int) -> str:
     split a word a filter looks for); NFKC-normalised (full-width and small-form lookalikes
     become plain characters); other brackets that read as ``<`` or ``>`` made plain
     (``ANGLE_LOOKALIKES``); cut to length; JSON-escaped; and no raw ``<`` (``>`` alone
-    can't close a block)."""
-    text = _FORMAT.sub("", _CONTROL.sub(" ", str(value)))
+    can't close a block).
+
+    Remembered for the most recent texts: a shopper's successive prompts repeat the same
+    titles, categories and brands, and so does a catalogue across shoppers."""
+    return _quoted(value if type(value) is str else str(value), max_chars)
+
+
+@functools.lru_cache(maxsize=UNTRUSTED_CACHE_SIZE)
+def _quoted(value: str, max_chars: int) -> str:
+    text = _FORMAT.sub("", _CONTROL.sub(" ", value))
     text = unicodedata.normalize("NFKC", text).translate(ANGLE_LOOKALIKES)[:max_chars]
     quoted = orjson.dumps(text).decode("utf-8")
     return quoted.replace("<", "\\u003c")
@@ -129,11 +140,14 @@ class PromptRenderer:
         self.template_hash = hashlib.sha256(source).hexdigest()[:12]
         self._labels = intent_labels()
 
-    def render(self, state: SessionState) -> RenderedPrompt:
+    def render(self, state: SessionState, facts: GroundedFacts | None = None) -> RenderedPrompt:
+        """``facts``: the session's ``grounded_facts``, when the caller has them already."""
+        facts = facts if facts is not None else grounded_facts(state)
+        rules = rules_intent(facts, state).body["intents"][0]
         events = list(state.events)
         dropped = 0
         while True:
-            system, user = self._render_parts(state, events)
+            system, user = self._render_parts(state, events, facts, rules)
             tokens = estimate_tokens(system) + estimate_tokens(user)
             if tokens <= self._config.max_prompt_tokens:
                 break
@@ -154,11 +168,10 @@ class PromptRenderer:
             events_dropped=dropped,
         )
 
-    def _render_parts(self, state: SessionState, events: list) -> tuple[str, str]:
+    def _render_parts(
+        self, state: SessionState, events: list, facts: GroundedFacts, rules: dict[str, Any]
+    ) -> tuple[str, str]:
         start = state.session_started_ms or (events[0].event_time_ms if events else 0)
-        facts = grounded_facts(state)
-        rules = rules_intent(facts, state)
-        first = rules.body["intents"][0]
         context = {
             "labels": self._labels,
             "history": state.history,
@@ -166,7 +179,7 @@ class PromptRenderer:
             # The whole session's exact facts (grounding.py), even when the budget cut events.
             "facts": facts,
             # What the documented rules read from them (the rules-only record's top intent).
-            "rules": {"label": first["label"], "category": first.get("category")},
+            "rules": {"label": rules["label"], "category": rules.get("category")},
         }
         try:
             module = self._template.make_module(context)
@@ -175,18 +188,32 @@ class PromptRenderer:
             raise PromptError(f"prompt template {self.template_name!r}: {exc.message}") from exc
 
 
-def _event_view(e, session_start_ms: int) -> dict[str, Any]:
+class EventView(NamedTuple):
+    """An event as a template sees it. Attributes, not a dict: Jinja reads ``e.title`` with
+    ``getattr`` first, and on a dict that fails and raises before the item is read."""
+
+    minute: str
+    event_type: str
+    query: str | None
+    title: str | None
+    category: str | None
+    brand: str | None
+    price: float | None
+    quantity: int
+
+
+def _event_view(e, session_start_ms: int) -> EventView:
     offset_s = max(0, (e.event_time_ms - session_start_ms) // 1000)
-    return {
-        "minute": f"+{offset_s // 60:02d}:{offset_s % 60:02d}",
-        "event_type": e.event_type,
-        "query": e.query,
-        "title": e.title,
-        "category": e.category,
-        "brand": e.brand,
-        "price": e.price,
-        "quantity": e.quantity,
-    }
+    return EventView(
+        f"+{offset_s // 60:02d}:{offset_s % 60:02d}",
+        e.event_type,
+        e.query,
+        e.title,
+        e.category,
+        e.brand,
+        e.price,
+        e.quantity,
+    )
 
 
 class ArmRenderer:
@@ -214,7 +241,7 @@ class ArmRenderer:
     def arm_of(self, shopper_id: str) -> Arm:
         return self._single or assign_arm(shopper_id, self.arms)
 
-    def render(self, state: SessionState) -> RenderedPrompt:
+    def render(self, state: SessionState, facts: GroundedFacts | None = None) -> RenderedPrompt:
         arm = self.arm_of(state.shopper_id)
-        prompt = self._renderers[arm.template].render(state)
+        prompt = self._renderers[arm.template].render(state, facts)
         return dataclasses.replace(prompt, model=arm.model) if arm.model else prompt

@@ -49,7 +49,12 @@ from operator import attrgetter
 
 from flink_jobs.config import AppConfig
 from flink_jobs.core.events import DeadLetter, ShopperEvent
-from flink_jobs.core.grounding import grounded_facts, rules_intent, session_category_enum
+from flink_jobs.core.grounding import (
+    GroundedFacts,
+    grounded_facts,
+    rules_intent,
+    session_category_enum,
+)
 from flink_jobs.core.prompting import PromptError, RenderedPrompt
 from flink_jobs.core.session import (
     Outcome,
@@ -62,7 +67,7 @@ from flink_jobs.core.session import (
 from flink_jobs.core.tasks import PromptTask
 from flink_jobs.core.trigger import Verdict, decide, earliest_fire_ms
 
-Renderer = Callable[[SessionState], RenderedPrompt]
+Renderer = Callable[[SessionState, GroundedFacts], RenderedPrompt]
 
 
 @dataclass(slots=True)
@@ -82,6 +87,10 @@ class Step:
 
     def count(self, name: str) -> None:
         self.counts[name] = self.counts.get(name, 0) + 1
+
+    def held_after(self, before: Iterable[ShopperEvent]) -> tuple[ShopperEvent, ...]:
+        """The shopper's held events after this step, given those before it (any order)."""
+        return (*before, *self.held_added) if self.held is None else self.held
 
 
 def hold(held: tuple[ShopperEvent, ...], event: ShopperEvent) -> tuple[ShopperEvent, ...]:
@@ -168,7 +177,7 @@ def on_timer(
 ) -> Step:
     """Replay the shopper's timeline up to ``timestamp_ms``; ``held`` in any order."""
     due, rest = release(in_time_order(held), timestamp_ms)
-    step = Step(state, rest)
+    step = Step(state, rest if due else None)  # None: none released, the held stay as they are
     for at_ms, same_time in groupby(due, key=lambda e: e.event_time_ms):
         _wake(step, at_ms - 1, config, render)
         _apply(step, tuple(same_time), config, behind_watermark=False)
@@ -226,8 +235,9 @@ def _evaluate(
     assert state is not None
     decision = decide(state, now_ms, config.trigger)
     if decision.verdict is Verdict.FIRE:
+        facts = grounded_facts(state)
         try:
-            prompt = render(state)
+            prompt = render(state, facts)
         except PromptError as exc:
             step.count("dead_letter_prompt")
             step.dead_letters.append(
@@ -235,7 +245,6 @@ def _evaluate(
             )
             step.state = clear_pending(state)
             return
-        facts = grounded_facts(state)
         rules = rules_intent(facts, state)
         state = step.state = mark_prompted(state, now_ms, decision.fingerprint)
         step.count("prompts_sent")

@@ -262,6 +262,20 @@ def _checkpoints(cluster: FlinkCluster, job_id: str) -> int:
     return found.get("counts", {}).get("completed", 0)
 
 
+def _scrape_once_counted(cluster: FlinkCluster, job_id: str) -> dict:
+    """The reporters' series once a checkpoint completed and every decoder subtask has
+    published a count of its records (``metrics.GaugeBoard`` copies them every few s)."""
+    scraped: dict = {}
+
+    def counted() -> bool:
+        scraped.update(cluster.scrape_metrics())
+        events_in = scraped.get(FLINK_PREFIX + "events_in", [])
+        return len(events_in) == 2 and all(value > 0 for _labels, value in events_in)
+
+    _wait(lambda: _checkpoints(cluster, job_id) > 0 and counted(), "counts", cluster, job_id)
+    return scraped
+
+
 def _restarted(cluster: FlinkCluster, job_id: str) -> bool:
     """The job went through RESTARTING since it was submitted (its status timestamps)."""
     return bool(cluster.job(job_id).get("timestamps", {}).get("RESTARTING"))
@@ -338,9 +352,7 @@ def rescaled_run(
             if i == len(phases) - 1:
                 break
             if phase.parallelism > 1:
-                done = lambda j=job_id: _checkpoints(cluster, j) > 0  # noqa: E731
-                _wait(done, "a checkpoint", cluster, job_id)
-                phase.reported = cluster.scrape_metrics()
+                phase.reported = _scrape_once_counted(cluster, job_id)
             savepoint = phase.savepoint = cluster.stop_with_savepoint(
                 job_id, workdir / "savepoints"
             )
@@ -476,7 +488,11 @@ def test_the_dashboards_flink_panels_group_by_labels_the_series_carry(rescaled_r
 
 def test_the_jobs_own_counts_reach_the_reporter_from_each_subtask(rescaled_run: RescaleRun):
     """Published by the operators' threads (``metrics.GaugeBoard``), read by the reporter
-    without calling Python: one series per decoder subtask, counting the records read."""
-    events_in = _reported(rescaled_run).get(FLINK_PREFIX + "events_in", [])
-    assert len(events_in) == 2
-    assert sum(value for _labels, value in events_in) > 0
+    without calling Python: one series per decoder subtask (the scrape waited for both to
+    count), and the session operator's outcomes beside them."""
+    reported = _reported(rescaled_run)
+    assert len(reported[FLINK_PREFIX + "events_in"]) == 2
+    assert {labels["subtask_index"] for labels, _ in reported[FLINK_PREFIX + "events_held"]} == {
+        "0",
+        "1",
+    }

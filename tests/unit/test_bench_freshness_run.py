@@ -157,7 +157,7 @@ def document() -> dict:
         llm_ms=[4_800, 5_100, 5_600],
         outbox_wait_ms=[0, 2_300, 0],
     )
-    fires = freshness.policy_fire_times(EVENTS, config, lambda state: None)
+    fires = freshness.policy_fire_times(EVENTS, config, lambda state, facts: None)
     offline = freshness.Offline(
         baseline_calls=4,
         baseline_tokens=2_400,

@@ -63,7 +63,7 @@ class FlinkKey:
                 self._take(on_timer(self.state, self.held, due, CONFIG, RENDER))
 
     def _take(self, step: Step) -> Step:
-        self.state, self.held = step.state, step.held
+        self.state, self.held = step.state, step.held_after(self.held)
         self.timers.update(step.timers)
         self.prompts.extend(step.prompts)
         self.emitted_at.extend(self.watermark for _ in step.prompts)
@@ -101,7 +101,7 @@ def test_an_event_behind_the_watermark_comes_after_the_held_events_the_watermark
 
     assert step.state.events == (straggler, browsed)
     assert step.late_events == [(straggler, Outcome.LATE_FOLDED)]
-    assert step.held == ()
+    assert key.held == ()
 
 
 def test_held_events_are_kept_in_event_time_order() -> None:
@@ -296,4 +296,5 @@ def test_a_timer_whose_time_was_already_replayed_does_nothing() -> None:
 
     step = on_timer(state, held, at(1), CONFIG, RENDER)
 
-    assert (step.state, step.held, step.prompts, step.timers) == (state, held, [], [])
+    assert (step.state, step.held, step.prompts, step.timers) == (state, None, [], [])
+    assert step.held_after(held) == held
