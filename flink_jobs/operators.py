@@ -37,6 +37,7 @@ from flink_jobs.core.prompting import ArmRenderer
 from flink_jobs.core.session import SessionState
 from flink_jobs.core.tasks import PromptTask, TaskResult
 from flink_jobs.core.timeline import Step, hold_event, is_held, on_event, on_timer
+from flink_jobs.core.trigger import END_OF_TIME_MS
 from flink_jobs.metrics import INFER_COUNTS as INFER_COUNTS  # the gauges' names, re-exported
 from flink_jobs.metrics import INFER_TIMINGS as INFER_TIMINGS
 from flink_jobs.metrics import GaugeBoard, GaugeCounters, OutcomeRecorder, PublishedGroup
@@ -54,7 +55,7 @@ LATE_EVENTS = OutputTag("late-events", Types.STRING())
 # Every prompt rendered (PromptTask.audit_json), when kafka.prompts_topic is set.
 PROMPTS = OutputTag("prompts", Types.STRING())
 # The watermark at the end of a bounded input (Flink's MAX_WATERMARK).
-END_OF_INPUT_MS = 2**63 - 1
+END_OF_INPUT_MS = END_OF_TIME_MS
 
 
 def _now_ms() -> int:

@@ -26,6 +26,11 @@ from flink_jobs.config import TriggerConfig
 from flink_jobs.core.events import ShopperEvent
 from flink_jobs.core.session import SessionState
 
+#: Flink's last watermark (``Long.MAX_VALUE``): a bounded input has ended, or every input
+#: but an idle one has (Flink leaves an idle input out of the watermark, and a watermark
+#: never goes back), so records can still arrive behind it.
+END_OF_TIME_MS = 2**63 - 1
+
 
 class Verdict(Enum):
     FIRE = "fire"
@@ -65,6 +70,10 @@ def decide(state: SessionState, now_ms: int, config: TriggerConfig) -> Decision:
     if state.last_prompt_ms is not None and fingerprint == state.last_prompt_fingerprint:
         return Decision(Verdict.UNCHANGED, "nothing material changed", fingerprint=fingerprint)
 
+    if now_ms >= END_OF_TIME_MS:
+        # No later time exists to wait for (nor to register a timer at): what is pending
+        # is final.
+        return Decision(Verdict.FIRE, "end of input", fingerprint=fingerprint)
     earliest_allowed = (
         state.last_prompt_ms + int(config.min_interval_s * 1000)
         if state.last_prompt_ms is not None

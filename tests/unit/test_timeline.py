@@ -13,7 +13,8 @@ from flink_jobs.core.events import ShopperEvent
 from flink_jobs.core.prompting import PromptRenderer
 from flink_jobs.core.session import Outcome
 from flink_jobs.core.timeline import Step, hold, on_event, on_timer, release
-from tests.builders import EARBUDS, HEADPHONES, T0, at, shopper_event
+from flink_jobs.core.trigger import END_OF_TIME_MS
+from tests.builders import EARBUDS, ESPRESSO, HEADPHONES, T0, at, shopper_event
 
 SHOPPER = "shopper-00321"
 CONFIG = AppConfig()
@@ -298,3 +299,14 @@ def test_a_timer_whose_time_was_already_replayed_does_nothing() -> None:
 
     assert (step.state, step.held, step.prompts, step.timers) == (state, None, [], [])
     assert step.held_after(held) == held
+
+
+def test_events_behind_the_last_watermark_prompt_at_once_and_set_no_timer_past_it() -> None:
+    """Flink's last watermark can pass records still to come (an idle input left out while
+    the others ended): each one is applied, and what it changes fires, since no later
+    time exists for a timer (a timer past it does not even fit in a Java long)."""
+    first = on_event(None, (), event("view", 1), END_OF_TIME_MS, CONFIG, RENDER)
+    second = on_event(first.state, (), event("view", 2, ESPRESSO), END_OF_TIME_MS, CONFIG, RENDER)
+
+    assert [len(first.prompts), len(second.prompts)] == [1, 1]
+    assert all(t <= END_OF_TIME_MS for t in first.timers + second.timers)

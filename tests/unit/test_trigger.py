@@ -12,7 +12,7 @@ from flink_jobs.core.session import (
     mark_prompted,
     new_session_state,
 )
-from flink_jobs.core.trigger import Verdict, decide, material_fingerprint
+from flink_jobs.core.trigger import END_OF_TIME_MS, Verdict, decide, material_fingerprint
 from tests.builders import at as ms
 from tests.builders import session_of, shopper_event
 
@@ -85,6 +85,29 @@ class TestHighSignal:
         state = session(*(event("view", s, GRINDER) for s in range(0, 4)), event("purchase", 4))
 
         assert decide(state, ms(4), TRIGGER).verdict is Verdict.FIRE
+
+
+class TestEndOfTime:
+    """Flink's last watermark: records behind it still arrive when an idle input was left
+    out of the watermark while the others ended (seen in a bounded run at parallelism 2)."""
+
+    def test_a_change_pending_at_the_end_of_time_fires_within_the_minimum_interval(self) -> None:
+        state = session(event("view", 0))
+        # A prompt already made at the end of time: the minimum interval runs past it.
+        state = mark_prompted(state, END_OF_TIME_MS, material_fingerprint(state))
+        state = session(event("view", 1, GRINDER), state=state)
+
+        decision = decide(state, END_OF_TIME_MS, TRIGGER)
+
+        assert decision.verdict is Verdict.FIRE
+        assert decision.reason == "end of input"
+        assert decision.wake_at_ms is None
+
+    def test_nothing_material_still_fires_nothing(self) -> None:
+        state = prompted_at(session(event("view", 0)), 0)
+        state = session(event("view", 1), state=state)  # the same kind, the same category
+
+        assert decide(state, END_OF_TIME_MS, TRIGGER).verdict is Verdict.UNCHANGED
 
 
 class TestBrowsing:
