@@ -64,15 +64,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         item.add_marker(getattr(pytest.mark, tier))
 
 
-#: Files that keep both cores busy on their own: run one after the other, never beside
-#: each other.
-BOTH_CORES = ("tests/model/",)
+#: Files run one after the other on one worker, never beside each other: the model tier,
+#: which keeps both cores busy on its own, and the overload test, whose freshness phases
+#: are calibrated to the job's speed when it starts (beside the vLLM workers on an
+#: AVX2-only host its steady phase's p50 was 23 s instead of 3 s, and the burst looked
+#: lighter than it).
+BOTH_CORES = ("tests/model/", "tests/service/test_overload.py")
 
 
 def work_unit(nodeid: str) -> str:
     """What one pytest-xdist worker runs in a row (``make test`` runs ``-n 2``): a file's
     tests, which share its module fixtures, or all of ``BOTH_CORES``: the whole model tier,
-    so a run starts one set of vLLM workers (``llm_tier``), and the standalone cluster."""
+    so a run starts one set of vLLM workers (``llm_tier``), and the overload test."""
     path = nodeid.split("::", 1)[0]
     return "both-cores" if path.startswith(BOTH_CORES) else path
 

@@ -14,6 +14,7 @@ import os
 import socket
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 
 import psutil
 import pytest
@@ -29,6 +30,10 @@ from flink_jobs.tools.local_services import free_port
 from tests.builders import EARBUDS, HEADPHONES, T0, session_of
 from tests.builders import numbered_event as event
 from tests.service.job_process import call_processes
+
+# How long the helper may take to start and send its first request: it imports httpx and
+# redis-py, and beside the model tier on two cores that took longer than a second.
+HELPER_START_S = 60
 
 
 def prompt_task(shopper_id: str) -> PromptTask:
@@ -122,28 +127,49 @@ def test_a_prompt_every_worker_fails_is_dead_lettered_after_the_clients_attempts
     assert IntentStore(redis.Redis.from_url(redis_url), unique_name).read("shopper-00154") is None
 
 
+@dataclass
+class SilentLlm:
+    """An LLM endpoint that accepts connections and never answers, and the call process
+    pointed at it."""
+
+    calls: CallProcess
+    server: socket.socket
+    connections: list[socket.socket] = field(default_factory=list)
+
+
 @contextlib.contextmanager
-def calls_to_a_silent_llm() -> Iterator[CallProcess]:
-    with socket.create_server(("127.0.0.1", 0)) as silent:  # accepts, never answers
-        port = silent.getsockname()[1]
-        yield CallProcess(config(base_url=f"http://127.0.0.1:{port}/v1", max_attempts=1))
+def calls_to_a_silent_llm() -> Iterator[SilentLlm]:
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        server.setblocking(False)
+        port = server.getsockname()[1]
+        silent = SilentLlm(
+            CallProcess(config(base_url=f"http://127.0.0.1:{port}/v1", max_attempts=1)), server
+        )
+        try:
+            yield silent
+        finally:
+            for connection in silent.connections:
+                connection.close()
 
 
-async def call_under_way(calls: CallProcess, shopper_id: str) -> asyncio.Future:
-    """A call of the shopper whose request is out."""
-    in_flight = asyncio.ensure_future(calls(prompt_task(shopper_id)))
-    while calls.pid is None:
-        await asyncio.sleep(0.05)
-    await asyncio.sleep(1.0)
+async def call_under_way(silent: SilentLlm, shopper_id: str) -> asyncio.Future:
+    """A call of the shopper whose request is out: the silent LLM has its connection. (A
+    fixed pause after the helper started was too short beside the model tier on a slow
+    host: the helper was still importing, and the supersede came before the call.)"""
+    in_flight = asyncio.ensure_future(silent.calls(prompt_task(shopper_id)))
+    loop = asyncio.get_running_loop()
+    connection, _ = await asyncio.wait_for(loop.sock_accept(silent.server), HELPER_START_S)
+    silent.connections.append(connection)
     return in_flight
 
 
 def test_a_dead_helper_fails_its_calls_in_flight_and_later_ones():
-    with calls_to_a_silent_llm() as calls:
+    with calls_to_a_silent_llm() as silent:
+        calls = silent.calls
 
         async def go():
             try:
-                in_flight = await call_under_way(calls, "shopper-00148")
+                in_flight = await call_under_way(silent, "shopper-00148")
                 psutil.Process(calls.pid).kill()
                 started = time.monotonic()
                 with pytest.raises(CallProcessExited, match="exited"):
@@ -159,11 +185,12 @@ def test_a_dead_helper_fails_its_calls_in_flight_and_later_ones():
 
 
 def test_a_superseded_call_is_stopped_in_the_helper_and_answers_superseded():
-    with calls_to_a_silent_llm() as calls:
+    with calls_to_a_silent_llm() as silent:
+        calls = silent.calls
 
         async def go():
             try:
-                in_flight = await call_under_way(calls, "shopper-00153")
+                in_flight = await call_under_way(silent, "shopper-00153")
                 calls.supersede("shopper-00153", 1)
                 return await asyncio.wait_for(in_flight, 10)
             finally:
