@@ -112,25 +112,30 @@ class GaugeBoard:
         self._due = 0.0
 
     def gauge(self, group: MetricGroup, name: str, read: Callable[[], int]) -> None:
-        java = self._java_group(group) if self._new_gauge is not None else None
-        if java is not None:
-            try:
-                gauge = self._new_gauge()
-            except Exception as exc:  # pemja raises what Java threw: any of it means "not here"
-                log.warning(
-                    "%s is not loadable (%s): the job's gauges fall back to Python callables; "
-                    "put shopper-intents-connectors.jar on the job's classpath",
-                    PUBLISHED_GAUGE_CLASS,
-                    exc,
-                )
-                self._new_gauge = None
-                java = None
-        if java is None:
+        java = self._java_group(group)
+        gauge = self._published_gauge() if java is not None else None
+        if gauge is None:
             group.gauge(name, read)
             return
         java.gauge(name, gauge)
         gauge.set(int(read()))
         self._published.append((gauge, read))
+
+    def _published_gauge(self) -> Any | None:
+        """A new Java gauge; None once one could not be made (said once, in a warning)."""
+        if self._new_gauge is None:
+            return None
+        try:
+            return self._new_gauge()
+        except Exception as exc:  # pemja raises what Java threw: any of it means "not here"
+            log.warning(
+                "%s is not loadable (%s): the job's gauges fall back to Python callables; "
+                "put shopper-intents-connectors.jar on the job's classpath",
+                PUBLISHED_GAUGE_CLASS,
+                exc,
+            )
+            self._new_gauge = None
+            return None
 
     def publish(self) -> None:
         now = self._clock()
@@ -144,8 +149,8 @@ class GaugeBoard:
 
 
 class PublishedGroup:
-    """A metric group whose gauges go through a :class:`GaugeBoard`; what else the operators
-    use (subgroups, meters) passes through."""
+    """A metric group whose gauges, its subgroups' included, go through a
+    :class:`GaugeBoard`."""
 
     def __init__(self, group: Any, board: GaugeBoard) -> None:
         self._group = group
@@ -156,9 +161,6 @@ class PublishedGroup:
 
     def add_group(self, name: str, extra: str | None = None) -> PublishedGroup:
         return PublishedGroup(self._group.add_group(name, extra), self._board)
-
-    def meter(self, name: str, time_span_in_seconds: int = 60) -> Any:
-        return self._group.meter(name, time_span_in_seconds)
 
 
 class GaugeCounters:
