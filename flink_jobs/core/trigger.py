@@ -26,9 +26,9 @@ from flink_jobs.config import TriggerConfig
 from flink_jobs.core.events import ShopperEvent
 from flink_jobs.core.session import SessionState
 
-#: Flink's last watermark (``Long.MAX_VALUE``): a bounded input has ended, or every input
-#: but an idle one has (Flink leaves an idle input out of the watermark, and a watermark
-#: never goes back), so records can still arrive behind it.
+#: Flink's last watermark (``Long.MAX_VALUE``): a bounded input has ended. Records can still
+#: arrive behind it (seen in a bounded run at parallelism 2, most likely an idle input that
+#: Flink left out of the watermark while the others ended; a watermark never goes back).
 END_OF_TIME_MS = 2**63 - 1
 
 

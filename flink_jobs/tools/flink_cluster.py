@@ -87,9 +87,7 @@ class ClusterSpec:
     taskmanager_memory: str = "1280m"
     python_executable: str = sys.executable
     # Flink's Prometheus reporter in every process, each on the first free port of this
-    # range (as docker-compose configures it). It reads the job's Python gauges only when
-    # scraped, so a scrape while a task's interpreter closes risks the race named in
-    # deploy/README.md ("Known issue"): scrape a running job, not one that is stopping.
+    # range (as docker-compose configures it).
     reporter_ports: range | None = None
     extra: Mapping[str, str] = field(default_factory=dict)
 

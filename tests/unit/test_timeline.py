@@ -302,9 +302,9 @@ def test_a_timer_whose_time_was_already_replayed_does_nothing() -> None:
 
 
 def test_events_behind_the_last_watermark_prompt_at_once_and_set_no_timer_past_it() -> None:
-    """Flink's last watermark can pass records still to come (an idle input left out while
-    the others ended): each one is applied, and what it changes fires, since no later
-    time exists for a timer (a timer past it does not even fit in a Java long)."""
+    """Flink's last watermark can pass records still to come: each one is applied, and what
+    it changes fires, since no later time exists for a timer (a timer past it does not
+    even fit in a Java long)."""
     first = on_event(None, (), event("view", 1), END_OF_TIME_MS, CONFIG, RENDER)
     second = on_event(first.state, (), event("view", 2, ESPRESSO), END_OF_TIME_MS, CONFIG, RENDER)
 

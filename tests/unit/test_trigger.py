@@ -88,8 +88,8 @@ class TestHighSignal:
 
 
 class TestEndOfTime:
-    """Flink's last watermark: records behind it still arrive when an idle input was left
-    out of the watermark while the others ended (seen in a bounded run at parallelism 2)."""
+    """Flink's last watermark, with records still arriving behind it (seen in a bounded run
+    at parallelism 2)."""
 
     def test_a_change_pending_at_the_end_of_time_fires_within_the_minimum_interval(self) -> None:
         state = session(event("view", 0))
