@@ -166,8 +166,9 @@ class PublishedGroup:
 class GaugeCounters:
     """Counts by name, each registered as a gauge of ``group`` when first incremented.
 
-    Register from the thread that runs the bundles (``process_element``, ``on_timer``):
-    PyFlink reads the gauges there at the end of each bundle.
+    Count from the thread that runs the bundles (``process_element``, ``on_timer``): a first
+    count registers the gauge, which in thread mode makes a Java gauge (``GaugeBoard``) and in
+    process mode a Python one that PyFlink reads there at the end of each bundle.
     """
 
     def __init__(self, group: MetricGroup) -> None:
