@@ -1,17 +1,20 @@
-"""The job on a standalone Flink cluster (a JobManager and two TaskManager processes, one
-slot each, Python in thread mode), submitted with ``flink run`` as Managed Flink and
-docker-compose submit it, on the real broker and Redis, with LLM stand-ins
+"""The job on a standalone Flink cluster (a JobManager and two TaskManager processes, two
+slots each, spread evenly, Python in thread mode), submitted with ``flink run`` as Managed
+Flink and docker-compose submit it, on the real broker and Redis, with LLM stand-ins
 (``bench/standin_llm.py``) behind the real router: the subject is the stream.
 
-Run P2: the bundled sample (300 shoppers, 3,098 records with its bad ones) on a topic of
-four partitions, read to its end at parallelism 2, so each TaskManager runs one subtask
-of every operator with its own outbox, call process and counters.
+Runs P2 and P4: the bundled sample (300 shoppers, 3,098 records with its bad ones) on a
+topic of four partitions, read to its end at parallelism 2 and at 4, so each TaskManager
+runs one subtask of every operator (two at P4, sharing its interpreter), each with its own
+outbox, call process and counters.
 
-Run R, rescales while events keep arriving (a generated sample replayed at its pace): the
-job starts at parallelism 1, is stopped with a savepoint and restored at 2, stopped with a
-savepoint again and restored at 1 (what Managed Flink's autoscaling does); then the
-TaskManager running it is SIGKILLed mid-stream, and the job restarts from its last
-checkpoint in the other TaskManager's slot, and runs until every prompt is answered.
+Run R, rescales while events keep arriving (generated samples replayed at their pace, one
+after another until the job has restarted from the kill, so no phase outlasts the events
+however slowly the cluster settles): the job starts at parallelism 1, is stopped with a
+savepoint and restored at 2, stopped with a savepoint again and restored at 1 (what
+Managed Flink's autoscaling does); then the TaskManager running it is SIGKILLed
+mid-stream, and the job restarts from its last checkpoint in the other TaskManager's
+slots, and runs until every prompt is answered.
 """
 
 from __future__ import annotations
@@ -60,12 +63,21 @@ ONE_PER_BATCH = {"batch.num.messages": 1, "linger.ms": 0}
 RESCALE_SHOPPERS = 30
 RESCALE_SPEED = 2.0
 PHASE_EVENTS = 20
+ROUND_S = 80.0  # event time per replayed sample: 40 s of sending at RESCALE_SPEED
+MAX_ROUNDS = 20  # bounds the replay if the job never restarts
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory) -> FlinkCluster:
     first = free_port()
-    spec = ClusterSpec(taskmanagers=2, reporter_ports=range(first, first + 8))
+    spec = ClusterSpec(
+        taskmanagers=2,
+        slots_per_taskmanager=2,
+        taskmanager_memory="1600m",  # two subtasks' Python share each TaskManager's process
+        reporter_ports=range(first, first + 8),
+        # Without it, parallelism 2 could fill one TaskManager's two slots.
+        extra={"taskmanager.load-balance.mode": "SLOTS"},
+    )
     with FlinkCluster(tmp_path_factory.mktemp("flink"), spec) as started:
         yield started
 
@@ -141,20 +153,21 @@ def _unanswered(prompts: list[dict], dead_letters: list[dict], client, name: str
     return missing
 
 
-def _subtask_hosts(cluster: FlinkCluster, job_id: str) -> dict[str, set[str]]:
-    """Each operator chain's TaskManagers, by vertex name."""
+def _subtask_hosts(cluster: FlinkCluster, job_id: str) -> dict[str, list[str]]:
+    """Each operator chain's subtasks' TaskManagers, by vertex name."""
     hosts = {}
     for vertex in cluster.job(job_id)["vertices"]:
         found = cluster._rest(f"/jobs/{job_id}/vertices/{vertex['id']}") or {}
-        hosts[vertex["name"]] = {s["taskmanager-id"] for s in found.get("subtasks", [])}
+        hosts[vertex["name"]] = [s["taskmanager-id"] for s in found.get("subtasks", [])]
     return hosts
 
 
-# --- run P2: the bundled sample at parallelism 2 ------------------------------------------
+# --- runs P2 and P4: the bundled sample at parallelism 2 and 4 ---------------------------
 
 
 @dataclass
 class ParallelRun:
+    parallelism: int
     expected: dict
     produced: int
     stats: dict[str, int]
@@ -162,14 +175,15 @@ class ParallelRun:
     writes: list[IntentUpdate]
     prompts: list[dict]
     dead_letters: list[dict]
-    hosts: dict[str, set[str]]
+    hosts: dict[str, list[str]]
     unanswered: list[str]
     status: str
 
 
-@pytest.fixture(scope="module")
-def parallel_run(cluster, kafka_bootstrap, redis_url, standin_tier) -> ParallelRun:
-    name = f"p2-{time.monotonic_ns()}"
+@pytest.fixture(scope="module", params=[2, 4], ids=["p2", "p4"])
+def parallel_run(request, cluster, kafka_bootstrap, redis_url, standin_tier) -> ParallelRun:
+    parallelism = request.param
+    name = f"p{parallelism}-{time.monotonic_ns()}"
     _topics(kafka_bootstrap, name)
     records = read_records(SAMPLE)
     sent = replay_records(
@@ -178,7 +192,9 @@ def parallel_run(cluster, kafka_bootstrap, redis_url, standin_tier) -> ParallelR
     assert sent.ok, sent.describe(f"{name}-events")
     groups = _groups(name, kafka_bootstrap, redis_url, standin_tier.job_settings())
     groups["kafka"]["bounded"] = True
-    job_id = cluster.submit(job_script(), settings_env(groups), parallelism=2, log_name=name)
+    job_id = cluster.submit(
+        job_script(), settings_env(groups), parallelism=parallelism, log_name=name
+    )
     cluster.wait_running(job_id)
     hosts = _subtask_hosts(cluster, job_id)
     _wait(
@@ -189,6 +205,7 @@ def parallel_run(cluster, kafka_bootstrap, redis_url, standin_tier) -> ParallelR
     prompts = read_json_topic(kafka_bootstrap, f"{name}-prompts", timeout_s=10)
     dead_letters = read_json_topic(kafka_bootstrap, f"{name}-dlq", timeout_s=10)
     run = ParallelRun(
+        parallelism=parallelism,
         expected=orjson.loads(EXPECTED.read_bytes()),
         produced=len(records),
         stats=stats,
@@ -206,14 +223,16 @@ def parallel_run(cluster, kafka_bootstrap, redis_url, standin_tier) -> ParallelR
     return run
 
 
-def test_every_operator_ran_as_two_subtasks_on_two_taskmanagers(parallel_run: ParallelRun):
+def test_every_operator_ran_its_subtasks_spread_evenly_on_two_taskmanagers(
+    parallel_run: ParallelRun,
+):
     assert parallel_run.status == "FINISHED"
-    assert parallel_run.hosts and all(len(h) == 2 for h in parallel_run.hosts.values()), (
-        parallel_run.hosts
-    )
+    per_taskmanager = parallel_run.parallelism // 2
+    spread = {name: sorted(Counter(h).values()) for name, h in parallel_run.hosts.items()}
+    assert spread and all(c == [per_taskmanager] * 2 for c in spread.values()), spread
 
 
-def test_at_parallelism_2_the_counts_balance_exactly(parallel_run: ParallelRun):
+def test_in_parallel_the_counts_balance_exactly(parallel_run: ParallelRun):
     s = parallel_run.stats
     assert s["events_in"] == parallel_run.produced
     assert sum(s.get(name, 0) for name in EVENT_OUTCOMES) == s["events_in"]
@@ -221,18 +240,18 @@ def test_at_parallelism_2_the_counts_balance_exactly(parallel_run: ParallelRun):
     assert s["prompts_sent"] == len(parallel_run.prompts)
 
 
-def test_at_parallelism_2_every_qualifying_shopper_gets_an_intent(parallel_run: ParallelRun):
+def test_in_parallel_every_qualifying_shopper_gets_an_intent(parallel_run: ParallelRun):
     missing = set(parallel_run.expected["qualifying_shoppers"]) - parallel_run.intents
     assert not missing, sorted(missing)
     assert parallel_run.unanswered == []
 
 
-def test_at_parallelism_2_no_write_lands_over_a_newer_one(parallel_run: ParallelRun):
+def test_in_parallel_no_write_lands_over_a_newer_one(parallel_run: ParallelRun):
     assert len(parallel_run.writes) >= len(parallel_run.intents) > 0
     assert _regressions(parallel_run.writes) == []
 
 
-def test_at_parallelism_2_the_dead_letters_are_exactly_the_bad_records(parallel_run: ParallelRun):
+def test_in_parallel_the_dead_letters_are_exactly_the_bad_records(parallel_run: ParallelRun):
     decode = [d for d in parallel_run.dead_letters if d["stage"] == "decode"]
     assert Counter(d["reason"] for d in decode) == Counter(
         parallel_run.expected["dead_letter_by_reason"]
@@ -307,29 +326,35 @@ class RescaleRun:
 
 
 @pytest.fixture(scope="module")
-def rescaled_run(
-    parallel_run, cluster, kafka_bootstrap, redis_url, standin_tier, tmp_path_factory
-) -> RescaleRun:
+def rescaled_run(cluster, kafka_bootstrap, redis_url, standin_tier, tmp_path_factory) -> RescaleRun:
     workdir = tmp_path_factory.mktemp("rescale")
     name = f"rescale-{time.monotonic_ns()}"
     _topics(kafka_bootstrap, name)
-    sample = generate_sample(
-        SampleConfig(shoppers=RESCALE_SHOPPERS, seed=29, duration_s=270.0, bad=BadRecords.none())
-    )
     groups = _groups(
         name, kafka_bootstrap, redis_url, standin_tier.job_settings(),
         checkpoint_dir=str(workdir / "checkpoints"), watermark_idle_advance_s=5,
     )  # fmt: skip
     env = settings_env(groups)
     client = redis.Redis.from_url(redis_url)
-    replayed = threading.Event()
+    replayed, enough = threading.Event(), threading.Event()
+    produced = []
 
     def replay() -> None:
-        sent = replay_records(
-            kafka_bootstrap, f"{name}-events", sample.records, speed=RESCALE_SPEED,
-            rebase_time="send",
-        )  # fmt: skip
-        assert sent.ok, sent.describe(f"{name}-events")
+        """Samples of the same shoppers with fresh event ids, each stamped with its send
+        times, until ``enough`` (or ``MAX_ROUNDS``)."""
+        for seed in range(29, 29 + MAX_ROUNDS):
+            config = SampleConfig(
+                shoppers=RESCALE_SHOPPERS, seed=seed, duration_s=ROUND_S, bad=BadRecords.none()
+            )
+            records = generate_sample(config).records
+            sent = replay_records(
+                kafka_bootstrap, f"{name}-events", records, speed=RESCALE_SPEED,
+                rebase_time="send",
+            )  # fmt: skip
+            assert sent.ok, sent.describe(f"{name}-events")
+            produced.append(len(records))
+            if enough.is_set():
+                break
         replayed.set()
 
     def events_in() -> int:
@@ -373,6 +398,7 @@ def rescaled_run(
         victim.kill()
         _wait(lambda: _restarted(cluster, job_id), "the job to restart", cluster, job_id)
         cluster.wait_running(job_id)
+        enough.set()
         _wait(replayed.is_set, "the replay to end", cluster, job_id)
         last = {"n": -1, "since": time.monotonic()}
 
@@ -392,11 +418,12 @@ def rescaled_run(
         _wait(answered, "every shopper's newest prompt to be answered", cluster, job_id)
         restarted = _restarted(cluster, job_id)
     finally:
+        enough.set()
         cluster.cancel(job_id)
     prompts = read_json_topic(kafka_bootstrap, f"{name}-prompts", timeout_s=10)
     dead = read_json_topic(kafka_bootstrap, f"{name}-dlq", timeout_s=10)
     run = RescaleRun(
-        produced=len(sample.records),
+        produced=sum(produced),
         phases=phases,
         killed=victim.name,
         call_processes_at_kill=call_processes_at_kill,
