@@ -61,14 +61,23 @@ class KVEventSubscriber:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._next: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self._joined: list[str] = []  # workers added since the thread last looked
 
     def start(self) -> None:
-        if self._thread is None and self.sources:
+        if self._thread is None:
             self._stop.clear()
             self._thread = threading.Thread(
                 target=self._run, name="kv-event-subscriber", daemon=True
             )
             self._thread.start()
+
+    def add(self, worker: str, source: EventSource) -> None:
+        """Subscribe to a worker that joined at runtime; the thread connects to it within
+        one poll interval."""
+        with self._lock:
+            self.sources[worker] = source
+            self._joined.append(worker)
 
     def stop(self, timeout_s: float = 2.0) -> None:
         self._stop.set()
@@ -84,15 +93,26 @@ class KVEventSubscriber:
         decoder = msgspec.msgpack.Decoder()
         sockets: dict[zmq.Socket, str] = {}
         poller = zmq.Poller()
+
+        def subscribe(worker: str) -> None:
+            source = self.sources[worker]
+            sub = ctx.socket(zmq.SUB)
+            sub.setsockopt(zmq.LINGER, 0)
+            sub.setsockopt_string(zmq.SUBSCRIBE, source.topic)
+            sub.connect(source.endpoint)
+            poller.register(sub, zmq.POLLIN)
+            sockets[sub] = worker
+
         try:
-            for worker, source in self.sources.items():
-                sub = ctx.socket(zmq.SUB)
-                sub.setsockopt(zmq.LINGER, 0)
-                sub.setsockopt_string(zmq.SUBSCRIBE, source.topic)
-                sub.connect(source.endpoint)
-                poller.register(sub, zmq.POLLIN)
-                sockets[sub] = worker
+            with self._lock:
+                self._joined.clear()
+                for worker in list(self.sources):
+                    subscribe(worker)
             while not self._stop.is_set():
+                with self._lock:
+                    joined, self._joined = self._joined, []
+                for worker in joined:
+                    subscribe(worker)
                 for sock, _ in poller.poll(POLL_MS):
                     worker = sockets[sock]  # type: ignore[index]
                     frames = sock.recv_multipart()  # type: ignore[union-attr]

@@ -1,7 +1,9 @@
 """The router service: an OpenAI-compatible front for a pool of vLLM workers.
 
 Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
-``GET /health``, ``GET /metrics``.
+``GET /health``, ``GET /metrics``, and ``POST /workers`` to add a worker that joined at
+runtime (an operator's call, like vllm-router's ``/add_worker``: bind the router to a
+private address).
 
 Per completion request, top to bottom:
 
@@ -43,11 +45,16 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from inference_sidecar import pd
-from inference_sidecar.config import RouterConfig, redact_url
-from inference_sidecar.exceptions import NoWorkerAvailable, RequestError, UpstreamError
+from inference_sidecar.config import RouterConfig, normalise_url, redact_url
+from inference_sidecar.exceptions import (
+    ConfigError,
+    NoWorkerAvailable,
+    RequestError,
+    UpstreamError,
+)
 from inference_sidecar.health import HealthEvent
 from inference_sidecar.kv_blocks import BlockHashing, hashing_from_metrics
-from inference_sidecar.kv_events import KVEventSubscriber
+from inference_sidecar.kv_events import EventSource, KVEventSubscriber
 from inference_sidecar.kv_index import EventBatch, KVIndex
 from inference_sidecar.metrics import RouterMetrics
 from inference_sidecar.policies import KVPrefixPolicy, make_policy
@@ -209,8 +216,8 @@ def _describe_failure(exc: BaseException) -> tuple[str, str]:
     return "transport", f"transport: {type(exc).__name__}: {exc}"
 
 
-def parse_body(raw: bytes) -> dict[str, Any]:
-    """Parse and check a completion request body; raises ``RequestError`` with the reason."""
+def json_object(raw: bytes) -> dict[str, Any]:
+    """A request body that must be a JSON object; raises ``RequestError`` with the reason."""
     if not raw.strip():
         raise RequestError("the request body is empty; expected a JSON object")
     try:
@@ -219,6 +226,12 @@ def parse_body(raw: bytes) -> dict[str, Any]:
         raise RequestError(f"the request body is not valid JSON: {exc}") from exc
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
+    return body
+
+
+def parse_body(raw: bytes) -> dict[str, Any]:
+    """Parse and check a completion request body; raises ``RequestError`` with the reason."""
+    body = json_object(raw)
     model = body.get("model")
     if not isinstance(model, str) or not model.strip():
         raise RequestError("you must provide a model parameter (a non-empty string)", param="model")
@@ -396,6 +409,55 @@ class Router:
             self.metrics.kv_unhashed.labels("unreproducible").inc()
             return request
         return dataclasses.replace(request, size=len(tokens), blocks=hashing.block_hashes(tokens))
+
+    # ----- membership ------------------------------------------------------------------
+
+    def add_worker(
+        self, url: str, role: str = "worker", kv_events: EventSource | None = None
+    ) -> bool:
+        """Admit a worker that joined at runtime to the ``role`` pool; False if it is
+        already one. With kv_prefix its KV event stream is required: the index learns its
+        (empty) cache from the first batch, and until then its cached prefixes count as
+        none, so it draws the keys no worker has cached. Raises ``ConfigError``."""
+        url = normalise_url(url, "url")
+        pool = self.pools.get(role)
+        if pool is None:
+            raise ConfigError("role", f"this router's pools are {sorted(self.pools)}, not {role!r}")
+        if kv_events is None and self.kv_index is not None:
+            raise ConfigError("kv_events", "kv_prefix needs the new worker's KV event stream")
+        worker = redact_url(url)
+        if worker in self._urls and self._urls[worker] != url:
+            raise ConfigError("url", f"{worker} is already a worker with other credentials")
+        if not pool.add_worker(worker):
+            return False
+        self._urls[worker] = url
+        self.metrics.in_service.labels(pool.name, worker).set(1)
+        self.metrics.in_flight.labels(pool.name, worker).set(0)
+        if self.kv_index is not None and self._kv_subscriber is not None:
+            assert kv_events is not None
+            self.kv_index.add_worker(worker)
+            self._kv_subscriber.add(worker, kv_events)
+        logger.info("worker %s joined the %s pool", worker, pool.name)
+        return True
+
+    async def join(self, request: Request) -> Response:
+        """``POST /workers`` with ``{"url": ..., "role": "worker", "kv_events": {"endpoint":
+        ..., "replay": ...}}``: 201 when added, 200 when it already was a worker."""
+        try:
+            doc = json_object(await self._read_body(request))
+            if not isinstance(doc.get("url"), str):
+                raise ConfigError("url", "give the worker's URL as a string")
+            events = doc.get("kv_events")
+            source = EventSource(**events) if isinstance(events, dict) else None
+            added = self.add_worker(doc["url"], str(doc.get("role", "worker")), source)
+        except RequestError as exc:
+            return error_response(exc.status, exc.message, exc.error_type, code=exc.code)
+        except TypeError as exc:  # kv_events with fields EventSource does not have
+            return error_response(400, f"kv_events: {exc}", "invalid_request_error")
+        except ConfigError as exc:
+            return error_response(400, str(exc), "invalid_request_error", param=exc.key)
+        _, health = self.readiness()
+        return Response(orjson.dumps(health), status_code=201 if added else 200, media_type=JSON)
 
     @property
     def serving_pool(self) -> RoutingState:
@@ -923,6 +985,7 @@ def build_app(router: Router) -> Starlette:
             Route("/v1/models", router.models, methods=["GET"]),
             Route("/health", router.health, methods=["GET"]),
             Route("/metrics", router.metrics_endpoint, methods=["GET"]),
+            Route("/workers", router.join, methods=["POST"]),
         ],
         exception_handlers={HTTPException: _http_exception, Exception: _unexpected},
         lifespan=lifespan,

@@ -69,6 +69,19 @@ class RoutingState:
         self._open: dict[str, list[Ticket]] = {w: [] for w in self.workers}
         self._on_event = on_event
 
+    def add_worker(self, worker: str) -> bool:
+        """Admit ``worker`` at runtime (a worker joining the pool), in service with no
+        history; False if it is already a member. The policies take the candidates at each
+        call, so a new worker draws new keys (and a hashing policy's share of unseen keys)
+        from the next request on, while keys with history stay where their prefix is."""
+        if worker in self.in_flight:
+            return False
+        self.workers = (*self.workers, worker)
+        self.health = self.health.with_worker(worker, h.WorkerHealth())
+        self.in_flight[worker] = 0
+        self._open[worker] = []
+        return True
+
     def candidates(self, exclude: Iterable[str] = ()) -> list[str]:
         excluded = set(exclude)
         return [w for w in h.available(self.health) if w not in excluded]

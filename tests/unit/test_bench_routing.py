@@ -39,6 +39,7 @@ from bench.routing import (
     Sampled,
     dump,
     judge,
+    judge_kv,
     kv_bytes_per_token,
     pool_runs,
     schedule,
@@ -249,6 +250,17 @@ class TestTargets:
         targets = judge({}, {})
         assert all(t["met"] is None for t in targets)
 
+    def test_after_a_join_ours_must_beat_every_peer_within_a_tenth_of_the_minimum(self):
+        join = {
+            "sidecar_kv_prefix": {"computed_tokens": 900, "computed_over_minimum": 1.08},
+            "vllm_router_cache_aware": {"computed_tokens": 950},
+            "vllm_router_kv_aware": {"computed_tokens": 880},
+        }
+        got = {t["name"]: t["met"] for t in judge_kv({"join": join})}
+        assert got["kv.join.computed_vs_minimum"] is True
+        assert got["kv.join.computed_vs_every_peer"] is False
+        assert got["kv.restart.computed_vs_every_peer"] is None
+
     def test_table_lists_every_router(self):
         row = {"prefix_cache_hit_ratio": 0.5, "errors": 0}
         text = table({"steady": _phase(ours=row, rr=row, ch=row)})
@@ -338,11 +350,13 @@ class TestSchedule:
             (2, "consistent_hash"), (2, "bounded_hash"),
         ]  # fmt: skip
 
-    def test_the_restart_phase_runs_last_once_per_router(self):
-        plan = schedule(ROUTERS, _config(phases=("steady", "skewed", "restart")))
-        restarts = [spec.key for kind, _, spec in plan if kind == "restart"]
-        assert restarts == [spec.key for spec in ROUTERS]
-        assert all(kind == "restart" for kind, _, _ in plan[-len(ROUTERS) :])
+    def test_the_restart_then_the_join_phase_run_last_once_per_router(self):
+        plan = schedule(ROUTERS, _config(phases=("steady", "skewed", "restart", "join")))
+        n = len(ROUTERS)
+        assert [(kind, spec.key) for kind, _, spec in plan[-2 * n :]] == [
+            *(("restart", spec.key) for spec in ROUTERS),
+            *(("join", spec.key) for spec in ROUTERS),
+        ]
 
     def test_phases_can_be_left_out(self):
         plan = schedule(ROUTERS, _config(skewed_repeats=2, phases=("skewed",)))
