@@ -21,9 +21,11 @@ Steps, in the order ``main()`` runs them:
 3. tokenize every prompt on a worker (``/tokenize``, the chat template included) to get
    the minimum: tokens past each prompt's longest common prefix with any earlier one;
 4. per router (``ROUTERS``): reset every worker's prefix cache, run the steady phase, reset
-   again, run the skewed phase, and (``--phases ...,restart``) the restart phase: the first
-   half of the steady workload, worker 0 restarted (its cache empty), then the next
-   ``--after-restart`` requests, whose computed tokens are counted apart; token counts
+   again, run the skewed phase, then the two phases that disturb the caches: the first half
+   of the steady workload, then worker 0 restarted (its cache empty; ``restart``) or a
+   fourth worker added to the router (``join``: started once, before the first join phase,
+   and added with our ``POST /workers`` or vllm-router's ``POST /add_worker``), then the
+   next ``--after-restart`` requests, whose computed tokens are counted apart; token counts
    from vLLM's counters (deltas), latencies client-side, in-flight per worker sampled
    from the workers' gauges;
 5. judge the targets of issue 3, print a table, write ``bench/results/routing.json``
@@ -34,6 +36,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import dataclasses
 import datetime as dt
 import json
 import logging
@@ -42,7 +46,7 @@ import re
 import sys
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -121,7 +125,7 @@ ROUTERS = (
     ),
 )
 PEERS = tuple(s.key for s in ROUTERS if s.router == "vllm-router")
-PHASES = ("steady", "skewed", "restart")
+PHASES = ("steady", "skewed", "restart", "join")
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,7 +148,8 @@ class BenchConfig:
     phases: tuple[str, ...] = ("steady", "skewed")
     routers: tuple[str, ...] = tuple(spec.key for spec in ROUTERS)
     after_restart: int = 50
-    """Restart phase: requests sent after the restart whose computed tokens are counted."""
+    """Restart and join phases: requests sent after the restart or the join whose computed
+    tokens are counted."""
 
 
 # ----- processes ------------------------------------------------------------------------
@@ -198,6 +203,32 @@ def start_router(
 
     proc.wait_ready(ready, timeout_s=120.0, interval_s=0.5)
     return proc, url
+
+
+def join_worker(spec: RouterSpec, router: str, worker: str, events: tuple[str, str | None]) -> None:
+    """Add ``worker`` to a running router, each router its own way. vLLM-router's
+    ``/add_worker`` takes a URL alone: its kv_aware policy hears no events from a worker
+    added so."""
+    if spec.router == "sidecar":
+        body: dict[str, Any] = {"url": worker}
+        if spec.policy == "kv_prefix":
+            body["kv_events"] = {"endpoint": events[0], "replay": events[1]}
+        reply = httpx.post(f"{router}/workers", json=body, timeout=30)
+    else:
+        reply = httpx.post(f"{router}/add_worker", params={"url": worker}, timeout=120)
+    if not reply.is_success:
+        raise SystemExit(f"{spec.label}: adding {worker} -> {reply.status_code}: {reply.text}")
+
+
+async def warm_up(workers: Sequence[str], model: str) -> None:
+    """One small request per worker: the first one pays one-off costs."""
+    async with httpx.AsyncClient(timeout=120) as client:
+        for w in workers:
+            await client.post(
+                f"{w}/v1/chat/completions",
+                json={"model": model, "max_tokens": 4,
+                      "messages": [{"role": "user", "content": "warm up"}]},
+            )  # fmt: skip
 
 
 def read_counters(workers: Sequence[str]) -> dict[str, dict[str, float]]:
@@ -453,34 +484,32 @@ async def run_phase(
     return outcomes, delta, sampled, wall, cut, decisions
 
 
-async def run_restart_phase(
+async def run_disrupted_phase(
     url: str,
-    pool: WorkerProcesses,
+    workers: Sequence[str],
     model: str,
     requests: Sequence[Request],
     cfg: BenchConfig,
     deadline: float,
+    disrupt: Callable[[], Awaitable[list[str]]],
 ) -> tuple[list[Outcome], dict[str, dict[str, float]], Sampled, float, bool, dict[str, int]]:
-    """The first half of ``requests``, then worker 0 restarted with an empty cache, then
-    the next ``cfg.after_restart``; returns what ``run_phase`` returns, for that last part
-    alone."""
-    workers = pool.urls
+    """The first half of ``requests``, then ``disrupt`` (a worker restarted or one joining;
+    it returns the workers serving from then on), then the next ``cfg.after_restart``;
+    returns what ``run_phase`` returns, for that last part alone, its counters read from
+    the workers ``disrupt`` returned."""
     reset_prefix_caches(workers)
     await asyncio.sleep(0.5)
     half = len(requests) // 2
     _, cut = await run_ordered(
         url, model, requests[:half], cfg.concurrency, cfg.max_tokens, deadline
     )
-    name = pool.specs[0].name
-    logger.info("restarting %s", name)
     down = time.monotonic()
-    await asyncio.to_thread(pool.restart, name)
-    await asyncio.to_thread(pool.wait_ready)
-    await asyncio.sleep(5.0)  # the routers' health checks see it back
-    deadline += time.monotonic() - down  # the restart's own time is not the phase's budget
-    before = read_counters(workers)
+    serving = await disrupt()
+    await asyncio.sleep(5.0)  # the routers' health checks see the worker (back)
+    deadline += time.monotonic() - down  # the disruption's own time is not the phase's budget
+    before = read_counters(serving)
     decisions_before = router_decisions(url)
-    sampler = InflightSampler(workers)
+    sampler = InflightSampler(serving)
     sampler.start()
     started = time.monotonic()
     after = requests[half : half + cfg.after_restart]
@@ -495,8 +524,46 @@ async def run_restart_phase(
     decisions = {
         k: round(v - decisions_before.get(k, 0.0)) for k, v in router_decisions(url).items()
     }
-    delta = counters_delta(before, read_counters(workers))
+    delta = counters_delta(before, read_counters(serving))
     return outcomes, delta, sampled, ended - started, cut or cut_after, decisions
+
+
+def restart_first(pool: WorkerProcesses) -> Callable[[], Awaitable[list[str]]]:
+    """Worker 0 restarted: its KV cache comes back empty."""
+
+    async def disrupt() -> list[str]:
+        logger.info("restarting %s", pool.specs[0].name)
+        await asyncio.to_thread(pool.restart, pool.specs[0].name)
+        await asyncio.to_thread(pool.wait_ready)
+        return pool.urls
+
+    return disrupt
+
+
+def join_fourth(
+    spec: RouterSpec, router: str, pool: WorkerProcesses, joiner: WorkerProcesses
+) -> Callable[[], Awaitable[list[str]]]:
+    """The joiner (started beforehand, idle, its cache reset) added to the router."""
+
+    async def disrupt() -> list[str]:
+        worker, events = next(iter(joiner.kv_event_sources.items()))
+        logger.info("adding %s to %s", worker, spec.label)
+        await asyncio.to_thread(join_worker, spec, router, worker, events)
+        return [*pool.urls, worker]
+
+    return disrupt
+
+
+def joiner_config(cluster: ClusterConfig, cfg: BenchConfig) -> ClusterConfig:
+    """The fourth worker: the others' settings, on the second worker's core."""
+    assert cluster.log_dir is not None
+    return dataclasses.replace(
+        cluster,
+        workers=1,
+        base_port=find_free_port_range(1),
+        cores=cfg.cores[1:2],
+        log_dir=cluster.log_dir / "joiner",
+    )
 
 
 # ----- targets -------------------------------------------------------------------------------
@@ -560,23 +627,28 @@ def judge_kv(phases: dict[str, dict[str, dict]]) -> list[dict[str, Any]]:
         "p99 (s) per repeat: "
         + "; ".join(f"{k} {[r.get('latency_p99_s') for r in rs]}" for k, rs in runs.items() if rs),
     )
-    restart = {k: get("restart", k, "computed_tokens") for k in [ours, *others]}
-    add(
-        "kv.restart.computed_vs_minimum",
-        get("restart", ours, "computed_over_minimum"),
-        1.1,
-        "<=",
-        "the requests after the restart; minimum = past the longest prefix of any earlier "
-        "prompt (a lower bound: it ignores the cache the restart lost)",
+    disruptions = (
+        ("restart", "the restart", " (a lower bound: it ignores the cache the restart lost)"),
+        ("join", "the fourth worker joined", ""),
     )
-    peer_restart = [v for k, v in restart.items() if k != ours and v is not None]
-    add(
-        "kv.restart.computed_vs_every_peer",
-        restart.get(ours),
-        min(peer_restart) if peer_restart else None,
-        "<",
-        "computed tokens after the restart: " + ", ".join(f"{k} {v}" for k, v in restart.items()),
-    )
+    for phase, event, caveat in disruptions:
+        computed = {k: get(phase, k, "computed_tokens") for k in [ours, *others]}
+        add(
+            f"kv.{phase}.computed_vs_minimum",
+            get(phase, ours, "computed_over_minimum"),
+            1.1,
+            "<=",
+            f"the requests after {event}; minimum = past the longest prefix of any earlier "
+            f"prompt{caveat}",
+        )
+        peers = [v for k, v in computed.items() if k != ours and v is not None]
+        add(
+            f"kv.{phase}.computed_vs_every_peer",
+            computed.get(ours),
+            min(peers) if peers else None,
+            "<",
+            f"computed tokens after {event}: " + ", ".join(f"{k} {v}" for k, v in computed.items()),
+        )
     return targets
 
 
@@ -841,8 +913,9 @@ def schedule(specs: Sequence[RouterSpec], cfg: BenchConfig) -> list[tuple[str, i
         for r in range(cfg.skewed_repeats):
             turn = [*specs[r % len(specs) :], *specs[: r % len(specs)]]
             order += [("skewed", r, s) for s in turn if r == 0 or s.policy != "round_robin"]
-    if "restart" in cfg.phases:
-        order += [("restart", 0, spec) for spec in specs]
+    for disrupted in ("restart", "join"):
+        if disrupted in cfg.phases:
+            order += [(disrupted, 0, spec) for spec in specs]
     return order
 
 
@@ -939,19 +1012,14 @@ async def bench(cfg: BenchConfig, command: str) -> dict[str, Any]:
         lengths = [len(t) for t in steady_tokens]
         shared = shared_prefix_tokens([r.shopper for r in steady_requests], steady_tokens)
 
-        # Warm each worker (first request pays one-off costs), then start cold.
-        async with httpx.AsyncClient(timeout=120) as client:
-            for w in workers:
-                await client.post(
-                    f"{w}/v1/chat/completions",
-                    json={"model": model, "max_tokens": 4,
-                          "messages": [{"role": "user", "content": "warm up"}]},
-                )  # fmt: skip
+        await warm_up(workers, model)
 
-        phases: dict[str, dict[str, dict]] = {"steady": {}, "skewed": {}, "restart": {}}
+        phases: dict[str, dict[str, dict]] = {kind: {} for kind in PHASES}
         skewed: dict[str, tuple[list[dict], list[RunParts]]] = {s.key: ([], []) for s in specs}
         memory: dict[str, float | None] = {}
         routers = {spec.key: start_router(spec, pool, cfg.block_size, log_dir) for spec in specs}
+        joiner: WorkerProcesses | None = None
+        stack = contextlib.ExitStack()
         try:
             plan = schedule(specs, cfg)
             for i, (kind, r, spec) in enumerate(plan):
@@ -961,9 +1029,21 @@ async def bench(cfg: BenchConfig, command: str) -> dict[str, Any]:
                 url = routers[spec.key][1]
                 phase_deadline = time.monotonic() + max(10.0, budget)
                 if kind == "restart":
-                    outcomes, delta, sampled, wall, cut, decisions = await run_restart_phase(
-                        url, pool, model, steady_requests, cfg, phase_deadline
-                    )
+                    outcomes, delta, sampled, wall, cut, decisions = await run_disrupted_phase(
+                        url, workers, model, steady_requests, cfg, phase_deadline,
+                        restart_first(pool),
+                    )  # fmt: skip
+                elif kind == "join":
+                    if joiner is None:
+                        logger.info("starting the fourth worker, for the join phases")
+                        joiner = stack.enter_context(
+                            WorkerProcesses(joiner_config(cluster, cfg), ready_timeout_s=420)
+                        )
+                        await warm_up(joiner.urls, model)
+                    outcomes, delta, sampled, wall, cut, decisions = await run_disrupted_phase(
+                        url, [*workers, *joiner.urls], model, steady_requests, cfg,
+                        phase_deadline, join_fourth(spec, url, pool, joiner),
+                    )  # fmt: skip
                 else:
                     outcomes, delta, sampled, wall, cut, decisions = await run_phase(
                         kind, url, workers, model, work, cfg, phase_deadline
@@ -971,7 +1051,8 @@ async def bench(cfg: BenchConfig, command: str) -> dict[str, Any]:
                 done = {o.seq for o in outcomes}
                 sent_min = [m for j, m in enumerate(minimum) if j in done]
                 per_req_min = sum(sent_min) / len(sent_min) if sent_min else math.nan
-                result = summarise(outcomes, delta, sampled, workers, per_req_min, wall, cut)
+                # The phase's workers are those its counters were read from.
+                result = summarise(outcomes, delta, sampled, list(delta), per_req_min, wall, cut)
                 result["router_decisions"] = decisions or None
                 if kind != "skewed":
                     phases[kind][spec.key] = result
@@ -992,9 +1073,14 @@ async def bench(cfg: BenchConfig, command: str) -> dict[str, Any]:
                     phases["skewed"][key] = pool_runs(runs, parts, workers)
             for key, (proc, _) in routers.items():
                 memory[key] = process_rss_mib(proc.pid)
+            if joiner is not None:
+                memory["joiner"] = process_rss_mib(
+                    joiner.pid(joiner.specs[0].name), include_group=True
+                )
         finally:
             for proc, _ in routers.values():
                 proc.stop()
+            stack.close()
         for s in pool.specs:
             memory[s.name] = process_rss_mib(pool.pid(s.name), include_group=True)
 
@@ -1097,12 +1183,12 @@ def parse_args(argv: Sequence[str] | None) -> BenchConfig:
     )  # fmt: skip
     p.add_argument(
         "--phases",
-        default="steady,skewed,restart",
+        default="steady,skewed,restart,join",
         help="which phases to run (of " + ",".join(PHASES) + ")",
     )
     p.add_argument(
         "--after-restart", type=int, default=50,
-        help="restart phase: requests after the restart whose computed tokens count",
+        help="restart and join phases: requests after the disruption whose computed tokens count",
     )  # fmt: skip
     p.add_argument(
         "--routers", default=",".join(spec.key for spec in ROUTERS),
