@@ -202,8 +202,8 @@ class TestSubscriber:
             publisher.close()
 
 
-@pytest.fixture
-def kv_router(fake: FakeWorkers) -> Router:
+def kv_prefix_router(fake: FakeWorkers) -> Router:
+    """A kv_prefix router over workers A and B, with their events fed by hand."""
     config = RouterConfig(
         workers=(A, B),
         policy="kv_prefix",
@@ -214,6 +214,11 @@ def kv_router(fake: FakeWorkers) -> Router:
     return Router(
         config, transport=fake.transport(), tokenizer=char_tokenizer(), kv_hashing=HASHING
     )
+
+
+@pytest.fixture
+def kv_router(fake: FakeWorkers) -> Router:
+    return kv_prefix_router(fake)
 
 
 def prompt_tokens(body: dict[str, Any]) -> list[int]:

@@ -12,21 +12,18 @@ import pytest
 from fake_workers import FakeWorkers
 from router_harness import BODY, CHAT, A, B, C, assert_openai_error, metric, session
 from test_kv_wiring import (
-    EVENTS,
-    HASHING,
     FakePublisher,
-    char_tokenizer,
+    kv_prefix_router,
     prompt_tokens,
     stored_batch,
     wait_for,
 )
 
-from inference_sidecar.config import RouterConfig
 from inference_sidecar.exceptions import ConfigError
 from inference_sidecar.kv_events import EventSource, KVEventSubscriber
 from inference_sidecar.kv_index import EventBatch
 from inference_sidecar.policies import make_policy
-from inference_sidecar.router import Router, build_app
+from inference_sidecar.router import build_app
 from inference_sidecar.routing_state import RoutingState
 
 pytestmark = pytest.mark.anyio
@@ -104,28 +101,15 @@ async def test_a_bad_join_request_says_what_to_fix(client_for, body: bytes, says
     assert router.serving_pool.workers == (A, B)
 
 
-def kv_router(fake: FakeWorkers) -> Router:
-    config = RouterConfig(
-        workers=(A, B),
-        policy="kv_prefix",
-        kv_events=EVENTS,
-        tokenizer_dir="unused",
-        health_interval_s=0,
-    )
-    return Router(
-        config, transport=fake.transport(), tokenizer=char_tokenizer(), kv_hashing=HASHING
-    )
-
-
 async def test_kv_prefix_refuses_a_worker_without_its_event_stream(fake: FakeWorkers) -> None:
-    router = kv_router(fake)
+    router = kv_prefix_router(fake)
     with pytest.raises(ConfigError, match="KV event stream"):
         router.add_worker(C)
     await router.aclose()
 
 
 async def test_kv_prefix_sends_a_joined_worker_the_prompts_it_holds(fake: FakeWorkers) -> None:
-    router = kv_router(fake)
+    router = kv_prefix_router(fake)
     router.add_worker(C, kv_events=EventSource("tcp://127.0.0.1:10003"))
     router.apply_kv_events(C, stored_batch(0, prompt_tokens(BODY)))
     async with httpx.AsyncClient(
