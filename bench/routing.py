@@ -147,6 +147,8 @@ class BenchConfig:
     skewed_repeats: int = 3
     phases: tuple[str, ...] = ("steady", "skewed")
     routers: tuple[str, ...] = tuple(spec.key for spec in ROUTERS)
+    sidecar_args: tuple[str, ...] = ()
+    """Extra command-line arguments of our routers (to try a policy knob)."""
     after_restart: int = 50
     """Restart and join phases: requests sent after the restart or the join whose computed
     tokens are counted."""
@@ -163,7 +165,11 @@ def vllm_router_binary(cache: Path) -> Path:
 
 
 def start_router(
-    spec: RouterSpec, pool: WorkerProcesses, block_size: int, log_dir: Path
+    spec: RouterSpec,
+    pool: WorkerProcesses,
+    block_size: int,
+    log_dir: Path,
+    sidecar_args: Sequence[str] = (),
 ) -> tuple[LocalProcess, str]:
     port = free_port()
     workers = pool.urls
@@ -171,7 +177,8 @@ def start_router(
     if spec.router == "sidecar":
         argv = [
             sys.executable, "-m", "inference_sidecar", "router", "--port", str(port),
-            "--policy", spec.policy, "--log-level", "warning", "--worker", *workers,
+            "--policy", spec.policy, "--log-level", "warning", *sidecar_args,
+            "--worker", *workers,
         ]  # fmt: skip
         if spec.policy == "kv_prefix":
             argv += ["--tokenizer", str(pool.config.model_dir)]
@@ -1017,7 +1024,10 @@ async def bench(cfg: BenchConfig, command: str) -> dict[str, Any]:
         phases: dict[str, dict[str, dict]] = {kind: {} for kind in PHASES}
         skewed: dict[str, tuple[list[dict], list[RunParts]]] = {s.key: ([], []) for s in specs}
         memory: dict[str, float | None] = {}
-        routers = {spec.key: start_router(spec, pool, cfg.block_size, log_dir) for spec in specs}
+        routers = {
+            spec.key: start_router(spec, pool, cfg.block_size, log_dir, cfg.sidecar_args)
+            for spec in specs
+        }
         joiner: WorkerProcesses | None = None
         stack = contextlib.ExitStack()
         try:
@@ -1194,6 +1204,10 @@ def parse_args(argv: Sequence[str] | None) -> BenchConfig:
         "--routers", default=",".join(spec.key for spec in ROUTERS),
         help="which routers / policies to run (keys of `policies` in routing.json)",
     )  # fmt: skip
+    p.add_argument(
+        "--sidecar-arg", action="append", default=[], metavar="ARG",
+        help="an extra argument of our routers, e.g. --sidecar-arg=--recompute-weight=3",
+    )  # fmt: skip
     p.add_argument("--time-limit", type=float, default=4800.0, help="seconds for the whole run")
     p.add_argument("--seed", type=int, default=11)
     p.add_argument("--quick", action="store_true", help="a small smoke run (not for results)")
@@ -1225,6 +1239,7 @@ def parse_args(argv: Sequence[str] | None) -> BenchConfig:
         phases=_choices("--phases", a.phases, PHASES),
         after_restart=a.after_restart,
         routers=_choices("--routers", a.routers, tuple(spec.key for spec in ROUTERS)),
+        sidecar_args=tuple(a.sidecar_arg),
     )
 
 
