@@ -1208,7 +1208,7 @@ def parse_args(argv: Sequence[str] | None) -> BenchConfig:
         "--sidecar-arg", action="append", default=[], metavar="ARG",
         help="an extra argument of our routers, e.g. --sidecar-arg=--recompute-weight=3",
     )  # fmt: skip
-    p.add_argument("--time-limit", type=float, default=4800.0, help="seconds for the whole run")
+    p.add_argument("--time-limit", type=float, default=7200.0, help="seconds for the whole run")
     p.add_argument("--seed", type=int, default=11)
     p.add_argument("--quick", action="store_true", help="a small smoke run (not for results)")
     p.add_argument("--out", type=Path, default=RESULTS_DIR)
