@@ -109,10 +109,11 @@ class KVEventSubscriber:
                 for worker in list(self.sources):
                     subscribe(worker)
             while not self._stop.is_set():
-                with self._lock:
-                    joined, self._joined = self._joined, []
-                for worker in joined:
-                    subscribe(worker)
+                if self._joined:  # a plain read first: the lock only when a worker joined
+                    with self._lock:
+                        joined, self._joined = self._joined, []
+                    for worker in joined:
+                        subscribe(worker)
                 for sock, _ in poller.poll(POLL_MS):
                     worker = sockets[sock]  # type: ignore[index]
                     frames = sock.recv_multipart()  # type: ignore[union-attr]

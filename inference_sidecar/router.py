@@ -301,8 +301,7 @@ class Router:
         }
         for pool in self.pools.values():
             for worker in pool.workers:
-                self.metrics.in_service.labels(pool.name, worker).set(1)
-                self.metrics.in_flight.labels(pool.name, worker).set(0)
+                self._show_member(pool, worker)
         self._probed_ok: set[str] = set()
         self._admitted = 0
         self._client = httpx.AsyncClient(
@@ -431,14 +430,18 @@ class Router:
         if not pool.add_worker(worker):
             return False
         self._urls[worker] = url
-        self.metrics.in_service.labels(pool.name, worker).set(1)
-        self.metrics.in_flight.labels(pool.name, worker).set(0)
+        self._show_member(pool, worker)
         if self.kv_index is not None and self._kv_subscriber is not None:
             assert kv_events is not None
             self.kv_index.add_worker(worker)
             self._kv_subscriber.add(worker, kv_events)
         logger.info("worker %s joined the %s pool", worker, pool.name)
         return True
+
+    def _show_member(self, pool: RoutingState, worker: str) -> None:
+        """A new member's metric series: in service, nothing in flight."""
+        self.metrics.in_service.labels(pool.name, worker).set(1)
+        self.metrics.in_flight.labels(pool.name, worker).set(0)
 
     async def join(self, request: Request) -> Response:
         """``POST /workers`` with ``{"url": ..., "role": "worker", "kv_events": {"endpoint":
