@@ -17,7 +17,13 @@ an outcome in the session stage, between 10 % and 90 % of them); its CPU per eve
 from every process of the stack over the same span (``CpuClock``), by kind, with the
 TaskManagers and the JobManager apart; "core-bound" is the rate the host's cores allow at
 that CPU per event (cores / CPU seconds per event), which is what a host with more cores
-than this one would approach. Results: ``bench/results/scale_out.json``.
+than this one would approach.
+
+Before its events go on the topic, each shape's job runs ``--idle-s`` with none: the cores
+each part of the stack uses then (``idle_cores``) cost the same at any event rate, so a
+shape with more TaskManagers pays more of them per event on a host that gives each fewer
+events. ``cpu_ms_per_event_net_of_idle`` takes that fixed share out of the drain's figure:
+what each further event costs. Results: ``bench/results/scale_out.json``.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ import redis
 
 from bench._common import (
     RESULTS_DIR,
+    CpuClock,
     PeakMemory,
     ratio,
     result_doc,
@@ -54,6 +61,9 @@ from flink_jobs.tools.local_services import create_topics, stop_on_sigterm
 
 BENCHMARK = "scale_out"
 PARTITIONS = 4
+#: After the job's sources are up and before its idle CPU is read: class loading, the
+#: first watermarks and the operators' threads starting are start-up, not idling.
+IDLE_WARMUP_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -85,28 +95,75 @@ def core_bound(cpu_ms_total: float | None, cores: int) -> float | None:
     return cores * 1000 / cpu_ms_total
 
 
+def wait_for_sources(client: redis.Redis, name: str, subtasks: int, timeout_s: float) -> None:
+    """Until each of the job's ``subtasks`` source subtasks has opened (``task_starts``)."""
+    from flink_jobs.tools.run_summary import read_stats
+
+    deadline = time.monotonic() + timeout_s
+    while read_stats(client, name).get("task_starts", 0) < subtasks:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{name}: {subtasks} source subtasks not up after {timeout_s} s")
+        time.sleep(0.5)
+
+
+def idle_cores(seconds: float) -> dict[str, float]:
+    """Cores each part of the stack uses over ``seconds`` (the job running, no events)."""
+    cpu = CpuClock(os.getpid())
+    mark = cpu.mark()
+    time.sleep(seconds)
+    return {kind: rounded(s / seconds, 3) for kind, s in cpu.since(mark).items()}
+
+
+def drain_window_s(counts: Sequence[tuple[float, int]], total: int) -> float:
+    """Seconds from the poll where 10 % of ``total`` were done to the last poll: the span
+    ``poll_drain`` reads the CPU over."""
+    start = next((t for t, done in counts if done >= 0.1 * total), counts[-1][0])
+    return counts[-1][0] - start
+
+
+def net_of_idle(
+    per_event: dict[str, float], idle: dict[str, float], window_s: float, events: int
+) -> dict[str, float]:
+    """``per_event`` (CPU ms per event by kind) less what ``idle`` (cores by kind) would
+    have used over the ``window_s`` those ``events`` took."""
+    if events <= 0:
+        return {}
+    net = {
+        kind: rounded(ms - 1000 * idle.get(kind, 0.0) * window_s / events)
+        for kind, ms in per_event.items()
+        if kind != "total"
+    }
+    return {**net, "total": rounded(sum(net.values()))}
+
+
 def run_shape(stack: Stack, shape: Shape, records: Sequence[bytes], workdir: Path, args):
     from flink_jobs.tools.flink_cluster import ClusterSpec, FlinkCluster, job_script, settings_env
 
     name = f"scale-{shape.taskmanagers}tm{shape.slots}s-p{shape.parallelism}-{int(time.time())}"
     create_topics(stack.kafka.bootstrap, [f"{name}-events"], PARTITIONS)
     create_topics(stack.kafka.bootstrap, [f"{name}-dlq"], 1)
-    produce_s = preload(stack.kafka.bootstrap, f"{name}-events", records)
-    print(f"{shape.label}: {len(records):,} events on the topic in {produce_s:.1f} s")
     client = redis.Redis.from_url(stack.redis.url)
     memory = PeakMemory(os.getpid())
     spec = ClusterSpec(taskmanagers=shape.taskmanagers, slots_per_taskmanager=shape.slots)
     with FlinkCluster(workdir / name, spec) as cluster:
-        started = time.monotonic()
         job_id = cluster.submit(
             job_script(), settings_env(_settings(stack, name)), shape.parallelism
         )
         try:
+            wait_for_sources(client, name, shape.parallelism, args.timeout_s)
+            time.sleep(IDLE_WARMUP_S)
+            idle = idle_cores(args.idle_s)
+            print(f"{shape.label}: idle, cores by part: {idle}")
+            started = time.monotonic()
+            produce_s = preload(stack.kafka.bootstrap, f"{name}-events", records)
+            print(f"{shape.label}: {len(records):,} events on the topic in {produce_s:.1f} s")
             _, counts, per_event = poll_drain(client, name, len(records), args.timeout_s, memory)
         finally:
             cluster.cancel(job_id)
         wall = time.monotonic() - started
     rate = drain_rate(counts, len(records))
+    window_s = drain_window_s(counts, len(records))
+    counted = counts[-1][1] - next((n for _, n in counts if n >= 0.1 * len(records)), 0)
     result = {
         "shape": shape.label,
         "taskmanagers": shape.taskmanagers,
@@ -114,9 +171,12 @@ def run_shape(stack: Stack, shape: Shape, records: Sequence[bytes], workdir: Pat
         "parallelism": shape.parallelism,
         "events": len(records),
         "done": counts[-1][1],
-        "wall_s_from_submit": round(wall, 1),
+        "wall_s_from_first_event": round(wall, 1),
         "events_per_s": rounded(rate, 0),
         "cpu_ms_per_event": per_event,
+        "idle_s": args.idle_s,
+        "idle_cores": idle,
+        "cpu_ms_per_event_net_of_idle": net_of_idle(per_event, idle, window_s, counted),
         "core_bound_events_per_s": rounded(core_bound(per_event.get("total"), args.cores), 0),
         "peak_memory_mib": memory.summary(),
     }
@@ -130,11 +190,14 @@ def run_shape(stack: Stack, shape: Shape, records: Sequence[bytes], workdir: Pat
 def table(shapes: Sequence[dict[str, Any]]) -> str:
     kinds = sorted({k for s in shapes for k in s["cpu_ms_per_event"] if k != "total"})
     head = ["shape", "events/s", "CPU ms/event", *kinds, "core-bound events/s"]
+    head += ["idle cores", "CPU ms/event net of idle"]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for s in shapes:
         cpu = s["cpu_ms_per_event"]
         row = [s["shape"], s["events_per_s"], cpu.get("total"), *(cpu.get(k, "") for k in kinds)]
-        lines.append("| " + " | ".join(str(v) for v in [*row, s["core_bound_events_per_s"]]) + " |")
+        row += [s["core_bound_events_per_s"], rounded(sum(s["idle_cores"].values()))]
+        row.append(s["cpu_ms_per_event_net_of_idle"].get("total"))
+        lines.append("| " + " | ".join(str(v) for v in row) + " |")
     return "\n".join(lines)
 
 
@@ -189,6 +252,9 @@ def parse_args(argv: Sequence[str] | None):
     p.add_argument("--shoppers", type=int, default=4_000, help="shoppers generated")
     p.add_argument("--duration-s", type=float, default=3600.0, help="event-time span generated")
     p.add_argument("--timeout-s", type=float, default=600.0, help="per shape")
+    p.add_argument(
+        "--idle-s", type=float, default=20.0, help="each shape's job idles this long first"
+    )
     p.add_argument(
         "--cores", type=int, default=len(os.sched_getaffinity(0)), help="for the core-bound rate"
     )

@@ -416,3 +416,25 @@ def test_the_scale_out_benchmarks_core_bound_rate_is_cores_over_cpu_per_event():
 
     assert core_bound(0.5, 2) == 4000.0
     assert core_bound(None, 2) is None
+
+
+def test_the_scale_out_drain_window_runs_from_a_tenth_of_the_events_done_to_the_last_poll():
+    from bench.scale_out import drain_window_s
+
+    counts = [(0.0, 0), (1.0, 50), (2.0, 120), (5.0, 1000)]
+    assert drain_window_s(counts, 1000) == 3.0
+
+
+def test_idle_cores_over_the_drain_window_come_off_each_parts_cpu_per_event():
+    from bench.scale_out import net_of_idle
+
+    per_event = {"taskmanager": 1.0, "tansu": 0.1, "total": 1.1}
+    # 0.5 of a core idling for 10 s is 5 CPU seconds: 0.5 ms over 10,000 events.
+    net = net_of_idle(per_event, {"taskmanager": 0.5}, 10.0, 10_000)
+    assert net == {"taskmanager": 0.5, "tansu": 0.1, "total": 0.6}
+
+
+def test_no_events_counted_gives_no_net_figure():
+    from bench.scale_out import net_of_idle
+
+    assert net_of_idle({"total": 1.0}, {"taskmanager": 0.5}, 10.0, 0) == {}
