@@ -30,10 +30,14 @@ from deploy.local_run import UnpackedApp, unpack
 from deploy.vendor import TargetPlatform
 from flink_jobs.tools.local_services import create_topics
 from flink_jobs.tools.replay import replay_records
+from flink_jobs.tools.run_summary import read_stats
 from intent_reader import IntentReader
 
 SHOPPERS = 5
 EVENTS_PER_SHOPPER = 4
+# A bound on the job's start-up (a fresh interpreter, the mini-cluster's JVM, the source's
+# first fetch): seconds on a quiet host, minutes beside the model tier's workers on two cores.
+JOB_START_TIMEOUT_S = 300.0
 INTENTS_TIMEOUT_S = 100.0
 STAND_IN_MODEL = "stand-in-model"
 STAND_IN_ANSWER = {
@@ -170,10 +174,28 @@ def running_job(
                 start_new_session=True,
             )
             try:
+                _wait_for_the_source_task(proc, redis_url, unique_name, log_path)
                 yield unique_name, llm, log_path
                 assert proc.poll() is None, _tail(log_path)
             finally:
                 _stop(proc)
+
+
+def _wait_for_the_source_task(
+    proc: subprocess.Popen, redis_url: str, name: str, log_path: Path
+) -> None:
+    """Until the job counts its source task's start (``task_starts``), as the demo waits
+    before its replay: the test's intents timeout is then the job's processing alone, not
+    its start-up under whatever load the host has."""
+    client = redis.Redis.from_url(redis_url)
+    deadline = time.monotonic() + JOB_START_TIMEOUT_S
+    while read_stats(client, name).get("task_starts", 0) < 1:
+        assert proc.poll() is None, f"the job exited (code {proc.returncode}):\n{_tail(log_path)}"
+        assert time.monotonic() < deadline, (
+            f"the job's source task did not start in {JOB_START_TIMEOUT_S:.0f} s:\n"
+            f"{_tail(log_path)}"
+        )
+        time.sleep(0.5)
 
 
 def _stop(proc: subprocess.Popen) -> None:
