@@ -20,10 +20,12 @@ that CPU per event (cores / CPU seconds per event), which is what a host with mo
 than this one would approach.
 
 Before its events go on the topic, each shape's job runs ``--idle-s`` with none: the cores
-each part of the stack uses then (``idle_cores``) cost the same at any event rate, so a
-shape with more TaskManagers pays more of them per event on a host that gives each fewer
-events. ``cpu_ms_per_event_net_of_idle`` takes that fixed share out of the drain's figure:
-what each further event costs. Results: ``bench/results/scale_out.json``.
+each part of the stack uses then (``idle_cores``: heartbeats, timers, the source's fetches,
+checkpoints, and whatever of each JVM's start-up, JIT compilation above all, still runs)
+do not grow with events, so a shape with more TaskManagers pays more of them per event on
+a host that gives each fewer events. ``cpu_ms_per_event_net_of_idle`` takes that share out
+of the drain's figure: an estimate of what each further event costs, low by whatever of
+the idle share was start-up. Results: ``bench/results/scale_out.json``.
 """
 
 from __future__ import annotations
