@@ -97,17 +97,6 @@ def core_bound(cpu_ms_total: float | None, cores: int) -> float | None:
     return cores * 1000 / cpu_ms_total
 
 
-def wait_for_sources(client: redis.Redis, name: str, subtasks: int, timeout_s: float) -> None:
-    """Until each of the job's ``subtasks`` source subtasks has opened (``task_starts``)."""
-    from flink_jobs.tools.run_summary import read_stats
-
-    deadline = time.monotonic() + timeout_s
-    while read_stats(client, name).get("task_starts", 0) < subtasks:
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{name}: {subtasks} source subtasks not up after {timeout_s} s")
-        time.sleep(0.5)
-
-
 def idle_cores(seconds: float) -> dict[str, float]:
     """Cores each part of the stack uses over ``seconds`` (the job running, no events)."""
     cpu = CpuClock(os.getpid())
@@ -140,6 +129,7 @@ def net_of_idle(
 
 def run_shape(stack: Stack, shape: Shape, records: Sequence[bytes], workdir: Path, args):
     from flink_jobs.tools.flink_cluster import ClusterSpec, FlinkCluster, job_script, settings_env
+    from flink_jobs.tools.run_summary import wait_for_task_starts
 
     name = f"scale-{shape.taskmanagers}tm{shape.slots}s-p{shape.parallelism}-{int(time.time())}"
     create_topics(stack.kafka.bootstrap, [f"{name}-events"], PARTITIONS)
@@ -152,7 +142,8 @@ def run_shape(stack: Stack, shape: Shape, records: Sequence[bytes], workdir: Pat
             job_script(), settings_env(_settings(stack, name)), shape.parallelism
         )
         try:
-            wait_for_sources(client, name, shape.parallelism, args.timeout_s)
+            if not wait_for_task_starts(client, name, shape.parallelism, args.timeout_s):
+                raise TimeoutError(f"{name}: its sources not up after {args.timeout_s} s")
             time.sleep(IDLE_WARMUP_S)
             idle = idle_cores(args.idle_s)
             print(f"{shape.label}: idle, cores by part: {idle}")

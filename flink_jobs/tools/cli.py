@@ -43,6 +43,7 @@ from flink_jobs.tools.run_summary import (
     read_prefix_cache,
     read_samples,
     read_stats,
+    wait_for_task_starts,
 )
 
 log = logging.getLogger("shopper-intents")
@@ -267,14 +268,8 @@ def _watch(args, config, worker_urls: list[str], records: list, workdir: Path) -
         # Once the job's source task is up: the freshness figures are the running job's,
         # not its start-up's (the JVM, the Python worker and the source's first fetch took
         # 3-5 s here, and the first prompts waited for them).
-        deadline = time.monotonic() + JOB_START_TIMEOUT_S
-        while read_stats(client, prefix).get("task_starts", 0) < 1:
-            if time.monotonic() > deadline:
-                log.warning(
-                    "the job did not start in %.0f s; replaying anyway", JOB_START_TIMEOUT_S
-                )
-                break
-            time.sleep(0.2)
+        if not wait_for_task_starts(client, prefix, 1, JOB_START_TIMEOUT_S):
+            log.warning("the job did not start in %.0f s; replaying anyway", JOB_START_TIMEOUT_S)
         replay_result["summary"] = send(records)
 
     log.info("replaying %d records from %s at %.0fx", len(records), args.sample, args.speed)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import httpx
@@ -48,6 +48,26 @@ def read_stats(client: redis.Redis, prefix: str) -> dict[str, int]:
 
 def read_samples(client: redis.Redis, prefix: str, name: str) -> list[int]:
     return [int(v) for v in client.lrange(samples_key(prefix, name), 0, -1)]
+
+
+def wait_for_task_starts(
+    client: redis.Redis,
+    prefix: str,
+    count: int,
+    timeout_s: float,
+    alive: Callable[[], bool] = lambda: True,
+    poll_s: float = 0.2,
+) -> bool:
+    """Until the job has counted ``count`` source subtask starts (``task_starts``, counted as
+    its decode operator opens): whether they came within ``timeout_s`` while ``alive()``
+    held. Replays and measurements wait for it so they time the running job, not its
+    start-up."""
+    deadline = time.monotonic() + timeout_s
+    while read_stats(client, prefix).get("task_starts", 0) < count:
+        if not alive() or time.monotonic() > deadline:
+            return False
+        time.sleep(poll_s)
+    return True
 
 
 def events_accounted(stats: dict[str, int]) -> int:

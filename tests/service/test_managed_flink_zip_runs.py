@@ -30,7 +30,7 @@ from deploy.local_run import UnpackedApp, unpack
 from deploy.vendor import TargetPlatform
 from flink_jobs.tools.local_services import create_topics
 from flink_jobs.tools.replay import replay_records
-from flink_jobs.tools.run_summary import read_stats
+from flink_jobs.tools.run_summary import wait_for_task_starts
 from intent_reader import IntentReader
 
 SHOPPERS = 5
@@ -184,18 +184,17 @@ def running_job(
 def _wait_for_the_source_task(
     proc: subprocess.Popen, redis_url: str, name: str, log_path: Path
 ) -> None:
-    """Until the job counts its source task's start (``task_starts``), as the demo waits
-    before its replay: the test's intents timeout is then the job's processing alone, not
-    its start-up under whatever load the host has."""
+    """Until the job counts its source task's start, as the demo waits before its replay:
+    the test's intents timeout is then the job's processing alone, not its start-up under
+    whatever load the host has."""
     client = redis.Redis.from_url(redis_url)
-    deadline = time.monotonic() + JOB_START_TIMEOUT_S
-    while read_stats(client, name).get("task_starts", 0) < 1:
-        assert proc.poll() is None, f"the job exited (code {proc.returncode}):\n{_tail(log_path)}"
-        assert time.monotonic() < deadline, (
-            f"the job's source task did not start in {JOB_START_TIMEOUT_S:.0f} s:\n"
-            f"{_tail(log_path)}"
-        )
-        time.sleep(0.5)
+    started = wait_for_task_starts(
+        client, name, 1, JOB_START_TIMEOUT_S, alive=lambda: proc.poll() is None, poll_s=0.5
+    )
+    assert proc.poll() is None, f"the job exited (code {proc.returncode}):\n{_tail(log_path)}"
+    assert started, (
+        f"the job's source task did not start in {JOB_START_TIMEOUT_S:.0f} s:\n{_tail(log_path)}"
+    )
 
 
 def _stop(proc: subprocess.Popen) -> None:
