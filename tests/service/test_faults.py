@@ -547,10 +547,13 @@ def scenario() -> Iterator[Scenario]:
             )
             time.sleep(3.0)
 
-            busy = _wait_for(in_flight(), IN_FLIGHT_WAIT_S)
             metrics_before_restart.append(router.metrics())
             pid_before = router.process.pid
+            _wait_for(in_flight(), IN_FLIGHT_WAIT_S)
             started = began("router")
+            # Checked again with nothing between it and the kill: reading the job's counters
+            # took long enough on a loaded host for the request seen first to be answered.
+            busy = _wait_for(in_flight(), IN_FLIGHT_WAIT_S, interval_s=0.05)
             router.process.kill()
             time.sleep(ROUTER_DOWN_S)
             router.start()
@@ -562,8 +565,9 @@ def scenario() -> Iterator[Scenario]:
             )
             time.sleep(3.0)
 
-            busy = _wait_for(in_flight(worker=direct_worker.url), IN_FLIGHT_WAIT_S)
+            _wait_for(in_flight(worker=direct_worker.url), IN_FLIGHT_WAIT_S)
             started = began("worker_kill")
+            busy = _wait_for(in_flight(worker=direct_worker.url), IN_FLIGHT_WAIT_S, 0.05)
             direct_worker.process.kill()
             faults["worker_kill"] = Fault("worker_kill", started, time.time(), {"in_flight": busy})
 
