@@ -46,8 +46,8 @@ import re
 import sys
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -103,6 +103,8 @@ class RouterSpec:
     label: str
     router: str  # "sidecar" | "vllm-router"
     policy: str
+    args: tuple[str, ...] = ()
+    """Extra command-line arguments of this router (a ``--variant``'s knob)."""
 
 
 ROUTERS = (
@@ -149,6 +151,9 @@ class BenchConfig:
     routers: tuple[str, ...] = tuple(spec.key for spec in ROUTERS)
     sidecar_args: tuple[str, ...] = ()
     """Extra command-line arguments of our routers (to try a policy knob)."""
+    variants: tuple[RouterSpec, ...] = ()
+    """Routers of ``ROUTERS`` run again under another key with extra arguments, beside
+    the original in the same run (``--variant``)."""
     after_restart: int = 50
     """Restart and join phases: requests sent after the restart or the join whose computed
     tokens are counted."""
@@ -177,7 +182,7 @@ def start_router(
     if spec.router == "sidecar":
         argv = [
             sys.executable, "-m", "inference_sidecar", "router", "--port", str(port),
-            "--policy", spec.policy, "--log-level", "warning", *sidecar_args,
+            "--policy", spec.policy, "--log-level", "warning", *sidecar_args, *spec.args,
             "--worker", *workers,
         ]  # fmt: skip
         if spec.policy == "kv_prefix":
@@ -189,7 +194,7 @@ def start_router(
             str(vllm_router_binary(default_cache_dir())), "--host", "127.0.0.1",
             "--port", str(port), "--policy", spec.policy, "--worker-urls", *workers,
             "--prometheus-port", str(free_port()), "--prometheus-host", "127.0.0.1",
-            "--worker-startup-check-interval", "1", "--log-level", "warning",
+            "--worker-startup-check-interval", "1", "--log-level", "warning", *spec.args,
         ]  # fmt: skip
         if spec.policy == "kv_aware":
             # Its event index is per model: it needs the served model's name.
@@ -743,14 +748,23 @@ COLUMNS = (
 )
 
 
-def table(phases: dict[str, dict[str, dict]]) -> str:
+def router_labels(doc: dict[str, Any]) -> dict[str, str]:
+    """Each router's label by key, in table order: ``ROUTERS``, then the run's variants
+    (a results file written before variants existed has no labels of its own)."""
+    labels = {spec.key: spec.label for spec in ROUTERS}
+    for key, policy in doc.get("policies", {}).items():
+        labels.setdefault(key, policy.get("label", key))
+    return labels
+
+
+def table(phases: dict[str, dict[str, dict]], labels: Mapping[str, str]) -> str:
     header = ["phase", "router / policy", *(c for c, _ in COLUMNS)]
     rows = []
     for phase, by_router in phases.items():
-        for spec in ROUTERS:
-            if spec.key in by_router:
-                r = by_router[spec.key]
-                rows.append([phase, spec.label, *(_cell(r.get(k)) for _, k in COLUMNS)])
+        for key, label in labels.items():
+            if key in by_router:
+                r = by_router[key]
+                rows.append([phase, label, *(_cell(r.get(k)) for _, k in COLUMNS)])
     widths = [max(len(str(x)) for x in col) for col in zip(header, *rows, strict=True)]
     line = lambda cells: " | ".join(str(c).ljust(w) for c, w in zip(cells, widths, strict=True))  # noqa: E731
     return "\n".join([line(header), "-+-".join("-" * w for w in widths), *map(line, rows)])
@@ -840,13 +854,13 @@ def markdown(doc: dict[str, Any], text_table: str) -> str:
         "| --- | --- | --- | --- | --- | --- |",
     ]
     for phase, by_router in doc["phases"].items():
-        for spec in ROUTERS:
-            r = by_router.get(spec.key)
+        for key, label in router_labels(doc).items():
+            r = by_router.get(key)
             if r is None:
                 continue
             served = r.get("requests_per_worker_client_side")
             lines.append(
-                f"| {phase} | {spec.label} | {r.get('inflight_mean_per_worker')} "
+                f"| {phase} | {label} | {r.get('inflight_mean_per_worker')} "
                 f"| {list(served.values()) if served else '-'} "
                 f"| {list(r['computed_tokens_per_worker'].values())} "
                 f"| {r.get('router_decisions') or '-'} |"
@@ -970,7 +984,7 @@ async def bench(cfg: BenchConfig, command: str) -> dict[str, Any]:
     t0 = time.monotonic()
     deadline = t0 + cfg.time_limit_s
     code = git_state()  # now: the files may change while the run goes on
-    specs = [spec for spec in ROUTERS if spec.key in cfg.routers]
+    specs = [spec for spec in ROUTERS if spec.key in cfg.routers] + list(cfg.variants)
     steady_requests = build_requests(cfg.workload)
     repeats = skewed_runs(cfg)
     log_dir = default_cache_dir() / "logs" / "bench-routing"
@@ -1153,7 +1167,15 @@ async def bench(cfg: BenchConfig, command: str) -> dict[str, Any]:
             },
         },
         "definitions": DEFINITIONS,
-        "policies": {spec.key: {"router": spec.router, "policy": spec.policy} for spec in ROUTERS},
+        "policies": {
+            spec.key: {
+                "router": spec.router,
+                "policy": spec.policy,
+                "label": spec.label,
+                **({"args": list(spec.args)} if spec.args else {}),
+            }
+            for spec in (*ROUTERS, *cfg.variants)
+        },
         "phases": phases,
         "memory_rss_mib": memory,
         "targets": targets,
@@ -1208,6 +1230,11 @@ def parse_args(argv: Sequence[str] | None) -> BenchConfig:
         "--sidecar-arg", action="append", default=[], metavar="ARG",
         help="an extra argument of our routers, e.g. --sidecar-arg=--recompute-weight=3",
     )  # fmt: skip
+    p.add_argument(
+        "--variant", action="append", default=[], metavar="KEY=ROUTER ARG...",
+        help="also run ROUTER (a --routers key) as KEY with extra arguments, side by side, "
+        "e.g. --variant 'sidecar_bounded_hash_lf2=sidecar_bounded_hash --load-factor=2'",
+    )  # fmt: skip
     p.add_argument("--time-limit", type=float, default=7200.0, help="seconds for the whole run")
     p.add_argument("--seed", type=int, default=11)
     p.add_argument("--quick", action="store_true", help="a small smoke run (not for results)")
@@ -1240,7 +1267,22 @@ def parse_args(argv: Sequence[str] | None) -> BenchConfig:
         after_restart=a.after_restart,
         routers=_choices("--routers", a.routers, tuple(spec.key for spec in ROUTERS)),
         sidecar_args=tuple(a.sidecar_arg),
+        variants=tuple(parse_variant(v) for v in a.variant),
     )
+
+
+def parse_variant(value: str) -> RouterSpec:
+    """``KEY=ROUTER ARG...`` (``--variant``) as the spec of ``ROUTER`` under ``KEY``."""
+    key, _, rest = value.partition("=")
+    base_key, *args = rest.split()
+    base = next((spec for spec in ROUTERS if spec.key == base_key), None)
+    known = {spec.key for spec in ROUTERS}
+    if not key.strip() or key.strip() in known or base is None or not args:
+        raise SystemExit(
+            f"--variant: expected NEW_KEY=ROUTER ARG... with ROUTER one of {', '.join(known)} "
+            f"and NEW_KEY not one of them, got {value!r}"
+        )
+    return replace(base, key=key.strip(), label=f"{base.label} {' '.join(args)}", args=tuple(args))
 
 
 def _choices(flag: str, value: str, allowed: Sequence[str]) -> tuple[str, ...]:
@@ -1269,14 +1311,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args[:1] == ["--render"]:  # re-render the table and report from a results file
         path = Path(args[1]) if len(args) > 1 else RESULTS_DIR / "routing.json"
         doc = json.loads(path.read_text())
-        text = table(doc["phases"])
+        text = table(doc["phases"], router_labels(doc))
         print(text)
         path.with_suffix(".md").write_text(markdown(doc, text))
         return 0
     cfg = parse_args(argv)
     command = "python -m bench.routing " + " ".join(args)
     doc = asyncio.run(bench(cfg, command.strip()))
-    text = table(doc["phases"])
+    text = table(doc["phases"], router_labels(doc))
     print(text)
     for t in doc["targets"]:
         status = {True: "met", False: "MISSED", None: "n/a"}[t["met"]]

@@ -41,7 +41,9 @@ from bench.routing import (
     judge,
     judge_kv,
     kv_bytes_per_token,
+    parse_variant,
     pool_runs,
+    router_labels,
     schedule,
     summarise,
     table,
@@ -263,8 +265,31 @@ class TestTargets:
 
     def test_table_lists_every_router(self):
         row = {"prefix_cache_hit_ratio": 0.5, "errors": 0}
-        text = table({"steady": _phase(ours=row, rr=row, ch=row)})
+        text = table({"steady": _phase(ours=row, rr=row, ch=row)}, router_labels({}))
         assert "sidecar bounded_hash" in text and "vllm-router consistent_hash" in text
+
+    def test_a_variant_runs_its_router_under_its_own_key_with_its_arguments(self):
+        spec = parse_variant("bh_lf2=sidecar_bounded_hash --load-factor=2 --min-bound=4")
+        assert (spec.key, spec.router, spec.policy) == ("bh_lf2", "sidecar", "bounded_hash")
+        assert spec.args == ("--load-factor=2", "--min-bound=4")
+        assert spec.label == "sidecar bounded_hash --load-factor=2 --min-bound=4"
+
+    @pytest.mark.parametrize(
+        "value",
+        ["bh_lf2=no_such_router --load-factor=2", "bh_lf2=sidecar_bounded_hash",
+         "sidecar_kv_prefix=sidecar_bounded_hash --load-factor=2", "=sidecar_bounded_hash -x"],
+    )  # fmt: skip
+    def test_a_variant_needs_a_new_key_a_known_router_and_an_argument(self, value):
+        with pytest.raises(SystemExit, match="--variant"):
+            parse_variant(value)
+
+    def test_a_variant_is_tabled_after_the_routers_under_its_label(self):
+        doc = {"policies": {"bh_lf2": {"label": "sidecar bounded_hash --load-factor=2"}}}
+        row = {"prefix_cache_hit_ratio": 0.5, "errors": 0}
+        text = table({"steady": {"bh_lf2": row, "sidecar_bounded_hash": row}}, router_labels(doc))
+        lines = text.splitlines()
+        assert "sidecar bounded_hash --load-factor=2" in lines[-1]
+        assert "sidecar bounded_hash " in lines[-2]
 
 
 class TestTimeWeightedBalance:
