@@ -23,40 +23,28 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import json
-import os
 import re
-import signal
-import subprocess
-import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
+from collections.abc import Sequence
 
 import httpx
 import pytest
 
-from inference_sidecar.exceptions import ConfigError
 from inference_sidecar.policies.bounded_hash import preference_order
-from inference_sidecar.workers import (
-    ClusterConfig,
-    WorkerProcesses,
-    default_cache_dir,
-    find_free_port_range,
-    log_tail,
-    port_is_free,
+from inference_sidecar.workers import find_free_port_range
+from tests.model.clusters import (
+    CHAT,
+    Cluster,
+    Stack,
+    chat_body,
+    metric_sum,
+    shopper_messages,
 )
 from tests.service.fault_proxy import FaultProxy
 
 pytestmark = [pytest.mark.timeout(360)]
 
-MODEL = "SmolLM2-135M-Instruct"
-CHAT = "/v1/chat/completions"
-INSTRUCTIONS = (
-    "You are a shopping assistant. From the shopper's recent events, name the shopper's "
-    "most likely intent in a few words. " * 6
-)
 INTENT_SCHEMA = {
     "type": "json_schema",
     "json_schema": {
@@ -72,38 +60,6 @@ INTENT_SCHEMA = {
         },
     },
 }
-
-
-def shopper_messages(shopper: str, n_events: int) -> list[dict[str, str]]:
-    events = "\n".join(
-        f"- event {i}: shopper {shopper} viewed item {shopper}-{i} (running shoes, size {40 + i})"
-        for i in range(n_events)
-    )
-    return [
-        {"role": "system", "content": INSTRUCTIONS},
-        {"role": "user", "content": f"Shopper {shopper} events:\n{events}\nWhat is the intent?"},
-    ]
-
-
-def chat_body(messages: list[dict[str, str]], max_tokens: int = 16, **extra: object) -> dict:
-    return {
-        "model": MODEL,
-        "messages": messages,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        **extra,
-    }
-
-
-def metric_sum(text: str, name: str, **labels: str) -> float:
-    """Sum of the samples of ``name`` whose labels include ``labels``."""
-    total = 0.0
-    for line in text.splitlines():
-        if not line.startswith(name + "{") and not line.startswith(name + " "):
-            continue
-        if all(f'{k}="{v}"' in line for k, v in labels.items()):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
 
 
 def worker_metric(url: str, name: str, **labels: str) -> float:
@@ -124,136 +80,6 @@ def shoppers_homed_on(workers: Sequence[str], each: int, prefix: str) -> dict[st
             home.append(shopper)
         n += 1
     return homed
-
-
-@dataclass
-class RouterProcess:
-    url: str
-    proc: subprocess.Popen[bytes]
-    log: Path
-
-    def post(self, body: dict, shopper: str | None = None, timeout: float = 120) -> httpx.Response:
-        headers = {"X-Session-ID": shopper} if shopper else {}
-        return httpx.post(f"{self.url}{CHAT}", json=body, headers=headers, timeout=timeout)
-
-    def metric(self, name: str, **labels: str) -> float:
-        return metric_sum(httpx.get(f"{self.url}/metrics", timeout=10).text, name, **labels)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=5)
-
-
-@dataclass
-class Cluster:
-    mode: str
-    pool: WorkerProcesses
-    router_url: str
-    router: subprocess.Popen[bytes]
-    router_log: Path
-    reference: dict[str, str] = field(default_factory=dict)
-
-    def post(self, body: dict, shopper: str | None = None, timeout: float = 120) -> httpx.Response:
-        headers = {"X-Session-ID": shopper} if shopper else {}
-        return httpx.post(f"{self.router_url}{CHAT}", json=body, headers=headers, timeout=timeout)
-
-    def stop(self) -> None:
-        RouterProcess(self.router_url, self.router, self.router_log).stop()
-        self.pool.stop()
-
-
-class Stack:
-    """Starts a cluster on demand; one at a time."""
-
-    def __init__(self, log_dir: Path) -> None:
-        self.log_dir = log_dir
-        self.current: Cluster | None = None
-
-    def get(self, mode: str) -> Cluster:
-        current = self.current
-        if current is not None and current.mode == mode and current.router.poll() is None:
-            return current
-        self.close()
-        n = 2
-        base = find_free_port_range(n + 1)
-        cfg = ClusterConfig(
-            mode=mode,  # type: ignore[arg-type]
-            workers=n,
-            prefill=1,
-            decode=1,
-            base_port=base,
-            max_model_len=2048,
-            log_dir=self.log_dir / mode,
-        )
-        try:
-            pool = WorkerProcesses(cfg, ready_timeout_s=240)
-        except ConfigError as exc:
-            pytest.skip(f"vLLM is not installed here: {exc}")
-        with_pool = pool.start()
-        try:
-            with_pool.wait_ready()
-            self.current = self._start_router(pool, mode, base + n)
-        except BaseException:
-            pool.stop()
-            raise
-        return self.current
-
-    def _start_router(self, pool: WorkerProcesses, mode: str, port: int) -> Cluster:
-        assert port_is_free("127.0.0.1", port)
-        if mode == "aggregated":
-            args = ["--worker", *pool.worker_urls]
-        else:
-            args = ["--prefill", *pool.prefill_urls, "--decode", *pool.decode_urls]
-        router = self.start_router([], mode, args, port)
-        return Cluster(mode, pool, router.url, router.proc, router.log)
-
-    def start_router(
-        self, workers: list[str], name: str, extra: Sequence[str] = (), port: int | None = None
-    ) -> RouterProcess:
-        """``python -m inference_sidecar router`` as the pipeline starts it; waits for
-        ``/health``."""
-        port = port or find_free_port_range(1)
-        args = [sys.executable, "-m", "inference_sidecar", "router", "--port", str(port)]
-        if workers:
-            args += ["--worker", *workers]
-        args += ["--health-interval", "0.5", *extra]
-        log = self.log_dir / f"router-{name}.log"
-        with log.open("wb") as out:
-            proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
-        router = RouterProcess(f"http://127.0.0.1:{port}", proc, log)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(f"router exited:\n{log_tail(log)}")
-            try:
-                if httpx.get(f"{router.url}/health", timeout=1).status_code == 200:
-                    return router
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        router.stop()
-        raise RuntimeError(f"router not healthy after 30 s:\n{log_tail(log)}")
-
-    def close(self) -> None:
-        if self.current is not None:
-            self.current.stop()
-            self.current = None
-
-
-@pytest.fixture(scope="session")
-def stack() -> Iterator[Stack]:
-    # Logs go under the cache, not pytest's tmp_path: concurrent pytest runs on this
-    # machine rotate old tmp_path folders away while a run still writes to them.
-    log_dir = default_cache_dir() / "logs" / "test-router-vllm" / str(os.getpid())
-    log_dir.mkdir(parents=True, exist_ok=True)
-    s = Stack(log_dir)
-    yield s
-    s.close()
 
 
 @pytest.fixture

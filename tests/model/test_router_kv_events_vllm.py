@@ -8,12 +8,12 @@
   holding that prefix, although its hash order says the other worker, and that worker's
   own counters show the prefix served from its cache.
 
-Two workers, started once for the module (about a minute on this machine).
+The workers are the router tests' aggregated pair (``clusters.Stack``), started with
+their KV cache events on; this module adds only its router.
 """
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -31,14 +31,8 @@ from inference_sidecar.kv_blocks import hashing_from_metrics
 from inference_sidecar.kv_index import EventBatch, Stored, decode_batch
 from inference_sidecar.policies.bounded_hash import preference_order
 from inference_sidecar.prompt_tokens import PromptTokenizer
-from inference_sidecar.workers import (
-    ClusterConfig,
-    WorkerProcesses,
-    default_cache_dir,
-    find_free_port_range,
-    log_tail,
-)
-from tests.model.test_router_vllm import MODEL, chat_body, metric_sum, shopper_messages
+from inference_sidecar.workers import WorkerProcesses, find_free_port_range, log_tail
+from tests.model.clusters import MODEL, Stack, chat_body, metric_sum, shopper_messages
 
 pytestmark = [pytest.mark.timeout(420)]
 
@@ -76,19 +70,16 @@ class EventLog:
 
 
 class KVCluster:
-    def __init__(self, log_dir: Path) -> None:
-        base = find_free_port_range(3)
-        cfg = ClusterConfig(
-            workers=2, base_port=base, max_model_len=2048, kv_events=True, log_dir=log_dir
-        )
-        self.pool = WorkerProcesses(cfg, ready_timeout_s=300)
-        self.router_port = base + 2
+    """A ``kv_prefix`` router in front of the router tests' aggregated workers, which
+    publish their KV cache events (``clusters.Stack``)."""
+
+    def __init__(self, pool: WorkerProcesses, log_dir: Path) -> None:
+        self.pool = pool
+        self.router_port = find_free_port_range(1)
         self.log = log_dir / "router-kv.log"
         self.router: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
-        self.pool.start()
-        self.pool.wait_ready()
         args = [sys.executable, "-m", "inference_sidecar", "router", "--policy", "kv_prefix"]
         args += ["--port", str(self.router_port), "--health-interval", "0.5"]
         args += ["--worker", *self.pool.worker_urls, "--tokenizer", str(self.model_dir)]
@@ -124,14 +115,13 @@ class KVCluster:
                 self.router.wait(timeout=15)
             except subprocess.TimeoutExpired:
                 self.router.kill()
-        self.pool.stop()
 
 
 @pytest.fixture(scope="module")
-def cluster() -> Iterator[KVCluster]:
-    log_dir = default_cache_dir() / "logs" / "test-kv-routing" / str(os.getpid())
-    log_dir.mkdir(parents=True, exist_ok=True)
-    c = KVCluster(log_dir)
+def cluster(stack: Stack) -> Iterator[KVCluster]:
+    workers = stack.get("aggregated").pool
+    assert workers.kv_event_sources, "the aggregated workers must publish KV events"
+    c = KVCluster(workers, stack.log_dir)
     try:
         c.start()
         yield c

@@ -1,0 +1,204 @@
+"""The vLLM clusters of the model tier's router tests, started on demand, one at a time.
+
+Two workers at most run here at once beside the session's LLM tier (this machine has 2
+cores). The aggregated cluster's workers publish their KV cache events, so the KV-routing
+tests (``test_router_kv_events_vllm.py``) put their ``kv_prefix`` router in front of the same
+workers instead of starting a pool of their own (a pool's start was the longest part of
+that module), and their file sorts just before the router tests' so the pool serves both
+in a row.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import pytest
+
+from inference_sidecar.exceptions import ConfigError
+from inference_sidecar.workers import (
+    ClusterConfig,
+    WorkerProcesses,
+    find_free_port_range,
+    log_tail,
+    port_is_free,
+)
+
+MODEL = "SmolLM2-135M-Instruct"
+CHAT = "/v1/chat/completions"
+INSTRUCTIONS = (
+    "You are a shopping assistant. From the shopper's recent events, name the shopper's "
+    "most likely intent in a few words. " * 6
+)
+
+
+def shopper_messages(shopper: str, n_events: int) -> list[dict[str, str]]:
+    events = "\n".join(
+        f"- event {i}: shopper {shopper} viewed item {shopper}-{i} (running shoes, size {40 + i})"
+        for i in range(n_events)
+    )
+    return [
+        {"role": "system", "content": INSTRUCTIONS},
+        {"role": "user", "content": f"Shopper {shopper} events:\n{events}\nWhat is the intent?"},
+    ]
+
+
+def chat_body(messages: list[dict[str, str]], max_tokens: int = 16, **extra: object) -> dict:
+    return {
+        "model": MODEL,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        **extra,
+    }
+
+
+def metric_sum(text: str, name: str, **labels: str) -> float:
+    """Sum of the samples of ``name`` whose labels include ``labels``."""
+    total = 0.0
+    for line in text.splitlines():
+        if not line.startswith(name + "{") and not line.startswith(name + " "):
+            continue
+        if all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+@dataclass
+class RouterProcess:
+    url: str
+    proc: subprocess.Popen[bytes]
+    log: Path
+
+    def post(self, body: dict, shopper: str | None = None, timeout: float = 120) -> httpx.Response:
+        headers = {"X-Session-ID": shopper} if shopper else {}
+        return httpx.post(f"{self.url}{CHAT}", json=body, headers=headers, timeout=timeout)
+
+    def metric(self, name: str, **labels: str) -> float:
+        return metric_sum(httpx.get(f"{self.url}/metrics", timeout=10).text, name, **labels)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=5)
+
+
+@dataclass
+class Cluster:
+    mode: str
+    pool: WorkerProcesses
+    router_url: str
+    router: subprocess.Popen[bytes]
+    router_log: Path
+    reference: dict[str, str] = field(default_factory=dict)
+
+    def post(self, body: dict, shopper: str | None = None, timeout: float = 120) -> httpx.Response:
+        headers = {"X-Session-ID": shopper} if shopper else {}
+        return httpx.post(f"{self.router_url}{CHAT}", json=body, headers=headers, timeout=timeout)
+
+    def stop(self) -> None:
+        RouterProcess(self.router_url, self.router, self.router_log).stop()
+        self.pool.stop()
+
+
+class Stack:
+    """Starts a cluster on demand; one at a time."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self.current: Cluster | None = None
+
+    def get(self, mode: str) -> Cluster:
+        current = self.current
+        if current is not None and current.mode == mode and self._serving(current):
+            return current
+        self.close()
+        n = 2
+        base = find_free_port_range(n + 1)
+        cfg = ClusterConfig(
+            mode=mode,  # type: ignore[arg-type]
+            workers=n,
+            prefill=1,
+            decode=1,
+            base_port=base,
+            max_model_len=2048,
+            kv_events=mode == "aggregated",
+            log_dir=self.log_dir / mode,
+        )
+        try:
+            pool = WorkerProcesses(cfg, ready_timeout_s=300)
+        except ConfigError as exc:
+            pytest.skip(f"vLLM is not installed here: {exc}")
+        with_pool = pool.start()
+        try:
+            with_pool.wait_ready()
+            self.current = self._start_router(pool, mode, base + n)
+        except BaseException:
+            pool.stop()
+            raise
+        return self.current
+
+    @staticmethod
+    def _serving(cluster: Cluster) -> bool:
+        """The router and every worker answer: a test that killed a worker (the router
+        tests' last aggregated one) leaves a cluster the next user must not get."""
+        if cluster.router.poll() is not None:
+            return False
+        try:
+            return all(
+                httpx.get(f"{url}/health", timeout=5).status_code == 200
+                for url in cluster.pool.urls
+            )
+        except httpx.HTTPError:
+            return False
+
+    def _start_router(self, pool: WorkerProcesses, mode: str, port: int) -> Cluster:
+        assert port_is_free("127.0.0.1", port)
+        if mode == "aggregated":
+            args = ["--worker", *pool.worker_urls]
+        else:
+            args = ["--prefill", *pool.prefill_urls, "--decode", *pool.decode_urls]
+        router = self.start_router([], mode, args, port)
+        return Cluster(mode, pool, router.url, router.proc, router.log)
+
+    def start_router(
+        self, workers: list[str], name: str, extra: Sequence[str] = (), port: int | None = None
+    ) -> RouterProcess:
+        """``python -m inference_sidecar router`` as the pipeline starts it; waits for
+        ``/health``."""
+        port = port or find_free_port_range(1)
+        args = [sys.executable, "-m", "inference_sidecar", "router", "--port", str(port)]
+        if workers:
+            args += ["--worker", *workers]
+        args += ["--health-interval", "0.5", *extra]
+        log = self.log_dir / f"router-{name}.log"
+        with log.open("wb") as out:
+            proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
+        router = RouterProcess(f"http://127.0.0.1:{port}", proc, log)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"router exited:\n{log_tail(log)}")
+            try:
+                if httpx.get(f"{router.url}/health", timeout=1).status_code == 200:
+                    return router
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        router.stop()
+        raise RuntimeError(f"router not healthy after 30 s:\n{log_tail(log)}")
+
+    def close(self) -> None:
+        if self.current is not None:
+            self.current.stop()
+            self.current = None
