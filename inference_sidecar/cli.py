@@ -43,6 +43,14 @@ def _add_router_options(p: argparse.ArgumentParser) -> None:
         help="bound on a worker's in-flight requests, as a multiple of the mean (default 1.25)",
     )
     p.add_argument(
+        "--residency-factor",
+        type=float,
+        default=1.25,
+        help="bound on a worker's resident prompt tokens (the last prompt of every shopper "
+        "homed there), as a multiple of the mean, for where a new shopper may go "
+        "(default 1.25)",
+    )
+    p.add_argument(
         "--min-load-bound",
         type=int,
         default=3,
@@ -145,6 +153,7 @@ def router_config(args: argparse.Namespace, **overrides: Any) -> RouterConfig:
         "policy": args.policy,
         "load_factor": args.load_factor,
         "min_load_bound": args.min_load_bound,
+        "residency_factor": args.residency_factor,
         "recompute_weight": args.recompute_weight,
         "max_attempts": args.max_attempts,
         "request_timeout_s": args.request_timeout,

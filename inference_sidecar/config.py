@@ -58,7 +58,11 @@ class RouterConfig:
     port: int = DEFAULT_PORT
     policy: str = "bounded_hash"
     load_factor: float = 1.25
+    """bounded_hash: bound on a worker's requests in flight, as a multiple of the mean."""
     min_load_bound: int = 3
+    residency_factor: float = 1.25
+    """bounded_hash: bound on a worker's resident prompt tokens, as a multiple of the
+    mean, for where a new key may go."""
     recompute_weight: float = 2.0
     """bounded_hash: weight of a prompt's uncached tokens against a worker's queued ones."""
     key_headers: tuple[str, ...] = DEFAULT_KEY_HEADERS
@@ -106,6 +110,8 @@ class RouterConfig:
         self._check_kv_events()
         if not self.load_factor >= 1.0:
             raise ConfigError("load_factor", f"must be >= 1.0, got {self.load_factor}")
+        if not self.residency_factor >= 1.0:
+            raise ConfigError("residency_factor", f"must be >= 1.0, got {self.residency_factor}")
         if not self.recompute_weight >= 0:
             raise ConfigError("recompute_weight", f"must be >= 0, got {self.recompute_weight}")
         if not 0 < self.port < 65536:

@@ -291,6 +291,7 @@ class Router:
                     config.policy,
                     load_factor=config.load_factor,
                     min_bound=config.min_load_bound,
+                    residency_factor=config.residency_factor,
                     recompute_weight=config.recompute_weight,
                     kv_index=self.kv_index,
                 ),

@@ -26,9 +26,10 @@ hard to soft (the fifth is hard again, for new keys only):
    served soonest. A key with history keeps the token cost alone: it must not leave its
    cached prefix for a faster worker.
 5. **Residency**, for new keys only: a new key goes only to a worker whose resident
-   prompt tokens (the last prompt of every key homed there) are at most ``load_factor``
-   times the mean, rule 1 applied to what the KV caches must hold. It comes before speed,
-   which alone herds new keys onto one worker until its cache overflows.
+   prompt tokens (the last prompt of every key homed there) are at most
+   ``residency_factor`` times the mean, rule 1 applied to what the KV caches must hold.
+   It comes before speed, which alone herds new keys onto one worker until its cache
+   overflows.
 
 Without a size (``size=0``: the caller could not estimate the prompt) this is plain
 bounded-load hashing: the first worker under the bound in the key's order.
@@ -51,6 +52,7 @@ from dataclasses import dataclass, field
 from inference_sidecar.policies.base import Policy
 
 DEFAULT_LOAD_FACTOR = 1.25
+DEFAULT_RESIDENCY_FACTOR = 1.25
 DEFAULT_MIN_BOUND = 3
 DEFAULT_RECOMPUTE_WEIGHT = 2.0
 DEFAULT_REQUEST_COST = 64
@@ -109,6 +111,7 @@ class BoundedHashPolicy(Policy):
         self,
         load_factor: float = DEFAULT_LOAD_FACTOR,
         min_bound: int = DEFAULT_MIN_BOUND,
+        residency_factor: float = DEFAULT_RESIDENCY_FACTOR,
         recompute_weight: float = DEFAULT_RECOMPUTE_WEIGHT,
         request_cost: int = DEFAULT_REQUEST_COST,
         history_size: int = DEFAULT_HISTORY_SIZE,
@@ -117,6 +120,8 @@ class BoundedHashPolicy(Policy):
     ) -> None:
         if not load_factor >= 1.0:
             raise ValueError(f"load_factor must be >= 1.0, got {load_factor!r}")
+        if not residency_factor >= 1.0:
+            raise ValueError(f"residency_factor must be >= 1.0, got {residency_factor!r}")
         if min_bound < 1:
             raise ValueError(f"min_bound must be >= 1, got {min_bound!r}")
         if not recompute_weight >= 0:
@@ -124,6 +129,7 @@ class BoundedHashPolicy(Policy):
         if request_cost < 0 or history_size < 0 or workers_per_key < 1:
             raise ValueError("request_cost and history_size must be >= 0, workers_per_key >= 1")
         self.load_factor = load_factor
+        self.residency_factor = residency_factor
         self.min_bound = min_bound
         self.recompute_weight = recompute_weight
         self.request_cost = request_cost
@@ -159,12 +165,12 @@ class BoundedHashPolicy(Policy):
         return self._resident.get(worker, 0)
 
     def roomy(self, workers: Sequence[str]) -> list[str]:
-        """``workers`` whose resident tokens are within the load factor of their mean
+        """``workers`` whose resident tokens are within the residency factor of their mean
         (module doc, 5); never empty for a non-empty ``workers``."""
         if not workers:
             return []
         mean = sum(self.resident_tokens(w) for w in workers) / len(workers)
-        return [w for w in workers if self.resident_tokens(w) <= self.load_factor * mean]
+        return [w for w in workers if self.resident_tokens(w) <= self.residency_factor * mean]
 
     def new_key_candidates(
         self, allowed: Sequence[str], size: int = 0, blocks: Sequence[int] = ()

@@ -333,7 +333,12 @@ class TestTokenAwareSpilling:
 
 class TestPolicyOptions:
     def test_invalid_options_are_refused(self) -> None:
-        for kwargs in ({"recompute_weight": -1}, {"workers_per_key": 0}, {"history_size": -1}):
+        for kwargs in (
+            {"recompute_weight": -1},
+            {"workers_per_key": 0},
+            {"history_size": -1},
+            {"residency_factor": 0.5},
+        ):
             with pytest.raises(ValueError):
                 BoundedHashPolicy(**kwargs)
 
@@ -478,6 +483,22 @@ class TestResidency:
 
         resident = [policy.resident_tokens(w) for w in WORKERS[:3]]
         assert max(resident) <= 1.25 * sum(resident) / 3 + 1000, resident
+
+    def test_its_bound_is_the_residency_factor_not_the_in_flight_load_factor(self) -> None:
+        """A holds twice the mean's share of prompt tokens: a new key may not go there
+        at the default residency factor, however loose the bound on requests in flight."""
+        policy = BoundedHashPolicy(load_factor=3.0)
+        for i in range(4):
+            served(policy, f"a{i}", self.A, 1000)
+        served(policy, "b0", self.B, 1000)
+        served(policy, "c0", self.C, 1000)
+
+        assert policy.roomy(WORKERS[:3]) == [self.B, self.C]
+        looser = BoundedHashPolicy(load_factor=1.25, residency_factor=2.5)
+        for key, worker in (*((f"a{i}", self.A) for i in range(4)), ("b0", self.B)):
+            served(looser, key, worker, 1000)
+        served(looser, "c0", self.C, 1000)
+        assert looser.roomy(WORKERS[:3]) == [self.A, self.B, self.C]
 
     def test_a_known_key_stays_home_whatever_its_worker_holds(self) -> None:
         policy = BoundedHashPolicy()

@@ -97,6 +97,11 @@ class TestStickiness:
         }
         assert len(seen) == 1
 
+    async def test_the_policy_gets_both_of_the_configured_bounds(self, fake, client_for) -> None:
+        _, router = client_for(load_factor=2.0, residency_factor=1.5)
+        policy = next(iter(router.pools.values())).policy
+        assert (policy.load_factor, policy.residency_factor) == (2.0, 1.5)
+
     async def test_hot_key_spills_under_concurrency(self, fake, client_for) -> None:
         """Eight concurrent requests of one shopper: the home worker takes what the
         bound allows and the rest spill to the other worker."""

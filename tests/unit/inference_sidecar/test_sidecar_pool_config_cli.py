@@ -112,6 +112,7 @@ class TestRouterConfig:
             ({"workers": (A, A)}, "workers"),
             ({"workers": (A,), "policy": "random"}, "policy"),
             ({"workers": (A,), "load_factor": 0.5}, "load_factor"),
+            ({"workers": (A,), "residency_factor": 0.9}, "residency_factor"),
             ({"workers": (A,), "port": 0}, "port"),
             ({"workers": (A,), "max_attempts": 0}, "max_attempts"),
         ],
@@ -162,11 +163,13 @@ class TestCli:
     def test_router_flags(self) -> None:
         args = cli.build_parser().parse_args(
             ["router", "--port", "9500", "--worker", A, B, "--worker", C, "--policy",
-             "round_robin", "--load-factor", "1.5", "--key-header", "X-User-ID"]
+             "round_robin", "--load-factor", "1.5", "--residency-factor", "1.75",
+             "--key-header", "X-User-ID"]
         )  # fmt: skip
         cfg = cli.router_config(args, workers=tuple(args.worker))
         assert cfg.workers == (A, B, C) and cfg.port == 9500 and cfg.host == "127.0.0.1"
         assert cfg.policy == "round_robin" and cfg.load_factor == 1.5
+        assert cfg.residency_factor == 1.75
         assert cfg.key_headers == ("x-user-id",)
 
     def test_router_pd_flags(self) -> None:
