@@ -11,12 +11,20 @@ progress line and the integration test's accounting read:
 
 Timings (LLM latency, event-to-intent latency) are kept as samples: the newest
 ``MAX_SAMPLES`` values of each in a list at ``{prefix}:samples:<name>``, for percentiles.
+
+A flush is applied exactly once. Redis may apply a batch and then go away before its
+reply arrives (a restart, a dropped connection); a client that sent the batch again would
+count it twice, and the accounting above would no longer balance. So each reporter numbers
+its batches, and a Lua script adds a batch only if its number is above the last one this
+reporter applied (kept in ``{prefix}:stats:flushes``); a batch that failed is sent again
+unchanged, under the same number, until Redis answers.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import uuid
 from collections import Counter
 
 import redis
@@ -35,15 +43,37 @@ def samples_key(prefix: str, name: str) -> str:
     return f"{prefix}:samples:{name}"
 
 
+def flushes_key(prefix: str) -> str:
+    return f"{prefix}:stats:flushes"
+
+
+# KEYS: the stats hash, the flushes hash. ARGV: reporter id, batch number, then name and
+# amount pairs. Adds the batch unless this reporter's batch of that number was applied.
+APPLY_BATCH = """
+local applied = tonumber(redis.call('HGET', KEYS[2], ARGV[1]) or '0')
+local seq = tonumber(ARGV[2])
+if seq <= applied then return 0 end
+for i = 3, #ARGV, 2 do redis.call('HINCRBY', KEYS[1], ARGV[i], ARGV[i + 1]) end
+redis.call('HSET', KEYS[2], ARGV[1], seq)
+return 1
+"""
+
+
 class StatsReporter:
     def __init__(self, redis_url: str, prefix: str, flush_interval_s: float) -> None:
-        self._key = stats_key(prefix)
+        self._keys = [stats_key(prefix), flushes_key(prefix)]
         self._prefix = prefix
         self._samples: dict[str, list[int]] = {}
         self._client = redis.Redis.from_url(redis_url, socket_timeout=5)
+        self._apply = self._client.register_script(APPLY_BATCH)
         self._interval = flush_interval_s
         self._pending: Counter[str] = Counter()
+        self._id = uuid.uuid4().hex
+        self._unacked: tuple[int, Counter[str]] | None = None
+        """The batch sent and not yet acknowledged, with its number: sent again as it is."""
+        self._seq = 0
         self._lock = threading.Lock()
+        self._flushing = threading.Lock()  # the flusher thread and close()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="stats-flusher", daemon=True)
         self._thread.start()
@@ -59,26 +89,43 @@ class StatsReporter:
                 values.append(value)
 
     def flush(self) -> None:
+        with self._flushing:
+            # Twice at most: a batch an outage held back, then what was counted meanwhile
+            # (close() flushes once, and must publish both).
+            for _ in range(2):
+                if not self._send_batch():
+                    return
+
+    def _send_batch(self) -> bool:
+        """Send the unacknowledged batch, or make one of what is pending, with the samples;
+        True when it was acknowledged and more is pending."""
         with self._lock:
-            pending, self._pending = self._pending, Counter()
+            if self._unacked is None and self._pending:
+                self._seq += 1
+                self._unacked, self._pending = (self._seq, self._pending), Counter()
             samples, self._samples = self._samples, {}
-        if not pending and not samples:
-            return
+        if self._unacked is None and not samples:
+            return False
         try:
             pipe = self._client.pipeline(transaction=False)
-            for name, amount in pending.items():
-                pipe.hincrby(self._key, name, amount)
+            if self._unacked is not None:
+                seq, batch = self._unacked
+                args = [self._id, seq, *(x for item in batch.items() for x in item)]
+                self._apply(keys=self._keys, args=args, client=pipe)
             for name, values in samples.items():
                 key = samples_key(self._prefix, name)
                 pipe.rpush(key, *values)
                 pipe.ltrim(key, -MAX_SAMPLES, -1)
             pipe.execute()
         except redis.RedisError as exc:
-            # Put the deltas back: counts are retried, never lost, while Redis is away.
+            # The batch stays unacknowledged and is sent again, under its number, on the
+            # next flush: counts are never lost nor added twice while Redis is away.
             # (Timing samples are best effort and dropped.)
             log.warning("could not publish stats to Redis (%s); will retry", exc)
-            with self._lock:
-                self._pending.update(pending)
+            return False
+        self._unacked = None
+        with self._lock:
+            return bool(self._pending)
 
     def close(self) -> None:
         self._stop.set()

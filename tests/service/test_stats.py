@@ -1,5 +1,6 @@
 """Outcome counters published to one Redis hash: counted in memory, added with HINCRBY on
-flush (by a background thread and on close), and never lost while Redis is away."""
+flush (by a background thread and on close), never lost while Redis is away, and never
+added twice when Redis applied a flush whose reply was lost."""
 
 from __future__ import annotations
 
@@ -149,4 +150,54 @@ class TestRedisAway:
                 client.close()
         finally:
             reporter.close()
+            private.stop()
+
+    def test_a_flush_redis_applied_but_never_answered_is_not_added_again(
+        self, reporter: StatsReporter, redis_client: redis.Redis, unique_name: str, monkeypatch
+    ) -> None:
+        """Redis restarted (or the connection dropped) after it ran the batch and before
+        the reply came back: the reporter cannot tell, sends the batch again, and Redis
+        must not count it twice."""
+        client = reporter._client  # the reporter's own connection, to lose one reply on
+        real_pipeline = client.pipeline
+
+        def pipeline_losing_its_reply(*args, **kwargs):
+            pipe = real_pipeline(*args, **kwargs)
+            execute = pipe.execute
+
+            def execute_then_lose_the_reply(*a, **kw):
+                execute(*a, **kw)
+                raise redis.ConnectionError("connection closed before the reply")
+
+            pipe.execute = execute_then_lose_the_reply
+            return pipe
+
+        reporter.add("events_in", 3)
+        reporter.add("events_accepted", 3)
+        monkeypatch.setattr(client, "pipeline", pipeline_losing_its_reply)
+        reporter.flush()  # applied by Redis, failed for the reporter
+        monkeypatch.undo()
+        reporter.add("events_in", 2)
+        reporter.flush()
+
+        assert published(redis_client, unique_name) == {"events_in": 5, "events_accepted": 3}
+
+    def test_close_after_an_outage_publishes_the_held_back_batch_and_what_came_after(
+        self, tmp_path: Path, unique_name: str
+    ) -> None:
+        private = local_services.start_redis(workdir=tmp_path / "redis")
+        reporter = StatsReporter(private.url, unique_name, flush_interval_s=SLOW_FLUSH_S)
+        try:
+            reporter.add("events_in", 4)
+            private.stop()
+            reporter.flush()  # fails and holds the batch back
+            reporter.add("events_in", 1)
+            private.start()
+        finally:
+            reporter.close()
+        client = redis.Redis.from_url(private.url)
+        try:
+            assert published(client, unique_name) == {"events_in": 5}
+        finally:
+            client.close()
             private.stop()
