@@ -853,8 +853,9 @@ def markdown(doc: dict[str, Any], text_table: str) -> str:
         "| computed tokens per worker | router decisions |",
         "| --- | --- | --- | --- | --- | --- |",
     ]
+    labels = router_labels(doc)
     for phase, by_router in doc["phases"].items():
-        for key, label in router_labels(doc).items():
+        for key, label in labels.items():
             r = by_router.get(key)
             if r is None:
                 continue

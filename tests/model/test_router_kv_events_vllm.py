@@ -14,12 +14,10 @@ their KV cache events on; this module adds only its router.
 
 from __future__ import annotations
 
-import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -31,8 +29,15 @@ from inference_sidecar.kv_blocks import hashing_from_metrics
 from inference_sidecar.kv_index import EventBatch, Stored, decode_batch
 from inference_sidecar.policies.bounded_hash import preference_order
 from inference_sidecar.prompt_tokens import PromptTokenizer
-from inference_sidecar.workers import WorkerProcesses, find_free_port_range, log_tail
-from tests.model.clusters import MODEL, Stack, chat_body, metric_sum, shopper_messages
+from inference_sidecar.workers import WorkerProcesses
+from tests.model.clusters import (
+    MODEL,
+    RouterProcess,
+    Stack,
+    chat_body,
+    metric_sum,
+    shopper_messages,
+)
 
 pytestmark = [pytest.mark.timeout(420)]
 
@@ -69,64 +74,38 @@ class EventLog:
         self._ctx.term()
 
 
+@dataclass
 class KVCluster:
     """A ``kv_prefix`` router in front of the router tests' aggregated workers, which
     publish their KV cache events (``clusters.Stack``)."""
 
-    def __init__(self, pool: WorkerProcesses, log_dir: Path) -> None:
-        self.pool = pool
-        self.router_port = find_free_port_range(1)
-        self.log = log_dir / "router-kv.log"
-        self.router: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        args = [sys.executable, "-m", "inference_sidecar", "router", "--policy", "kv_prefix"]
-        args += ["--port", str(self.router_port), "--health-interval", "0.5"]
-        args += ["--worker", *self.pool.worker_urls, "--tokenizer", str(self.model_dir)]
-        for url, (events, replay) in self.pool.kv_event_sources.items():
-            args += ["--kv-events", f"{url}={events},{replay}"]
-        with self.log.open("wb") as out:
-            self.router = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            assert self.router.poll() is None, log_tail(self.log)
-            try:
-                health = httpx.get(f"{self.url}/health", timeout=1)
-                if health.status_code == 200 and health.json().get("kv_blocks"):
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        raise RuntimeError(f"router not ready:\n{log_tail(self.log)}")
+    pool: WorkerProcesses
+    router: RouterProcess
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.router_port}"
+        return self.router.url
 
     @property
     def model_dir(self) -> Path:
         assert self.pool.config.model_dir is not None
         return self.pool.config.model_dir
 
-    def stop(self) -> None:
-        if self.router is not None and self.router.poll() is None:
-            self.router.send_signal(signal.SIGTERM)
-            try:
-                self.router.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.router.kill()
-
 
 @pytest.fixture(scope="module")
 def cluster(stack: Stack) -> Iterator[KVCluster]:
-    workers = stack.get("aggregated").pool
-    assert workers.kv_event_sources, "the aggregated workers must publish KV events"
-    c = KVCluster(workers, stack.log_dir)
+    pool = stack.get("aggregated").pool
+    assert pool.kv_event_sources, "the aggregated workers must publish KV events"
+    assert pool.config.model_dir is not None
+    extra = ["--policy", "kv_prefix", "--tokenizer", str(pool.config.model_dir)]
+    for url, (events, replay) in pool.kv_event_sources.items():
+        extra += ["--kv-events", f"{url}={events},{replay}"]
+    router = stack.start_router(pool.worker_urls, "kv", extra)
     try:
-        c.start()
-        yield c
+        wait_until(lambda: bool(httpx.get(f"{router.url}/health", timeout=2).json()["kv_blocks"]))
+        yield KVCluster(pool, router)
     finally:
-        c.stop()
+        router.stop()
 
 
 def wait_until(condition, timeout_s: float = 20.0) -> None:  # type: ignore[no-untyped-def]
