@@ -248,15 +248,21 @@ def read_counters(workers: Sequence[str]) -> dict[str, dict[str, float]]:
 
 
 DECISIONS = "inference_sidecar_routing_decisions_total"
+WORKER_ERRORS = "inference_sidecar_worker_errors_total"
 
 
 def router_decisions(url: str) -> dict[str, float]:
-    """Our router's routing decisions so far (sticky / spilled / failed_over); {} for others."""
+    """Our router's routing decisions so far (sticky / spilled / failed_over), and its failed
+    attempts by kind (``attempt_failed_<kind>``: what each failover answered); {} for others."""
     try:
         text = httpx.get(f"{url}/metrics", timeout=5).text
     except httpx.HTTPError:
         return {}
-    return parse_by_label(text, DECISIONS, "decision")
+    failed = parse_by_label(text, WORKER_ERRORS, "kind")
+    return {
+        **parse_by_label(text, DECISIONS, "decision"),
+        **{f"attempt_failed_{kind}": n for kind, n in failed.items()},
+    }
 
 
 def reset_prefix_caches(workers: Sequence[str]) -> None:

@@ -3,16 +3,20 @@
 The router feeds this module two kinds of signals and acts on the events it returns:
 
 * every completed upstream request (``record``): success or failure, its latency and the
-  most requests the worker served at once meanwhile;
+  work the worker had in hand meanwhile;
 * every active probe of ``GET /health`` (``probe``): reachable or not.
 
 A worker is taken out ("ejected") when, over its recent window of requests, its error
 rate or its median latency stands out from its peers', or after a run of consecutive
 failures. Comparing with peers rather than with fixed limits is what keeps a slow model
 or a burst of long prompts from ejecting everybody: only the odd one out goes. Latency is
-compared per request in flight: a worker that sticky routing gave a hot shopper's three
-concurrent requests answers each more slowly because it computes three at once, not
-because it is sick, and ejecting it would move every prefix it caches for nothing.
+compared per unit of work: the worker's requests in flight meanwhile, each weighed by the
+prompt tokens the policy expected it to compute. A worker that sticky routing gave a hot
+shopper's three concurrent requests, or the cold shoppers' whole prompts while a peer
+served cached ones, answers more slowly because it has more to compute, not because it is
+sick, and ejecting it would move every prefix it caches for nothing (the skewed routing
+benchmark ejected a worker so, on a host where it shared a core, in every repeat; see
+bench/README.md, "Latency ejection per unit of work").
 An ejected worker stays out for a back-off period that doubles with each ejection, then
 comes back once a probe succeeds. A worker failing its active checks is "down" until a
 probe succeeds again. Ejection never leaves fewer than ``min_healthy`` workers in
@@ -72,7 +76,7 @@ class HealthConfig:
 class Outcome:
     ok: bool
     latency_s: float
-    """Per request in flight: the latency over the requests the worker was serving."""
+    """Per unit of work: the latency over the work the worker had in hand meanwhile."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +100,8 @@ class HealthEvent:
     kind: EventKind
     worker: str
     reason: str = ""
+    detail: str = field(default="", compare=False)
+    """The figures behind ``reason``, for the log (not a metric label)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,6 +171,15 @@ def outlier_reason(state: PoolHealth, worker: str, cfg: HealthConfig) -> str | N
     return None
 
 
+def _latency_detail(state: PoolHealth, worker: str) -> str:
+    """The median latencies per unit of work that a latency ejection compared."""
+    medians = {w: lat for w, h in state.workers.items() if (lat := _median_latency(h)) is not None}
+    figures = ", ".join(
+        f"{'this worker' if w == worker else w} {lat:.3f} s" for w, lat in medians.items()
+    )
+    return f"median latency per unit of work over the recent requests: {figures}"
+
+
 def _may_eject(state: PoolHealth, worker: str, cfg: HealthConfig) -> bool:
     others = sum(1 for w, h in state.workers.items() if w != worker and in_service(h))
     return others >= cfg.min_healthy and others > 0
@@ -174,12 +189,13 @@ def _eject(
     state: PoolHealth, worker: str, reason: str, now: float, cfg: HealthConfig
 ) -> tuple[PoolHealth, list[HealthEvent]]:
     h = state.get(worker)
+    detail = _latency_detail(state, worker) if reason == "latency" else ""
     ejections = h.ejections + 1
     period = min(cfg.base_ejection_s * 2 ** (ejections - 1), cfg.max_ejection_s)
     ejected = replace(
         h, outcomes=(), consecutive_failures=0, ejected_until=now + period, ejections=ejections
     )
-    return state.with_worker(worker, ejected), [HealthEvent("ejected", worker, reason)]
+    return state.with_worker(worker, ejected), [HealthEvent("ejected", worker, reason, detail)]
 
 
 def record(
@@ -189,10 +205,12 @@ def record(
     latency_s: float,
     now: float,
     cfg: HealthConfig,
-    sharing: int = 1,
+    work: float = 1.0,
 ) -> tuple[PoolHealth, list[HealthEvent]]:
-    """Account one finished request to ``worker``; may eject it. ``sharing`` is the most
-    requests the worker served at once while this one was in flight, itself included.
+    """Account one finished request to ``worker``; may eject it. ``work`` is what the
+    worker had to do while this request was in flight, itself included, in units of one
+    request with nothing to prefill (``routing_state.work_units``; the requests served
+    meanwhile, when their sizes are unknown).
 
     Outcomes of a worker already out of service are ignored: they are requests sent
     before it was taken out and say nothing new.
@@ -202,7 +220,7 @@ def record(
     h = state.get(worker)
     if not in_service(h):
         return state, []
-    outcomes = (*h.outcomes, Outcome(ok, latency_s / max(1, sharing)))[-cfg.window :]
+    outcomes = (*h.outcomes, Outcome(ok, latency_s / max(1.0, work)))[-cfg.window :]
     h = replace(h, outcomes=outcomes, consecutive_failures=0 if ok else h.consecutive_failures + 1)
     state = state.with_worker(worker, h)
     reason = outlier_reason(state, worker, cfg)

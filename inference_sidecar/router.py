@@ -500,7 +500,13 @@ class Router:
     def _on_health_event(self, pool: str, event: HealthEvent) -> None:
         level = logging.WARNING if event.kind in ("ejected", "down") else logging.INFO
         logger.log(
-            level, "worker %s (%s pool) %s: %s", event.worker, pool, event.kind, event.reason
+            level,
+            "worker %s (%s pool) %s: %s%s",
+            event.worker,
+            pool,
+            event.kind,
+            event.reason,
+            f" ({event.detail})" if event.detail else "",
         )
         self.metrics.health_events.labels(pool, event.worker, event.kind, event.reason).inc()
         if event.kind == "down" and self.kv_index is not None:

@@ -18,13 +18,27 @@ from inference_sidecar.policies import Policy
 Decision = Literal["sticky", "placed", "spilled", "failed_over", "balanced"]
 
 
+REQUEST_TOKENS = 256
+"""Prompt tokens worth one request's fixed cost (scheduling, decode steps, HTTP): the unit
+in which a worker's work is counted for outlier detection."""
+
+
+def work_units(uncached_tokens: int) -> float:
+    """A request's work in units of a request with nothing to prefill."""
+    return 1.0 + uncached_tokens / REQUEST_TOKENS
+
+
 @dataclass(slots=True, eq=False)
 class Ticket:
-    """One request in flight: the policy's own ticket and the worker's load meanwhile."""
+    """One request in flight: the policy's own ticket and the worker's work meanwhile."""
 
     policy_ticket: Any
-    sharing: int
-    """The most requests the worker served at once while this one was in flight."""
+    own_work: float
+    """This request's work (``work_units`` of the prompt tokens the policy expects the
+    worker to compute)."""
+    work: float
+    """The work of every request the worker served while this one was in flight, this
+    one included: what its latency is divided by before it is compared with the peers'."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,11 +124,16 @@ class RoutingState:
     ) -> Ticket:
         """Count a request sent to ``worker``; returns the ticket to end it with."""
         self.in_flight[worker] += 1
-        serving = self.in_flight[worker]
-        for other in self._open[worker]:
-            other.sharing = max(other.sharing, serving)
-        ticket = Ticket(self.policy.on_start(worker, key, size, blocks), serving)
-        self._open[worker].append(ticket)
+        own = work_units(self.policy.uncached(key, worker, size, blocks) if size > 0 else 0)
+        open_ = self._open[worker]
+        for other in open_:
+            other.work += own
+        ticket = Ticket(
+            self.policy.on_start(worker, key, size, blocks),
+            own,
+            own + sum(other.own_work for other in open_),
+        )
+        open_.append(ticket)
         return ticket
 
     def prefilled(self, worker: str, ticket: Ticket) -> None:
@@ -126,16 +145,14 @@ class RoutingState:
     ) -> None:
         """End one request; ``ok=None`` means "not the worker's fault" (client error,
         client gone) and feeds nothing to outlier detection. Its latency is judged against
-        the most requests the worker served at once while it was in flight."""
+        the work the worker had in hand while it was in flight (``Ticket.work``)."""
         if ticket in self._open[worker]:
             self._open[worker].remove(ticket)
         self.in_flight[worker] = max(0, self.in_flight[worker] - 1)
         self.policy.on_finish(worker, ticket.policy_ticket, ok)
         if ok is not None:
             self._apply(
-                h.record(
-                    self.health, worker, ok, latency_s, now, self.health_config, ticket.sharing
-                )
+                h.record(self.health, worker, ok, latency_s, now, self.health_config, ticket.work)
             )
 
     def probed(self, worker: str, ok: bool, now: float) -> None:

@@ -54,6 +54,11 @@ class Policy:
         """True when the policy knows nothing of ``key`` yet (its first placement)."""
         return False
 
+    def uncached(self, key: str, worker: str, size: int, blocks: Sequence[int] = ()) -> int:
+        """Estimated prompt tokens ``worker`` must compute for ``key``'s prompt of ``size``;
+        a policy that knows nothing of the workers' caches counts the whole prompt."""
+        return size
+
     def on_start(
         self, worker: str, key: str = "", size: int = 0, blocks: Sequence[int] = ()
     ) -> Any:

@@ -79,11 +79,11 @@ class TestLatency:
         state, kinds = feed(state, "c", 10, True, 0.2)  # 20x slower but only 0.19 s
         assert kinds == []
 
-    def test_a_worker_serving_more_at_once_is_judged_per_request(self) -> None:
+    def test_a_worker_with_more_work_in_hand_is_judged_per_unit_of_it(self) -> None:
         """Sticky routing gave it a hot shopper's three concurrent requests."""
         state = warmed(1.0)
         for _ in range(10):
-            state, events = record(state, "c", True, 4.5, 0.0, CFG, sharing=3)
+            state, events = record(state, "c", True, 4.5, 0.0, CFG, work=3)
             assert events == []
         assert available(state) == W
 
@@ -91,7 +91,7 @@ class TestLatency:
         state = warmed(1.0)
         kinds = []
         for _ in range(10):
-            state, events = record(state, "c", True, 15.0, 0.0, CFG, sharing=3)
+            state, events = record(state, "c", True, 15.0, 0.0, CFG, work=3)
             kinds += [e.kind for e in events]
         assert kinds == ["ejected"]
 
