@@ -438,3 +438,21 @@ def test_no_events_counted_gives_no_net_figure():
     from bench.scale_out import net_of_idle
 
     assert net_of_idle({"total": 1.0}, {"taskmanager": 0.5}, 10.0, 0) == {}
+
+
+def test_the_scale_out_targets_judge_the_second_taskmanagers_cpu_and_its_share_of_the_cores():
+    from bench.scale_out import shape_targets
+
+    def shape(rate: float, cpu_ms: float, core_bound: float) -> dict:
+        return {
+            "events_per_s": rate,
+            "cpu_ms_per_event": {"total": cpu_ms},
+            "core_bound_events_per_s": core_bound,
+        }
+
+    one = shape(2728.0, 0.670, 2985.0)
+    met = {t["name"]: t["met"] for t in shape_targets(one, shape(3059.0, 0.713, 2805.0), one)}
+    assert met["2 TaskManagers over 1, CPU ms per event of the whole stack"]
+    assert met["2 TaskManagers, drain events/s over the core-bound rate"]
+    costly = shape_targets(one, shape(2000.0, 0.80, 2500.0), one)
+    assert [t["met"] for t in costly[:3]] == [False, False, False]
