@@ -456,3 +456,22 @@ def test_the_scale_out_targets_judge_the_second_taskmanagers_cpu_and_its_share_o
     assert met["2 TaskManagers, drain events/s over the core-bound rate"]
     costly = shape_targets(one, shape(2000.0, 0.80, 2500.0), one)
     assert [t["met"] for t in costly[:3]] == [False, False, False]
+
+
+def test_the_scale_out_targets_are_judged_on_each_shapes_mean_over_its_rounds():
+    from bench.scale_out import shape_mean
+
+    def drained(shape: str, rate: float, cpu_ms: float) -> dict:
+        return {
+            "shape": shape,
+            "events_per_s": rate,
+            "cpu_ms_per_event": {"total": cpu_ms},
+            "core_bound_events_per_s": 2000 / cpu_ms,
+        }
+
+    results = [drained("one", 2728.0, 0.670), drained("two", 3059.0, 0.713)]
+    results += [drained("one", 3366.0, 0.555), drained("two", 2864.0, 0.736)]
+    one = shape_mean(results, "one")
+    assert one["rounds"] == 2
+    assert one["events_per_s"] == 3047.0
+    assert one["cpu_ms_per_event"] == {"total": 0.613}
