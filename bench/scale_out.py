@@ -246,7 +246,7 @@ def shape_targets(one: dict[str, Any], two: dict[str, Any], shared: dict[str, An
 def run(args) -> dict[str, Any]:
     import tempfile
 
-    started = time.time()
+    started = time.monotonic()
     records = make_events(args.shoppers, args.duration_s, 7, args.events)
     results = []
     with tempfile.TemporaryDirectory(prefix="si-scale-") as tmp:
