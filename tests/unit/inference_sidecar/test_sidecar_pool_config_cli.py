@@ -81,24 +81,30 @@ class TestRoutingState:
         assert events == [] and pool.is_in_service(A)
         assert [o.latency_s for o in pool.health.get(A).outcomes[:3]] == [2.0, 2.0, 2.0]
 
-    def test_latency_counts_the_prompt_tokens_each_worker_computes(self) -> None:
+    @pytest.mark.parametrize(
+        ("slow_on_cached", "ejected"),
+        [(False, False), (True, True)],
+        ids=["slower-on-whole-prompts-stays", "as-slow-on-cached-prompts-is-ejected"],
+    )
+    def test_latency_counts_the_prompt_tokens_each_worker_computes(
+        self, slow_on_cached: bool, ejected: bool
+    ) -> None:
         """A computes new shoppers' whole prompts while B and C answer returning shoppers
         from their caches: six times as long per request, not an outlier. The same worker
         as slow on cached prompts is one."""
+        pool = self.pool()
 
-        def round_trip(pool: RoutingState, worker: str, key: str, size: int, s: float) -> None:
-            pool.finish(worker, True, s, 0.0, pool.start(worker, key, size))
+        def round_trip(worker: str, key: str, size: int, seconds: float) -> None:
+            pool.finish(worker, True, seconds, 0.0, pool.start(worker, key, size))
 
-        for slow_on_cached, ejected in ((False, False), (True, True)):
-            pool = self.pool()
-            for worker in (A, B, C):
-                round_trip(pool, worker, f"{worker}-home", 2000, 1.0)
-            for i in range(8):
-                for worker in (B, C):
-                    round_trip(pool, worker, f"{worker}-home", 2000 + i, 1.0)
-                key, size = (f"{A}-home", 2000 + i) if slow_on_cached else (f"new-{i}", 2000)
-                round_trip(pool, A, key, size, 6.0)
-            assert pool.is_in_service(A) is not ejected
+        for worker in (A, B, C):
+            round_trip(worker, f"{worker}-home", 2000, 1.0)
+        for i in range(8):
+            for worker in (B, C):
+                round_trip(worker, f"{worker}-home", 2000 + i, 1.0)
+            key, size = (f"{A}-home", 2000 + i) if slow_on_cached else (f"new-{i}", 2000)
+            round_trip(A, key, size, 6.0)
+        assert pool.is_in_service(A) is not ejected
 
     def test_client_errors_do_not_count(self) -> None:
         pool = self.pool()
