@@ -39,6 +39,9 @@ class Ticket:
     work: float
     """The work of every request the worker served while this one was in flight, this
     one included: what its latency is divided by before it is compared with the peers'."""
+    key: str = ""
+    prefilled: bool = False
+    """The worker sent its first byte: the prompt's prefix is in its cache from then on."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,20 +127,37 @@ class RoutingState:
     ) -> Ticket:
         """Count a request sent to ``worker``; returns the ticket to end it with."""
         self.in_flight[worker] += 1
-        own = work_units(self.policy.uncached(key, worker, size, blocks) if size > 0 else 0)
         open_ = self._open[worker]
+        own = work_units(self._uncached_now(open_, key, worker, size, blocks))
         for other in open_:
             other.work += own
         ticket = Ticket(
             self.policy.on_start(worker, key, size, blocks),
             own,
             own + sum(other.own_work for other in open_),
+            key,
         )
         open_.append(ticket)
         return ticket
 
+    def _uncached_now(
+        self, open_: list[Ticket], key: str, worker: str, size: int, blocks: Sequence[int]
+    ) -> int:
+        """The prompt tokens ``worker`` will compute for this request, for its work: the
+        policy's estimate, or the whole prompt while an earlier request of the same key is
+        still in prefill there. The policy counts that prefix as the worker's already (it
+        is where the key belongs), but the worker has not computed it yet, so a hot
+        shopper's concurrent requests each compute nearly all of it (bench/README.md,
+        "Latency ejection per unit of work")."""
+        if size <= 0:
+            return 0
+        if key and any(t.key == key and not t.prefilled for t in open_):
+            return size
+        return self.policy.uncached(key, worker, size, blocks)
+
     def prefilled(self, worker: str, ticket: Ticket) -> None:
         """The worker's first output byte arrived: its prefill of this request is done."""
+        ticket.prefilled = True
         self.policy.on_prefilled(worker, ticket.policy_ticket)
 
     def finish(

@@ -11,7 +11,7 @@ from inference_sidecar.config import RouterConfig
 from inference_sidecar.exceptions import ConfigError
 from inference_sidecar.health import HealthEvent
 from inference_sidecar.policies import make_policy
-from inference_sidecar.routing_state import Choice, RoutingState, classify
+from inference_sidecar.routing_state import Choice, RoutingState, classify, work_units
 
 A, B, C = "http://127.0.0.1:9001", "http://127.0.0.1:9002", "http://127.0.0.1:9003"
 
@@ -105,6 +105,21 @@ class TestRoutingState:
             key, size = (f"{A}-home", 2000 + i) if slow_on_cached else (f"new-{i}", 2000)
             round_trip(A, key, size, 6.0)
         assert pool.is_in_service(A) is not ejected
+
+    def test_a_prefix_still_in_prefill_counts_as_work_for_the_next_request_of_its_key(
+        self,
+    ) -> None:
+        """A hot shopper's second request, sent while its first is still in prefill on the
+        same worker, computes the whole prompt there; once the first byte came, only the
+        new tail."""
+        pool = self.pool()
+        first = pool.start(A, "hot", 2000)
+        during = pool.start(A, "hot", 2050)
+        pool.prefilled(A, first)
+        pool.prefilled(A, during)
+        after = pool.start(A, "hot", 2100)
+        assert (first.own_work, during.own_work) == (work_units(2000), work_units(2050))
+        assert after.own_work == work_units(2100 - 2050)
 
     def test_client_errors_do_not_count(self) -> None:
         pool = self.pool()
