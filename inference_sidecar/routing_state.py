@@ -127,8 +127,8 @@ class RoutingState:
     ) -> Ticket:
         """Count a request sent to ``worker``; returns the ticket to end it with."""
         self.in_flight[worker] += 1
+        own = work_units(self._uncached_now(key, worker, size, blocks))
         open_ = self._open[worker]
-        own = work_units(self._uncached_now(open_, key, worker, size, blocks))
         for other in open_:
             other.work += own
         ticket = Ticket(
@@ -140,9 +140,7 @@ class RoutingState:
         open_.append(ticket)
         return ticket
 
-    def _uncached_now(
-        self, open_: list[Ticket], key: str, worker: str, size: int, blocks: Sequence[int]
-    ) -> int:
+    def _uncached_now(self, key: str, worker: str, size: int, blocks: Sequence[int]) -> int:
         """The prompt tokens ``worker`` will compute for this request, for its work: the
         policy's estimate, or the whole prompt while an earlier request of the same key is
         still in prefill there. The policy counts that prefix as the worker's already (it
@@ -152,7 +150,7 @@ class RoutingState:
         streamed has no first byte to tell, so it counts as in prefill until it ends."""
         if size <= 0:
             return 0
-        if key and any(t.key == key and not t.prefilled for t in open_):
+        if key and any(t.key == key and not t.prefilled for t in self._open[worker]):
             return size
         return self.policy.uncached(key, worker, size, blocks)
 
