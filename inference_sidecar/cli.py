@@ -64,6 +64,13 @@ def _add_router_options(p: argparse.ArgumentParser) -> None:
         "bounded_hash chooses where to send it (default 2; 0 routes on queues alone)",
     )
     p.add_argument(
+        "--request-cost",
+        type=int,
+        default=64,
+        help="bounded_hash: queue cost of one request in flight on a worker, in prompt "
+        "tokens (default %(default)s)",
+    )
+    p.add_argument(
         "--kv-stale-after",
         type=float,
         default=DEFAULT_STALE_AFTER_S,
@@ -155,6 +162,7 @@ def router_config(args: argparse.Namespace, **overrides: Any) -> RouterConfig:
         "min_load_bound": args.min_load_bound,
         "residency_factor": args.residency_factor,
         "recompute_weight": args.recompute_weight,
+        "request_cost": args.request_cost,
         "max_attempts": args.max_attempts,
         "request_timeout_s": args.request_timeout,
         "max_concurrent_requests": args.max_concurrent_requests,

@@ -65,6 +65,8 @@ class RouterConfig:
     mean, for where a new key may go."""
     recompute_weight: float = 2.0
     """bounded_hash: weight of a prompt's uncached tokens against a worker's queued ones."""
+    request_cost: int = 64
+    """bounded_hash: queue cost of one request in flight, in prompt tokens."""
     key_headers: tuple[str, ...] = DEFAULT_KEY_HEADERS
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     connect_timeout_s: float = 2.0
@@ -114,6 +116,8 @@ class RouterConfig:
             raise ConfigError("residency_factor", f"must be >= 1.0, got {self.residency_factor}")
         if not self.recompute_weight >= 0:
             raise ConfigError("recompute_weight", f"must be >= 0, got {self.recompute_weight}")
+        if self.request_cost < 0:
+            raise ConfigError("request_cost", f"must be >= 0, got {self.request_cost}")
         if not 0 < self.port < 65536:
             raise ConfigError("port", f"must be in 1..65535, got {self.port}")
         if self.max_body_bytes < 1024:

@@ -293,6 +293,7 @@ class Router:
                     min_bound=config.min_load_bound,
                     residency_factor=config.residency_factor,
                     recompute_weight=config.recompute_weight,
+                    request_cost=config.request_cost,
                     kv_index=self.kv_index,
                 ),
                 config.health,
@@ -590,7 +591,15 @@ class Router:
             return None
         decision = "failed_over" if tried else choice.decision
         self.metrics.decisions.labels(self.policy_name, pool.name, decision).inc()
-        logger.debug("key %r (%s) -> %s [%s]", key.value, key.source, choice.worker, decision)
+        logger.debug(
+            "key %r (%s, %d tokens) -> %s [%s]; in flight %s",
+            key.value,
+            key.source,
+            key.size,
+            choice.worker,
+            decision,
+            pool.in_flight,
+        )
         tried.append(choice.worker)
         return choice.worker
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
 from typing import Any
 
 from inference_sidecar.policies.base import Policy
@@ -20,7 +19,7 @@ __all__ = [
     "make_policy",
 ]
 
-_FACTORIES: dict[str, Callable[..., Policy]] = {
+_FACTORIES: dict[str, type[Policy]] = {
     BoundedHashPolicy.name: BoundedHashPolicy,
     KVPrefixPolicy.name: KVPrefixPolicy,
     RoundRobinPolicy.name: RoundRobinPolicy,
@@ -41,5 +40,20 @@ def make_policy(name: str, **kwargs: Any) -> Policy:
         raise ValueError(
             f"unknown policy {name!r}; choose one of {', '.join(POLICY_NAMES)}"
         ) from None
-    accepted = inspect.signature(factory).parameters
+    accepted = options(factory)
     return factory(**{k: v for k, v in kwargs.items() if k in accepted})
+
+
+def options(factory: type[Policy]) -> set[str]:
+    """The keyword options ``factory`` takes, its bases' included where it passes
+    ``**kwargs`` on to them (``kv_prefix`` takes ``bounded_hash``'s tuning that way; read
+    from its own signature alone, it silently dropped ``load_factor`` and the rest)."""
+    names: set[str] = set()
+    for cls in factory.__mro__:
+        if "__init__" not in vars(cls):
+            continue
+        params = list(inspect.signature(vars(cls)["__init__"]).parameters.values())[1:]
+        names |= {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+        if not any(p.kind is p.VAR_KEYWORD for p in params):
+            break
+    return names

@@ -8,6 +8,13 @@ hard to soft (the fifth is hard again, for new keys only):
    request only while its in-flight load is below ``ceil(c * (total in flight + 1) / n)``,
    and never below ``min_bound`` (default 3, so a handful of requests do not spill a
    shopper off its prefix). Some worker always qualifies: the mean is below the bound.
+   While the bound is at that floor (a nearly idle cluster), the key's own requests in
+   flight on a worker count there as one, up to ``min_bound`` of them: they share its
+   prefix and the worker batches their decoding, so moving one away recomputes the whole
+   prefix to relieve a queue the key made itself. That is what spilled a hot shopper at
+   the end of each skewed-phase repeat, once the others were done (bench/README.md, "A
+   key's own requests"). Above the floor, and beyond ``min_bound`` of them, they count
+   as anyone's, so a burst from one key still spreads.
 2. **Affinity**: per key, a bounded LRU remembers the last workers that served it and
    its prompt size there; on those only the prompt's new tail is uncached. Keys never seen
    are ordered by rendezvous hashing: a stable preference order without virtual nodes, so
@@ -18,8 +25,8 @@ hard to soft (the fifth is hard again, for new keys only):
    ``recompute_weight * uncached(key, worker) + queued(worker)``, ``queued`` being the
    uncached tokens sent there still without a first byte plus ``request_cost`` per request
    in flight; ties go to the key's most recent worker, then to rendezvous order. A
-   recompute counts twice by default: in this request's wait, and in the capacity it takes
-   from everyone else on the worker it lands on.
+   recompute counts twice by default: in this request's wait, and in the capacity it
+   takes from everyone else on the worker it lands on.
 4. **Speed**, for new keys only: their cost is scaled by the worker's recent latency over
    its peers' median (clamped to ``SLOWNESS_RANGE``; 1 within ``SLOWNESS_DEAD_BAND`` and
    until two workers answered within ``LATENCY_MEMORY_S``), so they go where they will be
@@ -45,7 +52,7 @@ import hashlib
 import math
 import statistics
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -57,7 +64,8 @@ DEFAULT_MIN_BOUND = 3
 DEFAULT_RECOMPUTE_WEIGHT = 2.0
 DEFAULT_REQUEST_COST = 64
 """Tokens of queue cost per request in flight: a tie-breaker towards fewer requests
-(decoding slots), small next to a prompt of 1-4k tokens."""
+(decoding slots), small next to a prompt of 1-4k tokens. 256 (``routing_state``'s unit of
+work) spilled more in the skewed phase (bench/README.md, "A key's own requests")."""
 DEFAULT_HISTORY_SIZE = 50_000
 DEFAULT_WORKERS_PER_KEY = 2
 """Workers remembered per key: its home and the one it last spilled to."""
@@ -100,6 +108,7 @@ class Ticket:
     pending: int
     """Uncached tokens still counted in the worker's queue (0 once the prefill is done)."""
     started: float = field(default=0.0)
+    finished: bool = False
 
 
 class BoundedHashPolicy(Policy):
@@ -140,6 +149,7 @@ class BoundedHashPolicy(Policy):
         self._queued: dict[str, int] = {}
         self._resident: dict[str, int] = {}  # worker -> last prompt sizes of keys homed there
         self._latency: dict[str, tuple[float, float]] = {}  # worker -> (average, as of)
+        self._own: dict[str, Counter[str]] = {}  # key -> its requests in flight per worker
         self._clock = clock
 
     # ----- what the policy knows ----------------------------------------------------------
@@ -207,6 +217,18 @@ class BoundedHashPolicy(Policy):
         tokens = self.recompute_weight * self.uncached(key, worker, size, blocks) + queue
         return tokens * self.slowness(worker, workers) if self.is_new(key) else tokens
 
+    def loads_for(self, key: str, loads: Mapping[str, int]) -> Mapping[str, int]:
+        """``loads`` as rule 1 weighs them for ``key`` while the bound is at its floor:
+        its own requests in flight on a worker count as one there, up to ``min_bound``."""
+        own = self._own.get(key)
+        if not own:
+            return loads
+        seen = dict(loads)
+        for worker, n in own.items():
+            if worker in seen:
+                seen[worker] = max(0, seen[worker] - (min(n, self.min_bound) - 1))
+        return seen
+
     def order(self, key: str, workers: Sequence[str]) -> list[str]:
         """``workers`` by affinity: the key's recent workers first, then rendezvous order."""
         recent = [w for w, _ in self.visits(key) if w in workers]
@@ -226,6 +248,8 @@ class BoundedHashPolicy(Policy):
             raise ValueError("pick() needs at least one worker")
         total = sum(loads.get(w, 0) for w in workers)
         bound = load_bound(total, len(workers), self.load_factor, self.min_bound)
+        if bound <= self.min_bound:
+            loads = self.loads_for(key, loads)
         order = self.order(key, workers)
         allowed = [w for w in order if loads.get(w, 0) < bound]
         if not allowed:
@@ -254,6 +278,7 @@ class BoundedHashPolicy(Policy):
         self._queued[worker] = self._queued.get(worker, 0) + pending
         if key:
             self._remember(key, worker, size)
+            self._own.setdefault(key, Counter())[worker] += 1
         return Ticket(worker, key, pending, self._clock())
 
     def on_prefilled(self, worker: str, ticket: object = None) -> None:
@@ -265,6 +290,8 @@ class BoundedHashPolicy(Policy):
 
     def on_finish(self, worker: str, ticket: object = None, ok: bool | None = None) -> None:
         self.on_prefilled(worker, ticket)
+        if isinstance(ticket, Ticket) and ticket.key:
+            self._release(ticket)
         if ok is True and isinstance(ticket, Ticket):
             now = self._clock()
             latency = now - ticket.started
@@ -275,6 +302,17 @@ class BoundedHashPolicy(Policy):
             self._latency[ticket.worker] = (average, now)
         if ok is False and isinstance(ticket, Ticket) and ticket.key:
             self._forget(ticket.key, ticket.worker)  # the worker failed: nothing cached there
+
+    def _release(self, ticket: Ticket) -> None:
+        own = self._own.get(ticket.key)
+        if ticket.finished or own is None:
+            return
+        ticket.finished = True
+        own[ticket.worker] -= 1
+        if own[ticket.worker] == 0:
+            del own[ticket.worker]
+            if not own:
+                del self._own[ticket.key]
 
     def _is_recent(self, worker: str) -> bool:
         entry = self._latency.get(worker)

@@ -35,6 +35,12 @@ class TestFactory:
         assert isinstance(policy, BoundedHashPolicy) and policy.load_factor == 2.0
         assert isinstance(make_policy("round_robin", load_factor=2.0), RoundRobinPolicy)
 
+    def test_kv_prefix_takes_the_hashing_policys_tuning(self) -> None:
+        policy = make_policy(
+            "kv_prefix", load_factor=2.0, recompute_weight=3.0, request_cost=100, port=9
+        )
+        assert (policy.load_factor, policy.recompute_weight, policy.request_cost) == (2, 3, 100)
+
     def test_unknown_name(self) -> None:
         with pytest.raises(ValueError, match="unknown policy"):
             make_policy("random")
@@ -275,6 +281,42 @@ class TestTokenAwareSpilling:
         loads = {self.A: 3, self.B: 0, self.C: 0}  # bound: max(3, ceil(1.25 * 4 / 3)) = 3
         assert policy.pick("hot", WORKERS[:3], loads, size=2010) != self.A
 
+    def test_a_keys_own_requests_in_flight_do_not_spill_it_off_its_prefix(self) -> None:
+        """The end of a skewed-phase repeat: a hot shopper's two other requests and one
+        of another shopper in flight on its worker, the rest idle, so the bound is at its
+        floor of 3. Its own two count as one there, and it stays."""
+        policy = BoundedHashPolicy(load_factor=1.25, min_bound=3)
+        for _ in range(2):
+            policy.on_start(self.A, "hot", 1500)
+        loads = {self.A: 3, self.B: 0, self.C: 0}
+        assert policy.pick("hot", WORKERS[:3], loads, size=1550) == self.A
+
+    def test_a_burst_of_one_keys_requests_beyond_the_floor_still_spreads(self) -> None:
+        policy = BoundedHashPolicy(load_factor=1.25, min_bound=3)
+        for _ in range(5):
+            policy.on_start(self.A, "hot", 1500)
+        loads = {self.A: 5, self.B: 0, self.C: 0}
+        assert policy.pick("hot", WORKERS[:3], loads, size=1550) != self.A
+
+    def test_other_keys_see_the_worker_at_its_full_load(self) -> None:
+        policy = BoundedHashPolicy()
+        policy.on_start(self.A, "hot", 1500)
+        policy.on_start(self.A, "hot", 1500)
+        loads = {self.A: 2, self.B: 0}
+        assert policy.loads_for("other", loads) == loads
+        assert policy.loads_for("hot", loads) == {self.A: 1, self.B: 0}
+
+    def test_a_finished_request_stops_counting_as_the_keys_own_even_if_finished_twice(
+        self,
+    ) -> None:
+        policy = BoundedHashPolicy()
+        first = policy.on_start(self.A, "hot", 1500)
+        policy.on_start(self.A, "hot", 1500)
+        policy.on_start(self.A, "hot", 1500)
+        policy.on_finish(self.A, first, ok=True)
+        policy.on_finish(self.A, first, ok=True)
+        assert policy.loads_for("hot", {self.A: 3}) == {self.A: 2}  # two of its own left
+
     @pytest.mark.parametrize("weight", [0.0, 2.0, 10.0])
     def test_no_worker_above_the_bound_with_sizes(self, weight: float) -> None:
         rng = random.Random(11)
@@ -286,7 +328,10 @@ class TestTokenAwareSpilling:
             sizes[key] = sizes.get(key, rng.randint(800, 3000)) + rng.randint(20, 80)
             total = sum(loads.values())
             worker = policy.pick(key, WORKERS, loads, size=sizes[key])
-            assert loads[worker] + 1 <= load_bound(total, len(WORKERS), 1.25, policy.min_bound)
+            bound = load_bound(total, len(WORKERS), 1.25, policy.min_bound)
+            # at the floor, the key's own requests on a worker count there as one
+            seen = policy.loads_for(key, loads) if bound <= policy.min_bound else loads
+            assert seen[worker] + 1 <= bound
             loads[worker] += 1
             in_flight.append((worker, policy.on_start(worker, key, sizes[key])))
             while len(in_flight) > rng.randint(4, 30):
