@@ -71,6 +71,12 @@ def _add_router_options(p: argparse.ArgumentParser) -> None:
         "tokens (default %(default)s)",
     )
     p.add_argument(
+        "--new-keys-least-loaded",
+        action="store_true",
+        help="bounded_hash: place a new shopper on the workers with the fewest requests in "
+        "flight, by cost among them (default: by cost alone)",
+    )
+    p.add_argument(
         "--kv-stale-after",
         type=float,
         default=DEFAULT_STALE_AFTER_S,
@@ -163,6 +169,7 @@ def router_config(args: argparse.Namespace, **overrides: Any) -> RouterConfig:
         "residency_factor": args.residency_factor,
         "recompute_weight": args.recompute_weight,
         "request_cost": args.request_cost,
+        "new_keys_least_loaded": args.new_keys_least_loaded,
         "max_attempts": args.max_attempts,
         "request_timeout_s": args.request_timeout,
         "max_concurrent_requests": args.max_concurrent_requests,

@@ -67,6 +67,8 @@ class RouterConfig:
     """bounded_hash: weight of a prompt's uncached tokens against a worker's queued ones."""
     request_cost: int = 64
     """bounded_hash: queue cost of one request in flight, in prompt tokens."""
+    new_keys_least_loaded: bool = False
+    """bounded_hash: a new key goes to the workers with the fewest requests in flight."""
     key_headers: tuple[str, ...] = DEFAULT_KEY_HEADERS
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     connect_timeout_s: float = 2.0

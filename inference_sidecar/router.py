@@ -294,6 +294,7 @@ class Router:
                     residency_factor=config.residency_factor,
                     recompute_weight=config.recompute_weight,
                     request_cost=config.request_cost,
+                    new_keys_least_loaded=config.new_keys_least_loaded,
                     kv_index=self.kv_index,
                 ),
                 config.health,

@@ -38,6 +38,10 @@ hard to soft (the fifth is hard again, for new keys only):
    It comes before speed, which alone herds new keys onto one worker until its cache
    overflows.
 
+With ``new_keys_least_loaded``, a new key goes to the roomy workers with the fewest
+requests in flight, and rules 3 and 4 only break ties among them: a worker decoding a hot
+shopper's requests no longer looks cheaper to a new shopper than one prefilling a prompt.
+
 Without a size (``size=0``: the caller could not estimate the prompt) this is plain
 bounded-load hashing: the first worker under the bound in the key's order.
 
@@ -125,6 +129,7 @@ class BoundedHashPolicy(Policy):
         request_cost: int = DEFAULT_REQUEST_COST,
         history_size: int = DEFAULT_HISTORY_SIZE,
         workers_per_key: int = DEFAULT_WORKERS_PER_KEY,
+        new_keys_least_loaded: bool = False,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not load_factor >= 1.0:
@@ -144,6 +149,7 @@ class BoundedHashPolicy(Policy):
         self.request_cost = request_cost
         self.history_size = history_size
         self.workers_per_key = workers_per_key
+        self.new_keys_least_loaded = new_keys_least_loaded
         # key -> ((worker, prompt tokens it last served for the key), ...), most recent first
         self._history: OrderedDict[str, tuple[tuple[str, int], ...]] = OrderedDict()
         self._queued: dict[str, int] = {}
@@ -260,6 +266,9 @@ class BoundedHashPolicy(Policy):
             return allowed[0]
         if self.is_new(key):
             allowed = self.new_key_candidates(allowed, size, blocks)
+            if self.new_keys_least_loaded:
+                fewest = min(loads.get(w, 0) for w in allowed)
+                allowed = [w for w in allowed if loads.get(w, 0) == fewest]
         # min() keeps the first of equal costs, i.e. the most affine worker.
         return min(allowed, key=lambda w: self.cost(key, w, size, loads.get(w, 0), workers, blocks))
 

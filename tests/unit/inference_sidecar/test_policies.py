@@ -236,6 +236,17 @@ class TestTokenAwareSpilling:
         picked = policy.pick("new-shopper", WORKERS[:3], loads, size=1800)
         assert picked != home and policy.queued_tokens(picked) == 0
 
+    def test_a_new_key_can_be_placed_on_the_fewest_requests_in_flight_first(self) -> None:
+        """A decodes a hot shopper's three requests (nothing left to prefill), B prefills
+        one cold prompt. By cost alone the new shopper joins A; least-loaded first, B."""
+        for least_loaded, expected in ((False, self.A), (True, self.B)):
+            policy = BoundedHashPolicy(new_keys_least_loaded=least_loaded)
+            for _ in range(3):
+                policy.on_prefilled(self.A, policy.on_start(self.A, "hot", 1500))
+            policy.on_start(self.B, "cold", 1500)
+            loads = {self.A: 3, self.B: 1}
+            assert policy.pick("new", WORKERS[:2], loads, size=1500) == expected
+
     def test_new_key_on_idle_workers_goes_to_its_rendezvous_home(self) -> None:
         policy = BoundedHashPolicy()
         for key in KEYS[:50]:
