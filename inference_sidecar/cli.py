@@ -27,6 +27,7 @@ from inference_sidecar.exceptions import ConfigError, SidecarError
 from inference_sidecar.kv_events import EventSource
 from inference_sidecar.kv_index import DEFAULT_STALE_AFTER_S
 from inference_sidecar.policies import POLICY_NAMES
+from inference_sidecar.policies.bounded_hash import DEFAULT_NEW_KEY_PLACEMENT, NEW_KEY_PLACEMENTS
 from inference_sidecar.workers import ClusterConfig, WorkerProcesses, specs_summary
 
 logger = logging.getLogger("inference_sidecar")
@@ -71,10 +72,11 @@ def _add_router_options(p: argparse.ArgumentParser) -> None:
         "tokens (default %(default)s)",
     )
     p.add_argument(
-        "--new-keys-least-loaded",
-        action="store_true",
-        help="bounded_hash: place a new shopper on the workers with the fewest requests in "
-        "flight, by cost among them (default: by cost alone)",
+        "--new-key-placement",
+        choices=NEW_KEY_PLACEMENTS,
+        default=DEFAULT_NEW_KEY_PLACEMENT,
+        help="bounded_hash: where a new shopper goes: least_loaded (the workers with the "
+        "fewest requests in flight, by cost among them) or cost (default %(default)s)",
     )
     p.add_argument(
         "--kv-stale-after",
@@ -169,7 +171,7 @@ def router_config(args: argparse.Namespace, **overrides: Any) -> RouterConfig:
         "residency_factor": args.residency_factor,
         "recompute_weight": args.recompute_weight,
         "request_cost": args.request_cost,
-        "new_keys_least_loaded": args.new_keys_least_loaded,
+        "new_key_placement": args.new_key_placement,
         "max_attempts": args.max_attempts,
         "request_timeout_s": args.request_timeout,
         "max_concurrent_requests": args.max_concurrent_requests,

@@ -13,6 +13,7 @@ from inference_sidecar.health import HealthConfig
 from inference_sidecar.kv_events import EventSource
 from inference_sidecar.kv_index import DEFAULT_STALE_AFTER_S
 from inference_sidecar.policies import POLICY_NAMES
+from inference_sidecar.policies.bounded_hash import DEFAULT_NEW_KEY_PLACEMENT, NEW_KEY_PLACEMENTS
 from inference_sidecar.routing_key import DEFAULT_KEY_HEADERS
 
 DEFAULT_HOST = "127.0.0.1"
@@ -67,8 +68,9 @@ class RouterConfig:
     """bounded_hash: weight of a prompt's uncached tokens against a worker's queued ones."""
     request_cost: int = 64
     """bounded_hash: queue cost of one request in flight, in prompt tokens."""
-    new_keys_least_loaded: bool = False
-    """bounded_hash: a new key goes to the workers with the fewest requests in flight."""
+    new_key_placement: str = DEFAULT_NEW_KEY_PLACEMENT
+    """bounded_hash: where a new key goes: "least_loaded" (the fewest requests in flight,
+    then cost) or "cost" (cost alone)."""
     key_headers: tuple[str, ...] = DEFAULT_KEY_HEADERS
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     connect_timeout_s: float = 2.0
@@ -118,6 +120,11 @@ class RouterConfig:
             raise ConfigError("residency_factor", f"must be >= 1.0, got {self.residency_factor}")
         if not self.recompute_weight >= 0:
             raise ConfigError("recompute_weight", f"must be >= 0, got {self.recompute_weight}")
+        if self.new_key_placement not in NEW_KEY_PLACEMENTS:
+            raise ConfigError(
+                "new_key_placement",
+                f"must be one of {NEW_KEY_PLACEMENTS}, got {self.new_key_placement!r}",
+            )
         if self.request_cost < 0:
             raise ConfigError("request_cost", f"must be >= 0, got {self.request_cost}")
         if not 0 < self.port < 65536:

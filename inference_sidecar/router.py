@@ -294,7 +294,7 @@ class Router:
                     residency_factor=config.residency_factor,
                     recompute_weight=config.recompute_weight,
                     request_cost=config.request_cost,
-                    new_keys_least_loaded=config.new_keys_least_loaded,
+                    new_key_placement=config.new_key_placement,
                     kv_index=self.kv_index,
                 ),
                 config.health,

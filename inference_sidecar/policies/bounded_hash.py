@@ -38,9 +38,12 @@ hard to soft (the fifth is hard again, for new keys only):
    It comes before speed, which alone herds new keys onto one worker until its cache
    overflows.
 
-With ``new_keys_least_loaded``, a new key goes to the roomy workers with the fewest
-requests in flight, and rules 3 and 4 only break ties among them: a worker decoding a hot
-shopper's requests no longer looks cheaper to a new shopper than one prefilling a prompt.
+**Placing a new key** (``new_key_placement``): by default it goes to the roomy workers
+(rule 5) with the fewest requests in flight, and rules 3 and 4 only break ties among
+them. By cost alone (``"cost"``), a worker decoding a hot shopper's three requests cost a
+new shopper 64 tokens a request, one prefilling a cold prompt all of that prompt's, so
+cold shoppers joined the hot ones and pushed them to the bound, where they spilled
+(bench/README.md, "Placing new shoppers on the fewest requests in flight").
 
 Without a size (``size=0``: the caller could not estimate the prompt) this is plain
 bounded-load hashing: the first worker under the bound in the key's order.
@@ -70,6 +73,12 @@ DEFAULT_REQUEST_COST = 64
 """Tokens of queue cost per request in flight: a tie-breaker towards fewer requests
 (decoding slots), small next to a prompt of 1-4k tokens. 256 (``routing_state``'s unit of
 work) spilled more in the skewed phase (bench/README.md, "A key's own requests")."""
+SAME_PROMPT_SHARE = 0.5
+"""Share of a new key's prompt one worker must hold beyond another for the key to follow
+it there rather than to fewer requests in flight or a roomier cache (``kv_prefix``: a
+repeated prompt under a new key; a shared instruction prefix alone does not qualify)."""
+NEW_KEY_PLACEMENTS = ("least_loaded", "cost")
+DEFAULT_NEW_KEY_PLACEMENT = "least_loaded"
 DEFAULT_HISTORY_SIZE = 50_000
 DEFAULT_WORKERS_PER_KEY = 2
 """Workers remembered per key: its home and the one it last spilled to."""
@@ -129,7 +138,7 @@ class BoundedHashPolicy(Policy):
         request_cost: int = DEFAULT_REQUEST_COST,
         history_size: int = DEFAULT_HISTORY_SIZE,
         workers_per_key: int = DEFAULT_WORKERS_PER_KEY,
-        new_keys_least_loaded: bool = False,
+        new_key_placement: str = DEFAULT_NEW_KEY_PLACEMENT,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not load_factor >= 1.0:
@@ -140,6 +149,10 @@ class BoundedHashPolicy(Policy):
             raise ValueError(f"min_bound must be >= 1, got {min_bound!r}")
         if not recompute_weight >= 0:
             raise ValueError(f"recompute_weight must be >= 0, got {recompute_weight!r}")
+        if new_key_placement not in NEW_KEY_PLACEMENTS:
+            raise ValueError(
+                f"new_key_placement must be one of {NEW_KEY_PLACEMENTS}, got {new_key_placement!r}"
+            )
         if request_cost < 0 or history_size < 0 or workers_per_key < 1:
             raise ValueError("request_cost and history_size must be >= 0, workers_per_key >= 1")
         self.load_factor = load_factor
@@ -149,7 +162,7 @@ class BoundedHashPolicy(Policy):
         self.request_cost = request_cost
         self.history_size = history_size
         self.workers_per_key = workers_per_key
-        self.new_keys_least_loaded = new_keys_least_loaded
+        self.new_key_placement = new_key_placement
         # key -> ((worker, prompt tokens it last served for the key), ...), most recent first
         self._history: OrderedDict[str, tuple[tuple[str, int], ...]] = OrderedDict()
         self._queued: dict[str, int] = {}
@@ -235,6 +248,24 @@ class BoundedHashPolicy(Policy):
                 seen[worker] = max(0, seen[worker] - (min(n, self.min_bound) - 1))
         return seen
 
+    def least_loaded(
+        self,
+        key: str,
+        workers: Sequence[str],
+        loads: Mapping[str, int],
+        size: int,
+        blocks: Sequence[int] = (),
+    ) -> list[str]:
+        """Of ``workers``, those with the fewest requests in flight among the ones that
+        would compute nearly the least of the prompt (within ``SAME_PROMPT_SHARE`` of it).
+        Here every worker computes a new key's whole prompt; a policy that knows the
+        caches (``kv_prefix``) keeps a new shopper with the worker that holds most of it."""
+        uncached = {w: self.uncached(key, w, size, blocks) for w in workers}
+        least = min(uncached.values())
+        close = [w for w in workers if uncached[w] - least < SAME_PROMPT_SHARE * size]
+        fewest = min(loads.get(w, 0) for w in close)
+        return [w for w in close if loads.get(w, 0) == fewest]
+
     def order(self, key: str, workers: Sequence[str]) -> list[str]:
         """``workers`` by affinity: the key's recent workers first, then rendezvous order."""
         recent = [w for w, _ in self.visits(key) if w in workers]
@@ -266,9 +297,8 @@ class BoundedHashPolicy(Policy):
             return allowed[0]
         if self.is_new(key):
             allowed = self.new_key_candidates(allowed, size, blocks)
-            if self.new_keys_least_loaded:
-                fewest = min(loads.get(w, 0) for w in allowed)
-                allowed = [w for w in allowed if loads.get(w, 0) == fewest]
+            if self.new_key_placement == "least_loaded":
+                allowed = self.least_loaded(key, allowed, loads, size, blocks)
         # min() keeps the first of equal costs, i.e. the most affine worker.
         return min(allowed, key=lambda w: self.cost(key, w, size, loads.get(w, 0), workers, blocks))
 

@@ -36,13 +36,10 @@ from typing import Any
 
 from inference_sidecar.kv_index import KVIndex
 from inference_sidecar.policies.bounded_hash import (
+    SAME_PROMPT_SHARE,
     BoundedHashPolicy,
     Ticket,
 )
-
-SAME_PROMPT_SHARE = 0.5
-"""Share of a new key's prompt a worker over its residency share must hold beyond the
-roomy workers for the key to go there anyway (``new_key_candidates``)."""
 
 
 class KVPrefixPolicy(BoundedHashPolicy):

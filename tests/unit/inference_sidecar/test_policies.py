@@ -236,11 +236,11 @@ class TestTokenAwareSpilling:
         picked = policy.pick("new-shopper", WORKERS[:3], loads, size=1800)
         assert picked != home and policy.queued_tokens(picked) == 0
 
-    def test_a_new_key_can_be_placed_on_the_fewest_requests_in_flight_first(self) -> None:
+    def test_a_new_key_goes_to_the_fewest_requests_in_flight_before_the_cheapest(self) -> None:
         """A decodes a hot shopper's three requests (nothing left to prefill), B prefills
-        one cold prompt. By cost alone the new shopper joins A; least-loaded first, B."""
-        for least_loaded, expected in ((False, self.A), (True, self.B)):
-            policy = BoundedHashPolicy(new_keys_least_loaded=least_loaded)
+        one cold prompt. By default the new shopper goes to B; by cost alone, to A."""
+        for placement, expected in (("least_loaded", self.B), ("cost", self.A)):
+            policy = BoundedHashPolicy(new_key_placement=placement)
             for _ in range(3):
                 policy.on_prefilled(self.A, policy.on_start(self.A, "hot", 1500))
             policy.on_start(self.B, "cold", 1500)
