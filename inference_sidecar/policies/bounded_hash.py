@@ -122,6 +122,7 @@ class Ticket:
     """Uncached tokens still counted in the worker's queue (0 once the prefill is done)."""
     started: float = field(default=0.0)
     finished: bool = False
+    """``on_finish`` has run: the key's count of requests in flight is released once."""
 
 
 class BoundedHashPolicy(Policy):
