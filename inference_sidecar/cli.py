@@ -27,7 +27,11 @@ from inference_sidecar.exceptions import ConfigError, SidecarError
 from inference_sidecar.kv_events import EventSource
 from inference_sidecar.kv_index import DEFAULT_STALE_AFTER_S
 from inference_sidecar.policies import POLICY_NAMES
-from inference_sidecar.policies.bounded_hash import DEFAULT_NEW_KEY_PLACEMENT, NEW_KEY_PLACEMENTS
+from inference_sidecar.policies.bounded_hash import (
+    DEFAULT_NEW_KEY_PLACEMENT,
+    DEFAULT_REQUEST_COST,
+    NEW_KEY_PLACEMENTS,
+)
 from inference_sidecar.workers import ClusterConfig, WorkerProcesses, specs_summary
 
 logger = logging.getLogger("inference_sidecar")
@@ -67,7 +71,7 @@ def _add_router_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--request-cost",
         type=int,
-        default=64,
+        default=DEFAULT_REQUEST_COST,
         help="bounded_hash: queue cost of one request in flight on a worker, in prompt "
         "tokens (default %(default)s)",
     )

@@ -13,7 +13,11 @@ from inference_sidecar.health import HealthConfig
 from inference_sidecar.kv_events import EventSource
 from inference_sidecar.kv_index import DEFAULT_STALE_AFTER_S
 from inference_sidecar.policies import POLICY_NAMES
-from inference_sidecar.policies.bounded_hash import DEFAULT_NEW_KEY_PLACEMENT, NEW_KEY_PLACEMENTS
+from inference_sidecar.policies.bounded_hash import (
+    DEFAULT_NEW_KEY_PLACEMENT,
+    DEFAULT_REQUEST_COST,
+    NEW_KEY_PLACEMENTS,
+)
 from inference_sidecar.routing_key import DEFAULT_KEY_HEADERS
 
 DEFAULT_HOST = "127.0.0.1"
@@ -66,7 +70,7 @@ class RouterConfig:
     mean, for where a new key may go."""
     recompute_weight: float = 2.0
     """bounded_hash: weight of a prompt's uncached tokens against a worker's queued ones."""
-    request_cost: int = 64
+    request_cost: int = DEFAULT_REQUEST_COST
     """bounded_hash: queue cost of one request in flight, in prompt tokens."""
     new_key_placement: str = DEFAULT_NEW_KEY_PLACEMENT
     """bounded_hash: where a new key goes: "least_loaded" (the fewest requests in flight,
