@@ -101,18 +101,22 @@ def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
     return i
 
 
-def minimum_new_tokens(prompts: Iterable[Sequence[int]], block_size: int = 1) -> list[int]:
+def minimum_new_tokens(
+    prompts: Iterable[Sequence[int]], block_size: int = 1, held: Sequence[int] = ()
+) -> list[int]:
     """Per prompt, in order: tokens an ideal prefix cache would still compute.
 
     That is the prompt's length minus its longest common prefix with any earlier prompt
     (the shopper's previous prompt, or the shared instruction prefix of anyone's), the
     reused part rounded down to whole ``block_size`` blocks (vLLM caches whole blocks),
-    and at least one token (vLLM always computes the last one).
+    and at least one token (vLLM always computes the last one). ``held``, per prompt:
+    tokens of it some cache held before the first prompt (``CacheWatch``), also reusable.
     """
     seen: list[Sequence[int]] = []
     out = []
-    for tokens in prompts:
+    for i, tokens in enumerate(prompts):
         reused = max((common_prefix_len(tokens, p) for p in seen), default=0)
+        reused = max(reused, held[i] if i < len(held) else 0)
         reused -= reused % block_size
         out.append(max(1, len(tokens) - reused))
         seen.append(tokens)

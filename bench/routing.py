@@ -25,9 +25,10 @@ Steps, in the order ``main()`` runs them:
    of the steady workload, then worker 0 restarted (its cache empty; ``restart``) or a
    fourth worker added to the router (``join``: started once, before the first join phase,
    and added with our ``POST /workers`` or vllm-router's ``POST /add_worker``), then the
-   next ``--after-restart`` requests, whose computed tokens are counted apart; token counts
-   from vLLM's counters (deltas), latencies client-side, in-flight per worker sampled
-   from the workers' gauges;
+   next ``--after-restart`` requests, whose computed tokens are counted apart, also against
+   a minimum given what the serving workers' caches held then (``bench._cache_watch``,
+   from their KV events); token counts from vLLM's counters (deltas), latencies
+   client-side, in-flight per worker sampled from the workers' gauges;
 5. judge the targets of issue 3, print a table, write ``bench/results/routing.json``
    (keys documented in ``bench/README.md``) and ``bench/results/routing.md``.
 """
@@ -53,6 +54,7 @@ from typing import Any, NamedTuple
 
 import httpx
 
+from bench._cache_watch import CacheWatch
 from bench._client import SAMPLE_INTERVAL_S, InflightSampler, Outcome, run_lanes, run_ordered
 from bench._common import git_state, machine_text
 from bench._common import machine as host_machine
@@ -411,6 +413,23 @@ def summarise(
     }
 
 
+def given_caches_fields(
+    result: Mapping[str, Any], done: set[int], first: int, minimum: Sequence[int]
+) -> dict[str, Any]:
+    """The minimum of a disrupted phase's requests (``first`` the ``seq`` of its first)
+    given what the serving workers' caches held after the disruption, and the computed
+    tokens over it; None when the watch missed events (``run_disrupted_phase``)."""
+    sent = [m for j, m in enumerate(minimum) if first + j in done]
+    per_request = sum(sent) / len(sent) if sent else math.nan
+    computed = result["computed_tokens_per_request"]
+    return {
+        "minimum_given_caches_tokens_per_request": _r(per_request, 1),
+        "computed_over_minimum_given_caches": _r(computed / per_request, 3)
+        if computed is not None and sent
+        else None,
+    }
+
+
 PER_REQUEST_FIELDS = (
     "seq", "shopper", "worker", "sent_s", "ttft_s", "total_s", "prompt_tokens", "cached_tokens"
 )  # fmt: skip
@@ -438,6 +457,14 @@ DEFINITIONS = {
         "phase's workers when the router names it (ours does, vllm-router does not), sent_s "
         "from the phase's first request, tokens from the reply's usage (vLLM's "
         "prompt_tokens_details)"
+    ),
+    "minimum_given_caches_tokens_per_request": (
+        "restart and join phases: the minimum (tokens past the longest common prefix with "
+        "any earlier prompt of the part counted) where a prompt may also reuse the longest "
+        "prefix of it that one serving worker held once the worker had restarted or joined, "
+        "as the workers' KV cache events told (bench/_cache_watch.py); unlike "
+        "minimum_tokens_per_request it counts the cache the restart emptied and what the "
+        "workers evicted before; null when events were missed"
     ),
     "skewed": (
         "the skewed phase's repeats pooled: latencies of every request in one distribution, "
@@ -507,16 +534,24 @@ async def run_disrupted_phase(
     workers: Sequence[str],
     model: str,
     requests: Sequence[Request],
+    tokens: Sequence[Sequence[int]],
     cfg: BenchConfig,
     deadline: float,
     disrupt: Callable[[], Awaitable[list[str]]],
-) -> tuple[list[Outcome], dict[str, dict[str, float]], Sampled, float, bool, dict[str, int]]:
-    """The first half of ``requests``, then ``disrupt`` (a worker restarted or one joining;
-    it returns the workers serving from then on), then the next ``cfg.after_restart``;
-    returns what ``run_phase`` returns, for that last part alone, its counters read from
-    the workers ``disrupt`` returned."""
+    watch: CacheWatch,
+) -> tuple[
+    list[Outcome], dict[str, dict[str, float]], Sampled, float, bool, dict[str, int], list[int]
+]:
+    """The first half of ``requests`` (``tokens``: theirs), then ``disrupt`` (a worker
+    restarted or one joining; it returns the workers serving from then on), then the next
+    ``cfg.after_restart``; returns what ``run_phase`` returns, for that last part alone,
+    its counters read from the workers ``disrupt`` returned, and the minimum new tokens of
+    each request of that part given what those workers' caches held once ``disrupt`` was
+    done (empty when ``watch`` missed events meanwhile)."""
     reset_prefix_caches(workers)
     await asyncio.sleep(0.5)
+    watch.forget(workers)
+    holes = watch.holes
     half = len(requests) // 2
     _, cut = await run_ordered(
         url, model, requests[:half], cfg.concurrency, cfg.max_tokens, deadline
@@ -525,6 +560,9 @@ async def run_disrupted_phase(
     serving = await disrupt()
     await asyncio.sleep(5.0)  # the routers' health checks see the worker (back)
     deadline += time.monotonic() - down  # the disruption's own time is not the phase's budget
+    after_tokens = tokens[half : half + cfg.after_restart]
+    held = watch.cached_tokens(serving, after_tokens)
+    exact = watch.holes == holes and not watch.mismatched()
     before = read_counters(serving)
     decisions_before = router_decisions(url)
     sampler = InflightSampler(serving)
@@ -543,16 +581,18 @@ async def run_disrupted_phase(
         k: round(v - decisions_before.get(k, 0.0)) for k, v in router_decisions(url).items()
     }
     delta = counters_delta(before, read_counters(serving))
-    return outcomes, delta, sampled, ended - started, cut or cut_after, decisions
+    minimum = minimum_new_tokens(after_tokens, held=held) if exact else []
+    return outcomes, delta, sampled, ended - started, cut or cut_after, decisions, minimum
 
 
-def restart_first(pool: WorkerProcesses) -> Callable[[], Awaitable[list[str]]]:
+def restart_first(pool: WorkerProcesses, watch: CacheWatch) -> Callable[[], Awaitable[list[str]]]:
     """Worker 0 restarted: its KV cache comes back empty."""
 
     async def disrupt() -> list[str]:
         logger.info("restarting %s", pool.specs[0].name)
         await asyncio.to_thread(pool.restart, pool.specs[0].name)
         await asyncio.to_thread(pool.wait_ready)
+        watch.forget([pool.urls[0]])
         return pool.urls
 
     return disrupt
@@ -645,19 +685,19 @@ def judge_kv(phases: dict[str, dict[str, dict]]) -> list[dict[str, Any]]:
         "p99 (s) per repeat: "
         + "; ".join(f"{k} {[r.get('latency_p99_s') for r in rs]}" for k, rs in runs.items() if rs),
     )
-    disruptions = (
-        ("restart", "the restart", " (a lower bound: it ignores the cache the restart lost)"),
-        ("join", "the fourth worker joined", ""),
-    )
-    for phase, event, caveat in disruptions:
+    for phase, event in (("restart", "the restart"), ("join", "the fourth worker joined")):
         computed = {k: get(phase, k, "computed_tokens") for k in [ours, *others]}
+        given_caches = get(phase, ours, "computed_over_minimum_given_caches")
         add(
             f"kv.{phase}.computed_vs_minimum",
-            get(phase, ours, "computed_over_minimum"),
+            given_caches if given_caches is not None else get(phase, ours, "computed_over_minimum"),
             1.1,
             "<=",
             f"the requests after {event}; minimum = past the longest prefix of any earlier "
-            f"prompt{caveat}",
+            "prompt of theirs or held by a serving worker after the event"
+            if given_caches is not None
+            else f"the requests after {event}; minimum = past the longest prefix of any "
+            "earlier prompt (the KV events were missed: it ignores what the caches lost)",
         )
         peers = [v for k, v in computed.items() if k != ours and v is not None]
         add(
@@ -1052,6 +1092,8 @@ async def bench(cfg: BenchConfig, command: str) -> dict[str, Any]:
         joiner: WorkerProcesses | None = None
         stack = contextlib.ExitStack()
         try:
+            watch = stack.enter_context(CacheWatch(pool.kv_event_sources))
+            watch.learn_hashing(workers[0])
             plan = schedule(specs, cfg)
             for i, (kind, r, spec) in enumerate(plan):
                 budget = (deadline - time.monotonic() - 30) / (len(plan) - i)
@@ -1059,10 +1101,13 @@ async def bench(cfg: BenchConfig, command: str) -> dict[str, Any]:
                 minimum = skewed_min[r] if kind == "skewed" else steady_min
                 url = routers[spec.key][1]
                 phase_deadline = time.monotonic() + max(10.0, budget)
+                given_caches: list[int] = []
                 if kind == "restart":
-                    outcomes, delta, sampled, wall, cut, decisions = await run_disrupted_phase(
-                        url, workers, model, steady_requests, cfg, phase_deadline,
-                        restart_first(pool),
+                    (
+                        outcomes, delta, sampled, wall, cut, decisions, given_caches
+                    ) = await run_disrupted_phase(
+                        url, workers, model, steady_requests, steady_tokens, cfg,
+                        phase_deadline, restart_first(pool, watch), watch,
                     )  # fmt: skip
                 elif kind == "join":
                     if joiner is None:
@@ -1071,9 +1116,13 @@ async def bench(cfg: BenchConfig, command: str) -> dict[str, Any]:
                             WorkerProcesses(joiner_config(cluster, cfg), ready_timeout_s=420)
                         )
                         await warm_up(joiner.urls, model)
-                    outcomes, delta, sampled, wall, cut, decisions = await run_disrupted_phase(
-                        url, [*workers, *joiner.urls], model, steady_requests, cfg,
-                        phase_deadline, join_fourth(spec, url, pool, joiner),
+                        for worker, (events, replay) in joiner.kv_event_sources.items():
+                            watch.add(worker, events, replay)
+                    (
+                        outcomes, delta, sampled, wall, cut, decisions, given_caches
+                    ) = await run_disrupted_phase(
+                        url, [*workers, *joiner.urls], model, steady_requests, steady_tokens,
+                        cfg, phase_deadline, join_fourth(spec, url, pool, joiner), watch,
                     )  # fmt: skip
                 else:
                     outcomes, delta, sampled, wall, cut, decisions = await run_phase(
@@ -1085,6 +1134,9 @@ async def bench(cfg: BenchConfig, command: str) -> dict[str, Any]:
                 # The phase's workers are those its counters were read from.
                 result = summarise(outcomes, delta, sampled, list(delta), per_req_min, wall, cut)
                 result["router_decisions"] = decisions or None
+                if kind in ("restart", "join"):
+                    half = len(steady_requests) // 2
+                    result.update(given_caches_fields(result, done, half, given_caches))
                 if kind != "skewed":
                     phases[kind][spec.key] = result
                 else:
@@ -1108,6 +1160,7 @@ async def bench(cfg: BenchConfig, command: str) -> dict[str, Any]:
                 memory["joiner"] = process_rss_mib(
                     joiner.pid(joiner.specs[0].name), include_group=True
                 )
+            watched = watch.summary()
         finally:
             for proc, _ in routers.values():
                 proc.stop()
@@ -1121,6 +1174,12 @@ async def bench(cfg: BenchConfig, command: str) -> dict[str, Any]:
     one_cache = working_set / kv_tokens if kv_tokens else None
     all_caches = working_set / (3 * kv_tokens) if kv_tokens else None
     notes = []
+    if phases["restart"] or phases["join"]:
+        notes.append(
+            "minimum given the caches (restart, join): the KV events heard verified "
+            f"{watched['verified_chains']} block chains against the benchmark's own hashes, "
+            f"{watched['mismatched_chains']} mismatched, {watched['holes']} holes in the streams"
+        )
     if any(r["truncated"] for p in phases.values() for r in p.values()):
         notes.append("a phase hit its time budget: fewer requests than planned were sent")
     notes.append(

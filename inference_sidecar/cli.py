@@ -79,8 +79,9 @@ def _add_router_options(p: argparse.ArgumentParser) -> None:
         "--new-key-placement",
         choices=NEW_KEY_PLACEMENTS,
         default=DEFAULT_NEW_KEY_PLACEMENT,
-        help="bounded_hash: where a new shopper goes: least_loaded (the workers with the "
-        "fewest requests in flight, by cost among them) or cost (default %(default)s)",
+        help="bounded_hash: where a new shopper goes: least_loaded (the roomy workers with "
+        "the fewest requests in flight, by cost among them), fewest_first (the fewest "
+        "requests in flight, then the roomy ones among them) or cost (default %(default)s)",
     )
     p.add_argument(
         "--kv-stale-after",

@@ -77,7 +77,7 @@ SAME_PROMPT_SHARE = 0.5
 """Share of a new key's prompt one worker must hold beyond another for the key to follow
 it there rather than to fewer requests in flight or a roomier cache (``kv_prefix``: a
 repeated prompt under a new key; a shared instruction prefix alone does not qualify)."""
-NEW_KEY_PLACEMENTS = ("least_loaded", "cost")
+NEW_KEY_PLACEMENTS = ("least_loaded", "fewest_first", "cost")
 DEFAULT_NEW_KEY_PLACEMENT = "least_loaded"
 DEFAULT_HISTORY_SIZE = 50_000
 DEFAULT_WORKERS_PER_KEY = 2
@@ -297,6 +297,8 @@ class BoundedHashPolicy(Policy):
         if size <= 0:
             return allowed[0]
         if self.is_new(key):
+            if self.new_key_placement == "fewest_first":
+                allowed = self.least_loaded(key, allowed, loads, size, blocks)
             allowed = self.new_key_candidates(allowed, size, blocks)
             if self.new_key_placement == "least_loaded":
                 allowed = self.least_loaded(key, allowed, loads, size, blocks)

@@ -38,6 +38,7 @@ from bench.routing import (
     RunParts,
     Sampled,
     dump,
+    given_caches_fields,
     judge,
     judge_kv,
     kv_bytes_per_token,
@@ -98,6 +99,24 @@ class TestMinimumTokens:
         b = [*a, 10, 11]
         assert minimum_new_tokens([a, b], block_size=4) == [10, 4]  # 10 reused -> 8
         assert minimum_new_tokens([a, list(a)]) == [10, 1]
+
+    def test_what_a_cache_held_beforehand_counts_as_reused(self):
+        b = list(range(12))
+        d = [0, 1, 2, 77, 78, 79, 80, 81]  # shares 3 tokens with b, and a worker held 6
+        assert minimum_new_tokens([b, d]) == [12, 5]
+        assert minimum_new_tokens([b, d], held=[8, 6]) == [4, 2]
+        assert minimum_new_tokens([b, d], held=[8, 1]) == [4, 5]  # b's 3 shared tokens win
+
+    def test_a_disrupted_phase_is_judged_against_its_minimum_given_the_caches(self):
+        result = {"computed_tokens_per_request": 120.0}
+        # Requests 100 and 102 were sent; 101 was not.
+        got = given_caches_fields(result, {100, 102}, 100, [100, 10, 140])
+        assert got == {
+            "minimum_given_caches_tokens_per_request": 120.0,
+            "computed_over_minimum_given_caches": 1.0,
+        }
+        missed = given_caches_fields(result, {100}, 100, [])
+        assert missed["computed_over_minimum_given_caches"] is None
 
     def test_shared_prefix_tokens(self):
         prompts = [[7, 7, 1], [7, 7, 1, 2], [7, 7, 3]]

@@ -247,6 +247,18 @@ class TestTokenAwareSpilling:
             loads = {self.A: 3, self.B: 1}
             assert policy.pick("new", WORKERS[:2], loads, size=1500) == expected
 
+    def test_fewest_first_places_a_new_key_on_an_idle_worker_whatever_it_held(self) -> None:
+        """A remembers a long-gone shopper's 3,000 tokens and is idle; B serves a hot
+        shopper's two requests. Residency first keeps the new shopper off A; fewest
+        requests first sends it there."""
+        for placement, expected in (("least_loaded", self.B), ("fewest_first", self.A)):
+            policy = BoundedHashPolicy(new_key_placement=placement)
+            served(policy, "gone", self.A, 3000)
+            for _ in range(2):
+                policy.on_start(self.B, "hot", 500)
+            loads = {self.A: 0, self.B: 2}
+            assert policy.pick("new", WORKERS[:2], loads, size=1500) == expected
+
     def test_new_key_on_idle_workers_goes_to_its_rendezvous_home(self) -> None:
         policy = BoundedHashPolicy()
         for key in KEYS[:50]:
