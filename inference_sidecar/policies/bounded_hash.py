@@ -38,12 +38,18 @@ hard to soft (the fifth is hard again, for new keys only):
    It comes before speed, which alone herds new keys onto one worker until its cache
    overflows.
 
-**Placing a new key** (``new_key_placement``): by default it goes to the roomy workers
-(rule 5) with the fewest requests in flight, and rules 3 and 4 only break ties among
-them. By cost alone (``"cost"``), a worker decoding a hot shopper's three requests cost a
-new shopper 64 tokens a request, one prefilling a cold prompt all of that prompt's, so
-cold shoppers joined the hot ones and pushed them to the bound, where they spilled
-(bench/README.md, "Placing new shoppers on the fewest requests in flight").
+**Placing a new key** (``new_key_placement``): by default (``"fewest_first"``) it goes to
+the workers with the fewest requests in flight, then to the roomy ones among them (rule
+5), and rules 3 and 4 break the remaining ties. Residency cannot see evictions: it counts
+every remembered shopper's last prompt, one-shot shoppers long evicted included, and
+ahead of the load it kept a new hot shopper off the least loaded worker, beside another
+hot one, until both spilled (bench/README.md, "The skewed phase once more"). With
+residency first (``"least_loaded"``, the default from cd56f8e to this change) the
+skewed phase's p99 was higher in 6 of 8 paired repeats (bench/README.md, "The fourth
+full run"). By cost alone (``"cost"``), a worker decoding a hot shopper's three requests
+cost a new shopper 64 tokens a request, one prefilling a cold prompt all of that
+prompt's, so cold shoppers joined the hot ones and pushed them to the bound, where they
+spilled (bench/README.md, "Placing new shoppers on the fewest requests in flight").
 
 Without a size (``size=0``: the caller could not estimate the prompt) this is plain
 bounded-load hashing: the first worker under the bound in the key's order.
@@ -78,7 +84,7 @@ SAME_PROMPT_SHARE = 0.5
 it there rather than to fewer requests in flight or a roomier cache (``kv_prefix``: a
 repeated prompt under a new key; a shared instruction prefix alone does not qualify)."""
 NEW_KEY_PLACEMENTS = ("least_loaded", "fewest_first", "cost")
-DEFAULT_NEW_KEY_PLACEMENT = "least_loaded"
+DEFAULT_NEW_KEY_PLACEMENT = "fewest_first"
 DEFAULT_HISTORY_SIZE = 50_000
 DEFAULT_WORKERS_PER_KEY = 2
 """Workers remembered per key: its home and the one it last spilled to."""

@@ -238,8 +238,10 @@ class TestTokenAwareSpilling:
 
     def test_a_new_key_goes_to_the_fewest_requests_in_flight_before_the_cheapest(self) -> None:
         """A decodes a hot shopper's three requests (nothing left to prefill), B prefills
-        one cold prompt. By default the new shopper goes to B; by cost alone, to A."""
-        for placement, expected in (("least_loaded", self.B), ("cost", self.A)):
+        one cold prompt. By fewest requests (the default, with or without residency
+        first) the new shopper goes to B; by cost alone, to A."""
+        placements = (("fewest_first", self.B), ("least_loaded", self.B), ("cost", self.A))
+        for placement, expected in placements:
             policy = BoundedHashPolicy(new_key_placement=placement)
             for _ in range(3):
                 policy.on_prefilled(self.A, policy.on_start(self.A, "hot", 1500))
