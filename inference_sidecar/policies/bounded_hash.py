@@ -45,11 +45,12 @@ every remembered shopper's last prompt, one-shot shoppers long evicted included,
 ahead of the load it kept a new hot shopper off the least loaded worker, beside another
 hot one, until both spilled (bench/README.md, "The skewed phase once more"). With
 residency first (``"least_loaded"``, the default from cd56f8e to this change) the
-skewed phase's p99 was higher in 6 of 8 paired repeats (bench/README.md, "The fourth
-full run"). By cost alone (``"cost"``), a worker decoding a hot shopper's three requests
-cost a new shopper 64 tokens a request, one prefilling a cold prompt all of that
-prompt's, so cold shoppers joined the hot ones and pushed them to the bound, where they
-spilled (bench/README.md, "Placing new shoppers on the fewest requests in flight").
+skewed phase's p99 was higher in 9 of 13 paired repeats, weak evidence, but the load
+was more even (bench/README.md, "The skewed phase at the new default"). By cost alone
+(``"cost"``), a worker decoding a hot shopper's three requests cost a new shopper 64
+tokens a request, one prefilling a cold prompt all of that prompt's, so cold shoppers
+joined the hot ones and pushed them to the bound, where they spilled (bench/README.md,
+"Placing new shoppers on the fewest requests in flight").
 
 Without a size (``size=0``: the caller could not estimate the prompt) this is plain
 bounded-load hashing: the first worker under the bound in the key's order.
