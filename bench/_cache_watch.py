@@ -22,7 +22,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import httpx
 
-from inference_sidecar.kv_blocks import BlockHashing, hashing_from_metrics
+from inference_sidecar.kv_blocks import hashing_from_metrics
 from inference_sidecar.kv_events import EventSource, KVEventSubscriber
 from inference_sidecar.kv_index import EventBatch, KVIndex
 
@@ -48,17 +48,12 @@ class CacheWatch:
     def __exit__(self, *exc: object) -> None:
         self._subscriber.stop()
 
-    @property
-    def hashing(self) -> BlockHashing | None:
-        return self.index.hashing
-
-    def learn_hashing(self, worker: str) -> BlockHashing:
+    def learn_hashing(self, worker: str) -> None:
         """Read the block size and hash algorithm from ``worker``'s metrics, as the router
         does, and check the published hashes against them from then on."""
         hashing = hashing_from_metrics(httpx.get(f"{worker}/metrics", timeout=30).text)
         with self._lock:
             self.index.hashing = hashing
-        return hashing
 
     def add(self, worker: str, events: str, replay: str | None) -> None:
         """Listen to a worker started after the watch (the joiner)."""
@@ -91,9 +86,10 @@ class CacheWatch:
 
     def cached_tokens(self, workers: Sequence[str], prompts: Sequence[Sequence[int]]) -> list[int]:
         """Per prompt: tokens of its longest prefix that one of ``workers`` holds now."""
-        assert self.hashing is not None, "learn_hashing() first"
-        block = self.hashing.block_size
-        hashes = [self.hashing.block_hashes(tokens) for tokens in prompts]
+        hashing = self.index.hashing
+        assert hashing is not None, "learn_hashing() first"
+        block = hashing.block_size
+        hashes = [hashing.block_hashes(tokens) for tokens in prompts]
         with self._lock:
             return [
                 block * max((self.index.cached_blocks(w, h) for w in workers), default=0)

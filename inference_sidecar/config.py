@@ -73,8 +73,9 @@ class RouterConfig:
     request_cost: int = DEFAULT_REQUEST_COST
     """bounded_hash: queue cost of one request in flight, in prompt tokens."""
     new_key_placement: str = DEFAULT_NEW_KEY_PLACEMENT
-    """bounded_hash: where a new key goes: "least_loaded" (the fewest requests in flight,
-    then cost) or "cost" (cost alone)."""
+    """bounded_hash: where a new key goes: "fewest_first" (the fewest requests in flight,
+    then the roomy workers among them, then cost), "least_loaded" (the roomy workers with
+    the fewest requests in flight, then cost) or "cost" (cost alone)."""
     key_headers: tuple[str, ...] = DEFAULT_KEY_HEADERS
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     connect_timeout_s: float = 2.0
