@@ -254,7 +254,11 @@ class TestTargets:
             ch={"computed_tokens_per_request": 112},
         )  # fmt: skip
         skewed = _phase(
-            ours={"inflight_max_over_mean": 1.2, "latency_p99_s": 2.0, "computed_tokens": 1000},
+            ours={
+                "inflight_max_over_mean_per_repeat": 1.2,
+                "latency_p99_s": 2.0,
+                "computed_tokens": 1000,
+            },
             rr={},
             ch={"latency_p99_s": 1.5, "computed_tokens": 1000},
         )
@@ -433,6 +437,27 @@ class TestPooledRepeats:
         assert pooled["router_decisions"] == {"sticky": 98, "placed": 2}
         assert [r["computed_tokens"] for r in pooled["runs"]] == [300, 500]
         assert "per_request" not in pooled and "per_request" in pooled["runs"][0]
+
+    def test_balance_is_judged_per_repeat_not_on_the_repeats_samples_pooled(self):
+        """Two repeats, each with everything on one worker, a different one each time:
+        pooled, the two workers look equally busy; per repeat, neither was."""
+        workers = ["http://w0", "http://w1"]
+        parts, runs = [], []
+        for busy in ([4.0, 0.0], [0.0, 4.0]):
+            outcomes = [_outcome(i, 1.0) for i in range(10)]
+            delta = {w: {"vllm:prompt_tokens_total": 0.0, "vllm:prefix_cache_hits_total": 0.0}
+                     for w in workers}  # fmt: skip
+            sampled = Sampled([busy, busy], [1.0, 1.0])
+            runs.append(summarise(outcomes, delta, sampled, workers, 1.0, 1.0, False))
+            parts.append(RunParts(outcomes, delta, sampled, [1] * 10))
+
+        pooled = pool_runs(runs, parts, workers)
+
+        assert pooled["inflight_max_over_mean"] == 1.0
+        assert pooled["inflight_max_over_mean_per_repeat"] == 2.0
+        skewed = {"sidecar_bounded_hash": pooled}
+        verdicts = {t["name"]: t["met"] for t in judge({}, skewed)}
+        assert verdicts["skewed.inflight_max_over_mean"] is False
 
     def test_a_request_row_holds_its_worker_time_and_cached_tokens(self):
         outcomes = [_outcome(0, 2.0, cached=960), _outcome(1, 4.0)]
