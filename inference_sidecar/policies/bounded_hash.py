@@ -44,7 +44,7 @@ the workers with the fewest requests in flight, then to the roomy ones among the
 every remembered shopper's last prompt, one-shot shoppers long evicted included, and
 ahead of the load it kept a new hot shopper off the least loaded worker, beside another
 hot one, until both spilled (bench/README.md, "The skewed phase once more"). With
-residency first (``"least_loaded"``, the default from cd56f8e to this change) the
+residency first (``"least_loaded"``, the default from cd56f8e to 77c39d9) the
 skewed phase's p99 was higher in 9 of 13 paired repeats, weak evidence, but the load
 was more even (bench/README.md, "The skewed phase at the new default"). By cost alone
 (``"cost"``), a worker decoding a hot shopper's three requests cost a new shopper 64
