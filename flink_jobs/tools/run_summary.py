@@ -255,12 +255,52 @@ def group_progress(bootstrap: str, group_id: str, topic: str) -> tuple[int, int]
         for position in consumer.committed(
             [TopicPartition(topic, p) for p in partitions], timeout=10
         ):
-            low, high = consumer.get_watermark_offsets(position, timeout=10)
+            low, end = partition_span(bootstrap, topic, position.partition)
             committed += max(position.offset, low) - low
-            total += high - low
+            total += end - low
         return committed, total
     finally:
         consumer.close()
+
+
+def partition_span(bootstrap: str, topic: str, partition: int) -> tuple[int, int]:
+    """(first offset, offset after the last record) of one partition.
+
+    The end is read from the records themselves: the last batch is fetched from the
+    broker's high watermark back by one. A Kafka broker's high watermark is already the
+    end; the embedded test broker (Tansu) reports the last batch's first offset plus one,
+    so after a write of several records in one request, the high watermark alone would put
+    the end before records a consumer has read (and committed), and a lag computed from it
+    would never reach 0."""
+    from confluent_kafka import Consumer, KafkaError, TopicPartition
+
+    reader = Consumer(
+        {
+            "bootstrap.servers": bootstrap,
+            "group.id": f"span-reader-{time.monotonic_ns()}",
+            "enable.auto.commit": False,
+            "enable.partition.eof": True,
+        }
+    )
+    try:
+        low, high = reader.get_watermark_offsets(TopicPartition(topic, partition), timeout=10)
+        if high <= low:
+            return low, high
+        reader.assign([TopicPartition(topic, partition, high - 1)])
+        end = high
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            msg = reader.poll(0.5)
+            if msg is None:
+                continue
+            if msg.error():
+                if msg.error().code() == KafkaError._PARTITION_EOF:
+                    break
+                continue
+            end = max(end, msg.offset() + 1)
+        return low, end
+    finally:
+        reader.close()
 
 
 def group_lag(bootstrap: str, group_id: str, topic: str) -> int:
