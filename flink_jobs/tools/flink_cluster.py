@@ -338,6 +338,32 @@ class FlinkCluster:
             time.sleep(0.3)
         raise ClusterError(f"job {job_id} not running after {timeout_s:.0f} s")
 
+    def placement(self, job_id: str) -> dict[str, list[str]]:
+        """Each operator chain's subtasks' TaskManagers (their process names), by vertex
+        name, as the REST API reports the job's current attempt."""
+        hosts = {}
+        for vertex in self.job(job_id).get("vertices", []):
+            found = self._rest(f"/jobs/{job_id}/vertices/{vertex['id']}") or {}
+            hosts[vertex["name"]] = [s["taskmanager-id"] for s in found.get("subtasks", [])]
+        return hosts
+
+    def taskmanager_running(self, job_id: str, vertex_prefix: str) -> LocalProcess:
+        """The live TaskManager that runs the job's one subtask of the vertex whose name
+        starts with ``vertex_prefix`` (a job at parallelism 1)."""
+        names = {
+            host
+            for vertex, hosts in self.placement(job_id).items()
+            if vertex.startswith(vertex_prefix)
+            for host in hosts
+        }
+        running = [tm for tm in self.live_taskmanagers() if tm.name in names]
+        if len(running) != 1:
+            raise ClusterError(
+                f"{vertex_prefix!r} of job {job_id} runs on {sorted(names) or 'no'} "
+                f"TaskManager(s), of which {len(running)} live: {self.placement(job_id)}"
+            )
+        return running[0]
+
     def exceptions(self, job_id: str) -> str:
         found = self._rest(f"/jobs/{job_id}/exceptions") or {}
         history = found.get("exceptionHistory", {}).get("entries") or []
@@ -427,6 +453,10 @@ class FlinkCluster:
 
     def _process(self, name: str, script: str) -> LocalProcess:
         argv = [str(self.home / "bin" / script), "start-foreground"]
+        if script == "taskmanager.sh":
+            # Flink's id of the TaskManager is its process's name, so the job's placement
+            # (``taskmanager_running``) maps to a process here.
+            argv.append(f"-Dtaskmanager.resource-id={name}")
         return LocalProcess(name, argv, self.log_dir / f"{name}.out", env=self._env())
 
     def _rest(self, path: str) -> dict | None:
