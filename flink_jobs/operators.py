@@ -13,6 +13,7 @@ through one :class:`~flink_jobs.metrics.OutcomeRecorder` call that feeds both.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 import weakref
@@ -209,8 +210,11 @@ class _RecentSessions:
             self._states.popitem(last=False)
 
 
-def _stop_outbox(outbox: Outbox) -> None:
-    log.info("shopper sessions ended: stopping its LLM calls")
+_INSTANCES = itertools.count(1)
+
+
+def _stop_outbox(outbox: Outbox, task: str) -> None:
+    log.info("%s ended: stopping its LLM calls", task)
     outbox.close()
 
 
@@ -253,7 +257,11 @@ class ShopperSessions(KeyedProcessFunction, _Counted):
             write_rules=runner.write_rules if self._config.llm.rules_first else None,
             latest_wins=self._config.llm.latest_wins,
         ).start()
-        self._retire_outbox = weakref.finalize(self, _stop_outbox, self._outbox)
+        # Numbered within the interpreter: a TaskManager's log holds every attempt it ran,
+        # and an instance released late (collected) logs its end beside a newer one's start.
+        task = f"shopper sessions #{next(_INSTANCES)}"
+        log.info("%s opened: its LLM calls start with its first prompt", task)
+        self._retire_outbox = weakref.finalize(self, _stop_outbox, self._outbox, task)
         self._poll_ms = int(self._config.llm.poll_interval_s * 1000)
 
     def close(self) -> None:
