@@ -29,10 +29,18 @@ import redis
 from flink_jobs.checkpoints import latest_checkpoint
 from flink_jobs.tools.local_services import cache_dir, create_topics
 from flink_jobs.tools.replay import replay_records
-from flink_jobs.tools.run_summary import group_lag, is_settled, read_json_topic, read_stats
+from flink_jobs.tools.run_summary import (
+    group_lag,
+    group_progress,
+    is_settled,
+    read_json_topic,
+    read_stats,
+)
 from flink_jobs.tools.sample_data import SampleConfig, generate_sample
 from intent_reader.layout import intent_key
 from tests.service.job_process import JobProcess, call_processes
+from tests.support.answers import Unanswered, unanswered_in
+from tests.support.stream import move_event_time
 
 SHOPPERS = 30
 SPEED = 2.0
@@ -95,8 +103,7 @@ def intent_versions(client: redis.Redis, prefix: str) -> dict[str, Version]:
 class Runs:
     prompts_a: list[dict]
     prompts_b: list[dict]
-    dead_letters_b: list[dict]
-    intents_b: dict[str, Version]
+    unanswered_b: list[Unanswered]
     watcher: VersionWatcher
     versions_at_kill: dict[str, Version]
     restored_from: Path
@@ -152,61 +159,44 @@ def _wait(
     raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}{state()}{log}")
 
 
-def unanswered(
-    prompts: list[dict], dead_letters: list[dict], intents: dict[str, Version]
-) -> dict[str, tuple[Version, Version | None]]:
-    """Shoppers whose newest prompt has neither its intent in Redis nor a dead letter."""
-    last_prompt: dict[str, Version] = {}
-    for p in prompts:
-        version = (p["version_ts"], p["seq"])
-        last_prompt[p["shopper_id"]] = max(last_prompt.get(p["shopper_id"], version), version)
-    dead_lettered = {
-        (d["shopper_id"], d["context"]["prompt_seq"])
-        for d in dead_letters
-        if d.get("context") and "prompt_seq" in d["context"]
-    }
-    return {
-        shopper: (version, intents.get(shopper))
-        for shopper, version in last_prompt.items()
-        if intents.get(shopper) != version and (shopper, version[1]) not in dead_lettered
-    }
+def _checkpoint_number(checkpoints: Path) -> int:
+    """The newest completed checkpoint's number (``chk-N``), 0 before the first."""
+    newest = latest_checkpoint(checkpoints)
+    return int(newest.name.removeprefix("chk-")) if newest is not None else 0
 
 
 def _wait_answered(
-    client: redis.Redis, watcher: VersionWatcher, bootstrap: str, name: str, produced: int,
+    client: redis.Redis, prefix: str, bootstrap: str, name: str, checkpoints: Path,
     job: JobProcess,
 ) -> None:  # fmt: skip
-    """Until a checkpoint covers every record and every shopper's newest prompt is answered
-    (or dead-lettered), with no new prompt for 15 s: the last prompts fire from timers after
-    the replay. The stats cannot tell: the killed job lost the counts it had not flushed,
-    some of records before its last checkpoint, and the restarted job counts records after
-    that checkpoint again. The group's committed offsets, the prompts topic and Redis can."""
-    last, since = None, time.monotonic()
-    missing: dict = {}
+    """Until a checkpoint covers every record, the event-time marker included
+    (``tests.support.stream``), a later checkpoint has completed, and every shopper's
+    newest prompt is answered (or dead-lettered). Reading the marker moves the watermark
+    past every trigger, and the prompts those triggers fire reach the prompts topic before
+    the barrier of a checkpoint taken after it. The stats cannot tell: the killed job lost
+    the counts it had not flushed, some of records before its last checkpoint, and the
+    restarted job counts records after that checkpoint again. The group's committed
+    offsets, the checkpoints, the prompts topic and Redis can."""
+    covered: dict[str, int] = {}
+    seen: dict = {}
 
     def answered() -> bool:
-        nonlocal last, since
-        stats = read_stats(client, watcher.prefix)
         lag = group_lag(bootstrap, f"{name}-b", f"{name}-events")
+        seen.update(lag=lag, stats=read_stats(client, prefix))
         if lag:
-            missing.update(stats=stats, produced=produced, lag=lag)
             return False
+        covered.setdefault("at", _checkpoint_number(checkpoints))
         prompts = read_json_topic(bootstrap, f"{name}-b-prompts", timeout_s=10)
-        if len(prompts) != last:
-            last, since = len(prompts), time.monotonic()
         dead_letters = read_json_topic(bootstrap, f"{name}-b-dlq", timeout_s=10)
-        versions = intent_versions(client, watcher.prefix)
-        open_ = unanswered(prompts, dead_letters, versions)
-        missing.update(
-            stats=stats, produced=produced, lag=0, unanswered=open_, prompts=len(prompts)
-        )
-        return not open_ and time.monotonic() - since > 15
+        open_ = unanswered_in(client, prefix, prompts, dead_letters)
+        seen.update(prompts=len(prompts), unanswered=[str(u) for u in open_])
+        return not open_ and _checkpoint_number(checkpoints) > covered["at"]
 
     _wait(
         answered,
         "run B to answer every shopper's newest prompt",
         job=job,
-        state=lambda: f"; last seen: {missing}",
+        state=lambda: f"; last seen: {seen}",
     )
 
 
@@ -295,12 +285,23 @@ def runs(kafka_bootstrap, redis_url, standin_tier, tmp_path_factory) -> Runs:
         watcher.poll()
         versions_at_kill = dict(watcher.seen)
         restored_from = latest_checkpoint(workdir / "checkpoints")
-        time.sleep(3)
+
+        # While the job is down the replay goes on: the restarted job finds a backlog.
+        def on_topic() -> int:
+            return group_progress(kafka_bootstrap, f"{name}-b", f"{name}-events")[1]
+
+        at_kill = on_topic()
+        _wait(
+            lambda: replayed.is_set() or on_topic() >= at_kill + 5,
+            "records written while the job is down",
+        )
 
         groups_b["job"]["restore_from"] = "latest"
         restarted = JobProcess(groups_b, workdir / "b-restarted.log")
         _wait(replayed.is_set, "the replay to finish")
-        _wait_answered(client, watcher, kafka_bootstrap, name, len(sample.records), restarted)
+        # Past the quiet period and max wait of the replay's last events.
+        move_event_time(kafka_bootstrap, f"{name}-events", 1, int(time.time() * 1000) + 30_000)
+        _wait_answered(client, prefix_b, kafka_bootstrap, name, workdir / "checkpoints", restarted)
         watcher.poll()
     finally:
         watcher.stop()
@@ -322,11 +323,12 @@ def runs(kafka_bootstrap, redis_url, standin_tier, tmp_path_factory) -> Runs:
     finally:
         uninterrupted.kill()
 
+    prompts_b = read_json_topic(kafka_bootstrap, f"{name}-b-prompts")
+    dead_letters_b = read_json_topic(kafka_bootstrap, f"{name}-b-dlq")
     runs = Runs(
         prompts_a=read_json_topic(kafka_bootstrap, f"{name}-a-prompts"),
-        prompts_b=read_json_topic(kafka_bootstrap, f"{name}-b-prompts"),
-        dead_letters_b=read_json_topic(kafka_bootstrap, f"{name}-b-dlq"),
-        intents_b=dict(watcher.seen),
+        prompts_b=prompts_b,
+        unanswered_b=unanswered_in(client, prefix_b, prompts_b, dead_letters_b),
         watcher=watcher,
         versions_at_kill=versions_at_kill,
         restored_from=restored_from,
@@ -393,7 +395,7 @@ def test_replaying_the_topic_renders_the_same_prompts(runs: Runs) -> None:
 
 
 def test_no_intent_is_lost_across_the_restart(runs: Runs) -> None:
-    assert unanswered(runs.prompts_b, runs.dead_letters_b, runs.intents_b) == {}
+    assert runs.unanswered_b == []
 
 
 def test_an_older_intent_never_overwrites_a_newer_one(runs: Runs) -> None:

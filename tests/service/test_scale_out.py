@@ -19,7 +19,6 @@ slots, and runs until every prompt is answered.
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
 from collections import Counter, defaultdict
@@ -27,13 +26,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import orjson
-import psutil
 import pytest
 import redis
 
 from flink_jobs.checkpoints import latest_checkpoint
 from flink_jobs.tools.flink_cluster import ClusterSpec, FlinkCluster, job_script, settings_env
-from flink_jobs.tools.local_services import create_topics, free_port
+from flink_jobs.tools.local_services import cache_dir, create_topics, free_port
 from flink_jobs.tools.replay import read_records, replay_records
 from flink_jobs.tools.run_summary import (
     EVENT_OUTCOMES,
@@ -48,6 +46,8 @@ from intent_reader.layout import SOURCE_RANKS, intent_key
 from intent_reader.updates import IntentUpdate, IntentUpdates
 from tests.dashboards import FLINK_PREFIX, flink_builtin_names_used, grouping_labels_used
 from tests.service.job_process import call_processes
+from tests.support.answers import Unanswered, unanswered_in
+from tests.support.stream import move_event_time
 
 pytestmark = pytest.mark.timeout(20 * 60)
 
@@ -65,6 +65,10 @@ RESCALE_SPEED = 2.0
 PHASE_EVENTS = 20
 ROUND_S = 80.0  # event time per replayed sample: 40 s of sending at RESCALE_SPEED
 MAX_ROUNDS = 20  # bounds the replay if the job never restarts
+# Run R's waits, as multiples of its first phase (submitted, running, PHASE_EVENTS read),
+# timed on this host under its load: a slower host waits longer, a wedged run fails sooner.
+PACE_FACTOR = 8
+MIN_WAIT_S = 60.0
 
 
 @pytest.fixture(scope="module")
@@ -99,18 +103,35 @@ def _groups(name: str, bootstrap: str, redis_url: str, llm: dict, **job) -> dict
     }
 
 
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
 def _topics(bootstrap: str, name: str) -> None:
     create_topics(bootstrap, [f"{name}-events"], PARTITIONS)
     create_topics(bootstrap, [f"{name}-dlq", f"{name}-prompts"], 1)
 
 
-def _wait(check, what: str, cluster: FlinkCluster, job_id: str, timeout_s: float = TIMEOUT_S):
+def _wait(
+    check, what: str, cluster: FlinkCluster, job_id: str, timeout_s: float = TIMEOUT_S,
+    state=lambda: "",
+):  # fmt: skip
+    """Polls ``check``; a timeout says ``state()`` (what was still missing), the job's
+    status and the TaskManagers' log tails, so a failed run explains itself from the CI
+    output alone."""
     deadline = time.monotonic() + timeout_s
     while not check():
         status = cluster.status(job_id)
         if status in ("FAILED", "CANCELED"):
             raise AssertionError(f"job {status} waiting for {what}: {cluster.exceptions(job_id)}")
-        assert time.monotonic() < deadline, f"timed out after {timeout_s} s waiting for {what}"
+        if time.monotonic() >= deadline:
+            tails = "\n".join(
+                f"--- {tm.name}:\n{tm.log_tail()}" for tm in cluster.live_taskmanagers()
+            )
+            raise AssertionError(
+                f"timed out after {timeout_s:.0f} s waiting for {what}; job {status}; "
+                f"{state()}\n{tails}"
+            )
         time.sleep(0.5)
 
 
@@ -136,32 +157,6 @@ def _newest_prompts(prompts: list[dict]) -> dict[str, tuple[int, int]]:
     return newest
 
 
-def _unanswered(prompts: list[dict], dead_letters: list[dict], client, name: str) -> list[str]:
-    """Shoppers whose newest prompt has neither the model's intent at its version in Redis
-    nor a dead letter."""
-    dead = {
-        (d["shopper_id"], d["context"]["prompt_seq"])
-        for d in dead_letters
-        if d.get("context") and "prompt_seq" in d["context"]
-    }
-    missing = []
-    for shopper, (version_ts, seq) in _newest_prompts(prompts).items():
-        fields = client.hmget(intent_key(shopper, name), "version_ts", "version_seq", "source")
-        landed = fields[0] is not None and (int(fields[0]), int(fields[1])) == (version_ts, seq)
-        if not (landed and fields[2] == b"model") and (shopper, seq) not in dead:
-            missing.append(shopper)
-    return missing
-
-
-def _subtask_hosts(cluster: FlinkCluster, job_id: str) -> dict[str, list[str]]:
-    """Each operator chain's subtasks' TaskManagers, by vertex name."""
-    hosts = {}
-    for vertex in cluster.job(job_id)["vertices"]:
-        found = cluster._rest(f"/jobs/{job_id}/vertices/{vertex['id']}") or {}
-        hosts[vertex["name"]] = [s["taskmanager-id"] for s in found.get("subtasks", [])]
-    return hosts
-
-
 # --- runs P2 and P4: the bundled sample at parallelism 2 and 4 ---------------------------
 
 
@@ -176,7 +171,7 @@ class ParallelRun:
     prompts: list[dict]
     dead_letters: list[dict]
     hosts: dict[str, list[str]]
-    unanswered: list[str]
+    unanswered: list[Unanswered]
     status: str
 
 
@@ -196,7 +191,7 @@ def parallel_run(request, cluster, kafka_bootstrap, redis_url, standin_tier) -> 
         job_script(), settings_env(groups), parallelism=parallelism, log_name=name
     )
     cluster.wait_running(job_id)
-    hosts = _subtask_hosts(cluster, job_id)
+    hosts = cluster.placement(job_id)
     _wait(
         lambda: cluster.status(job_id) == "FINISHED", "the bounded job to finish", cluster, job_id
     )
@@ -216,7 +211,7 @@ def parallel_run(request, cluster, kafka_bootstrap, redis_url, standin_tier) -> 
         prompts=prompts,
         dead_letters=dead_letters,
         hosts=hosts,
-        unanswered=_unanswered(prompts, dead_letters, client, name),
+        unanswered=unanswered_in(client, name, prompts, dead_letters),
         status=cluster.status(job_id),
     )
     client.close()
@@ -263,25 +258,13 @@ def test_in_parallel_the_dead_letters_are_exactly_the_bad_records(parallel_run: 
 # --- run R: 1 -> 2 -> 1 through savepoints, then a TaskManager killed, while events arrive --
 
 
-def _running_the_job(cluster: FlinkCluster):
-    """The TaskManager whose call process (``flink_jobs.runtime.call_process``, started by
-    the job's keyed operator) is the newest: the one running the job at parallelism 1."""
-    newest = {}
-    for tm in cluster.live_taskmanagers():
-        for pid in call_processes(tm.pid):
-            with contextlib.suppress(psutil.NoSuchProcess):
-                newest[psutil.Process(pid).create_time()] = tm
-    assert newest, "no TaskManager runs a call process"
-    return newest[max(newest)]
-
-
 def _checkpoints(cluster: FlinkCluster, job_id: str) -> int:
     """Checkpoints the job completed."""
     found = cluster._rest(f"/jobs/{job_id}/checkpoints") or {}
     return found.get("counts", {}).get("completed", 0)
 
 
-def _scrape_once_counted(cluster: FlinkCluster, job_id: str) -> dict:
+def _scrape_once_counted(cluster: FlinkCluster, job_id: str, timeout_s: float) -> dict:
     """The reporters' series once a checkpoint completed and every decoder subtask has
     published a count of its records (``metrics.GaugeBoard`` copies them every few s)."""
     scraped: dict = {}
@@ -291,7 +274,10 @@ def _scrape_once_counted(cluster: FlinkCluster, job_id: str) -> dict:
         events_in = scraped.get(FLINK_PREFIX + "events_in", [])
         return len(events_in) == 2 and all(value > 0 for _labels, value in events_in)
 
-    _wait(lambda: _checkpoints(cluster, job_id) > 0 and counted(), "counts", cluster, job_id)
+    _wait(
+        lambda: _checkpoints(cluster, job_id) > 0 and counted(), "counts", cluster, job_id,
+        timeout_s,
+    )  # fmt: skip
     return scraped
 
 
@@ -320,7 +306,7 @@ class RescaleRun:
     stats: dict[str, int]
     writes: list[IntentUpdate]
     prompts: list[dict]
-    unanswered: list[str]
+    unanswered: list[Unanswered]
     replay_ended_before_the_kill: bool
     lag_at_end: int
 
@@ -360,69 +346,99 @@ def rescaled_run(cluster, kafka_bootstrap, redis_url, standin_tier, tmp_path_fac
     def events_in() -> int:
         return read_stats(client, name).get("events_in", 0)
 
+    timeout = {"s": TIMEOUT_S}  # until the first phase has been timed
+
+    def wait(check, what: str, job_id: str, state=lambda: "") -> None:
+        _wait(check, what, cluster, job_id, timeout["s"], state)
+
     def run_for(job_id: str, events: int) -> None:
         start = events_in()
-        _wait(lambda: events_in() >= start + events, f"{events} more events", cluster, job_id)
+        wait(lambda: events_in() >= start + events, f"{events} more events", job_id)
 
     phases = [Phase(1), Phase(2), Phase(1)]
     savepoint = None
     threading.Thread(target=replay, daemon=True).start()
     try:
         for i, phase in enumerate(phases):
+            started = time.monotonic()
             job_id = cluster.submit(
                 job_script(), env, phase.parallelism, savepoint, log_name=f"{name}-{i}"
             )
             cluster.wait_running(job_id)
             run_for(job_id, PHASE_EVENTS)
+            if i == 0:
+                timeout["s"] = max(MIN_WAIT_S, PACE_FACTOR * (time.monotonic() - started))
             if i == len(phases) - 1:
                 break
             # The source commits a savepoint's offsets as the job stops and may not get to
             # it (seen: none committed after the first savepoint, on a loaded host); a
             # checkpoint's commit before it gives the phase a count to check.
-            _wait(
+            wait(
                 lambda: group_progress(kafka_bootstrap, name, f"{name}-events")[0] > 0,
-                "the group's first committed offsets", cluster, job_id,
+                "the group's first committed offsets", job_id,
             )  # fmt: skip
             if phase.parallelism > 1:
-                phase.reported = _scrape_once_counted(cluster, job_id)
+                phase.reported = _scrape_once_counted(cluster, job_id, timeout["s"])
             savepoint = phase.savepoint = cluster.stop_with_savepoint(
                 job_id, workdir / "savepoints"
             )
             phase.stats = read_stats(client, name)
             phase.committed = group_progress(kafka_bootstrap, name, f"{name}-events")[0]
-        # The last phase's TaskManager dies mid-stream once a checkpoint has completed; the
-        # job restarts from it in the other TaskManager's free slot.
+        # The last phase's TaskManager dies mid-stream once this phase has sent a prompt (its
+        # call process runs) and a checkpoint has completed after it; the job restarts from
+        # that checkpoint in the other TaskManager's free slot.
+        sent_before = phases[1].stats.get("prompts_sent", 0)
+        wait(
+            lambda: read_stats(client, name).get("prompts_sent", 0) > sent_before,
+            "a prompt at parallelism 1", job_id,
+        )  # fmt: skip
         checkpoint = latest_checkpoint(workdir / "checkpoints")
-        _wait(
+        wait(
             lambda: latest_checkpoint(workdir / "checkpoints") != checkpoint,
-            "a checkpoint at parallelism 1", cluster, job_id,
+            "a checkpoint at parallelism 1", job_id,
         )  # fmt: skip
         replay_ended_before_the_kill = replayed.is_set()
         call_processes_at_kill = sum(
             len(call_processes(tm.pid)) for tm in cluster.live_taskmanagers()
         )
-        victim = _running_the_job(cluster)
+        # Chosen by where Flink placed the keyed operator, not by its call process.
+        victim = cluster.taskmanager_running(job_id, "shopper-sessions")
         victim.kill()
-        _wait(lambda: _restarted(cluster, job_id), "the job to restart", cluster, job_id)
+        wait(lambda: _restarted(cluster, job_id), "the job to restart", job_id)
         cluster.wait_running(job_id)
         enough.set()
-        _wait(replayed.is_set, "the replay to end", cluster, job_id)
-        last = {"n": -1, "since": time.monotonic()}
+        wait(replayed.is_set, "the replay to end", job_id)
+        # Past the quiet period and max wait of the replay's last events, on every partition
+        # (tests.support.stream): the last prompts fire as the job reads it.
+        move_event_time(kafka_bootstrap, f"{name}-events", PARTITIONS, _now_ms() + 30_000)
+        covered: dict[str, int] = {}
+        seen: dict = {}
 
         def answered() -> bool:
+            """A checkpoint covers every record, the marker included (the group's commits,
+            not events_in: the killed TaskManager took the counts it had not flushed, some
+            for records before the checkpoint the job restarted from); a later checkpoint
+            has flushed the prompts the marker fired; every shopper's newest prompt is
+            answered or dead-lettered."""
+            lag = group_lag(kafka_bootstrap, name, f"{name}-events")
+            seen.update(lag=lag)
+            if lag:
+                return False
+            covered.setdefault("at", _checkpoints(cluster, job_id))
             prompts = read_json_topic(kafka_bootstrap, f"{name}-prompts", timeout_s=5)
-            if len(prompts) != last["n"]:
-                last.update(n=len(prompts), since=time.monotonic())
             dead = read_json_topic(kafka_bootstrap, f"{name}-dlq", timeout_s=5)
-            # The group's commits, not events_in: the killed TaskManager took the counts it
-            # had not flushed, some for records before the checkpoint the job restarted from.
+            open_ = unanswered_in(client, name, prompts, dead)
+            seen.update(prompts=len(prompts), unanswered=open_)
+            return not open_ and _checkpoints(cluster, job_id) > covered["at"]
+
+        def state() -> str:
+            unanswered = "\n  ".join(str(u) for u in seen.get("unanswered", ()))
             return (
-                group_lag(kafka_bootstrap, name, f"{name}-events") == 0
-                and not _unanswered(prompts, dead, client, name)
-                and time.monotonic() - last["since"] > 10
+                f"group lag {seen.get('lag')}, {seen.get('prompts')} prompts on the topic, "
+                f"stats {read_stats(client, name)}\nunanswered:\n  {unanswered}"
             )
 
-        _wait(answered, "every shopper's newest prompt to be answered", cluster, job_id)
+        wait(answered, "every shopper's newest prompt to be answered", job_id, state)
         restarted = _restarted(cluster, job_id)
     finally:
         enough.set()
@@ -438,10 +454,20 @@ def rescaled_run(cluster, kafka_bootstrap, redis_url, standin_tier, tmp_path_fac
         stats=read_stats(client, name),
         writes=_writes(client, name),
         prompts=prompts,
-        unanswered=_unanswered(prompts, dead, client, name),
+        unanswered=unanswered_in(client, name, prompts, dead),
         lag_at_end=group_lag(kafka_bootstrap, name, f"{name}-events"),
         replay_ended_before_the_kill=replay_ended_before_the_kill,
     )
+    # What a failed run is diagnosed from: every prompt each attempt wrote, and the counts.
+    report = cache_dir() / "reports" / "scale_out_rescale.json"
+    report.parent.mkdir(parents=True, exist_ok=True)
+    report.write_bytes(
+        orjson.dumps(
+            {"stats": run.stats, "prompts": prompts, "dead_letters": dead,
+             "unanswered": [str(u) for u in run.unanswered]},
+            option=orjson.OPT_INDENT_2,
+        )
+    )  # fmt: skip
     client.close()
     return run
 
