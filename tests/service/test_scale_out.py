@@ -502,10 +502,11 @@ def test_across_the_rescales_and_the_kill_every_record_was_read(rescaled_run: Re
     """A checkpoint after the kill covers every record: the group committed them all. The
     stats hash cannot show it across a crash (``docs/event_time.md``): the restarted job
     counts the records after its checkpoint again, and the killed TaskManager's unflushed
-    counts are lost."""
+    counts are lost, its sends and its outcomes alike, so no relation between the two
+    holds there. That every prompt had an outcome
+    is judged on the prompts themselves: each shopper's newest is answered (the next
+    test), and an older one is superseded by it."""
     assert rescaled_run.lag_at_end == 0
-    s = rescaled_run.stats
-    assert prompts_settled(s) >= s["prompts_sent"] - s.get("prompts_resent", 0)
 
 
 def test_every_shoppers_newest_prompt_is_answered_across_the_rescales(rescaled_run: RescaleRun):
