@@ -503,9 +503,9 @@ def test_across_the_rescales_and_the_kill_every_record_was_read(rescaled_run: Re
     stats hash cannot show it across a crash (``docs/event_time.md``): the restarted job
     counts the records after its checkpoint again, and the killed TaskManager's unflushed
     counts are lost, its sends and its outcomes alike, so no relation between the two
-    holds there. That every prompt had an outcome
-    is judged on the prompts themselves: each shopper's newest is answered (the next
-    test), and an older one is superseded by it."""
+    holds there. That every prompt had an outcome is judged on the prompts themselves:
+    each shopper's newest is answered (the next test), and an older one is superseded by
+    it."""
     assert rescaled_run.lag_at_end == 0
 
 
