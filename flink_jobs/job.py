@@ -39,6 +39,7 @@ from pyflink.java_gateway import get_gateway
 from flink_jobs.checkpoints import restore_path
 from flink_jobs.config import MANAGED_FLINK_PROPERTIES, AppConfig, load_config
 from flink_jobs.core.events import MAX_CLOCK_SKEW_MS, record_key
+from flink_jobs.metrics import METRIC_GROUP, METRIC_GROUP_PARAMETER
 from flink_jobs.operators import (
     DEAD_LETTERS,
     LATE_EVENTS,
@@ -82,7 +83,13 @@ def python_path() -> str:
     return os.pathsep.join(dict.fromkeys([str(project), sysconfig.get_paths()["purelib"]]))
 
 
-def build_environment(config: AppConfig, jars: list[str]) -> StreamExecutionEnvironment:
+def build_environment(
+    config: AppConfig, jars: list[str], metric_group: str = METRIC_GROUP
+) -> StreamExecutionEnvironment:
+    """The execution environment with the job's settings. ``metric_group``: the group the
+    operators register their metrics under (``metrics.METRIC_GROUP``, or
+    ``metrics.CLOUDWATCH_METRIC_GROUP`` for Managed Flink), handed to them as a global job
+    parameter."""
     flink_conf = Configuration()
     flink_conf.set_string("python.execution-mode", config.job.python_execution_mode)
     flink_conf.set_string("python.executable", sys.executable)
@@ -92,9 +99,13 @@ def build_environment(config: AppConfig, jars: list[str]) -> StreamExecutionEnvi
     flink_conf.set_string("python.state.cache-size", str(config.job.python_state_cache_size))
     flink_conf.set_string("python.fn-execution.bundle.size", str(config.job.python_bundle_size))
     flink_conf.set_string("python.fn-execution.bundle.time", str(config.job.python_bundle_time_ms))
-    flink_conf.set_string("restart-strategy.type", "fixed-delay")
-    flink_conf.set_string("restart-strategy.fixed-delay.attempts", "3")
-    flink_conf.set_string("restart-strategy.fixed-delay.delay", "5 s")
+    # A strategy set here overrides the cluster's (Managed Flink's restarts without limit):
+    # only the one configured, if any.
+    for key, value in config.job.restart_strategy.items():
+        flink_conf.set_string(f"restart-strategy.{key}", value)
+    flink_conf.set_string(
+        "pipeline.global-job-parameters", f"{METRIC_GROUP_PARAMETER}:{metric_group}"
+    )
     if jars:
         flink_conf.set_string("pipeline.jars", ";".join(Path(j).resolve().as_uri() for j in jars))
     if config.job.checkpoint_dir:

@@ -52,6 +52,16 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+#: The metric group of the job's own metrics on a cluster of its own (compose, a standalone
+#: cluster, the embedded demo): the Prometheus reporter names them
+#: ``flink_taskmanager_job_task_operator_shopper_intents_<name>``, as the dashboards read.
+METRIC_GROUP = "shopper_intents"
+#: The group Managed Flink forwards to CloudWatch: it reports only metrics created under the
+#: group key ``KinesisAnalytics`` (docs/managed_flink.md#cloudwatch-metric-group).
+CLOUDWATCH_METRIC_GROUP = "KinesisAnalytics"
+#: The global job parameter naming the group; the job sets it, the operators read it.
+METRIC_GROUP_PARAMETER = "shopper-intents.metric-group"
+
 #: Suffixes of the gauges registered for each timing.
 TIMING_SUFFIXES = ("count", "sum", "p50", "p95", "max")
 
