@@ -57,6 +57,11 @@ bench-routing:
 
 # The Amazon Managed Service for Apache Flink application zip (Flink 2.2, Python 3.12) in
 # dist/; ARGS="--local" builds it for this interpreter instead. See deploy/README.md.
-.PHONY: package
-package: setup
+# Needs only the job's dependencies and the connector jars (SI_SETUP=package), in
+# $SI_CACHE_DIR or .cache/: no vLLM, no model, no broker.
+.PHONY: package package-deps
+package-deps:
+	@SI_SETUP=package bash scripts/setup.sh
+
+package: package-deps
 	$(PY) -m deploy.build_managed_flink_zip $(ARGS)
