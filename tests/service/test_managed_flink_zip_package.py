@@ -32,9 +32,11 @@ PACKAGE_TIMEOUT_S = 1200
 @pytest.fixture(scope="module")
 def packaged(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, str]:
     clone = tmp_path_factory.mktemp("clone")
-    tracked = subprocess.run(
-        ["git", "ls-files", "-z"], cwd=REPO, capture_output=True, check=True
-    ).stdout.decode().split("\0")
+    tracked = (
+        subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, check=True)
+        .stdout.decode()
+        .split("\0")
+    )
     for name in filter(None, tracked):
         source = REPO / name
         if source.is_symlink() or source.is_file():
