@@ -65,3 +65,11 @@ package-deps:
 
 package: package-deps
 	$(PY) -m deploy.build_managed_flink_zip $(ARGS)
+
+# The compose tier (tests/compose): docker-compose.yml end to end on the project's own
+# Docker Engine (scripts/docker_engine.sh: its own socket and data under .cache/docker),
+# images built locally where none can be pulled (deploy/compose/). Each heavy step takes
+# the machine's heavy-run lock. scripts/compose_test.sh says what it does.
+.PHONY: compose-test
+compose-test: setup
+	bash scripts/compose_test.sh $(ARGS)
