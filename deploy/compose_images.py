@@ -277,13 +277,20 @@ class _QuietHandler(http.server.SimpleHTTPRequestHandler):
         pass
 
 
+class _WheelServer(socketserver.ThreadingTCPServer):
+    #: The port of the last run may linger in TIME_WAIT; without reuse the fixed port
+    #: would be refused and every pip layer rebuilt.
+    allow_reuse_address = True
+    daemon_threads = True
+
+
 @contextlib.contextmanager
 def serving(folder: Path, port: int = WHEEL_PORT) -> Iterator[int]:
     """``folder`` over HTTP on the loopback while the builds run; yields the port."""
     handler = functools.partial(_QuietHandler, directory=str(folder))
     for candidate in (port, 0):
         try:
-            server = socketserver.ThreadingTCPServer(("127.0.0.1", candidate), handler)
+            server = _WheelServer(("127.0.0.1", candidate), handler)
             break
         except OSError:
             continue
@@ -365,6 +372,9 @@ def ensure_images(config: Mapping, timings: Timings) -> None:
         for build in decided.builds:
             with timings.step(f"build {build.image}"):
                 docker_build(build, port)
+    # Images a rebuild replaced keep their layers until pruned; the current images' layers
+    # (the build cache) are theirs and stay.
+    run(["docker", "image", "prune", "-f"], stdout=subprocess.DEVNULL)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -17,7 +17,7 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 CACHE="${SI_CACHE_DIR:-$ROOT/.cache}"
 PY="$CACHE/venv/bin/python"
-LOCK=/tmp/si-heavy.lock
+LOCK="${SI_HEAVY_LOCK:-/tmp/si-heavy.lock}"  # the machine's heavy-run lock
 cd "$ROOT"
 
 bash scripts/docker_engine.sh install

@@ -139,10 +139,10 @@ ROOT_BY_DESIGN = {"vllm-cpu"}
 def _process_table(container: str) -> list[tuple[int, str]]:
     """(uid, command line) of every process in the container, as the host's ``ps`` sees
     them (uids, not names: the host has its own user names)."""
-    out = docker("top", container, "-eo", "uid,args")
+    out = docker("top", container, "-eo", "pid,uid,args")  # docker top needs the pid
     rows = []
     for line in out.splitlines()[1:]:
-        uid, _, args = line.strip().partition(" ")
+        _pid, uid, args = line.split(None, 2)
         rows.append((int(uid), args.strip()))
     return rows
 
@@ -257,6 +257,10 @@ def run() -> Run:
             }
             inspect = docker("inspect", "--format", "{{json .Config.Cmd}} {{json .Args}}", name)
             result.command_lines[name] = inspect + "\n".join(a for _, a in table)
+    except BaseException:
+        # The containers go with `down -v` below: their last lines say what went wrong.
+        print(f"compose run failed; the services' last log lines:\n{stack.logs(tail=40)}")
+        raise
     finally:
         if replay is not None and replay.poll() is None:
             replay.kill()
