@@ -282,6 +282,10 @@ class JobConfig:
     # Managed Flink's own restarts without limit, and Flink's default with checkpointing
     # (exponential-delay) does too.
     restart_strategy: Mapping[str, str] = field(default_factory=dict)
+    # The metric group of the operators' metrics. Empty: the deployment's. The Managed Flink
+    # zip's main file names KinesisAnalytics (the group CloudWatch receives); every other
+    # run, shopper_intents (the Prometheus names the dashboards read). metrics.py.
+    metric_group: str = ""
 
     def validate(self) -> None:
         for name in (

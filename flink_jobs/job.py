@@ -39,7 +39,6 @@ from pyflink.java_gateway import get_gateway
 from flink_jobs.checkpoints import restore_path
 from flink_jobs.config import MANAGED_FLINK_PROPERTIES, AppConfig, load_config
 from flink_jobs.core.events import MAX_CLOCK_SKEW_MS, record_key
-from flink_jobs.metrics import METRIC_GROUP, METRIC_GROUP_PARAMETER
 from flink_jobs.operators import (
     DEAD_LETTERS,
     LATE_EVENTS,
@@ -83,13 +82,7 @@ def python_path() -> str:
     return os.pathsep.join(dict.fromkeys([str(project), sysconfig.get_paths()["purelib"]]))
 
 
-def build_environment(
-    config: AppConfig, jars: list[str], metric_group: str = METRIC_GROUP
-) -> StreamExecutionEnvironment:
-    """The execution environment with the job's settings. ``metric_group``: the group the
-    operators register their metrics under (``metrics.METRIC_GROUP``, or
-    ``metrics.CLOUDWATCH_METRIC_GROUP`` for Managed Flink), handed to them as a global job
-    parameter."""
+def build_environment(config: AppConfig, jars: list[str]) -> StreamExecutionEnvironment:
     flink_conf = Configuration()
     flink_conf.set_string("python.execution-mode", config.job.python_execution_mode)
     flink_conf.set_string("python.executable", sys.executable)
@@ -103,9 +96,6 @@ def build_environment(
     # only the one configured, if any.
     for key, value in config.job.restart_strategy.items():
         flink_conf.set_string(f"restart-strategy.{key}", value)
-    flink_conf.set_string(
-        "pipeline.global-job-parameters", f"{METRIC_GROUP_PARAMETER}:{metric_group}"
-    )
     if jars:
         flink_conf.set_string("pipeline.jars", ";".join(Path(j).resolve().as_uri() for j in jars))
     if config.job.checkpoint_dir:

@@ -41,12 +41,11 @@ from flink_jobs.core.trigger import END_OF_TIME_MS
 from flink_jobs.metrics import INFER_COUNTS as INFER_COUNTS  # the gauges' names, re-exported
 from flink_jobs.metrics import INFER_TIMINGS as INFER_TIMINGS
 from flink_jobs.metrics import (
-    METRIC_GROUP,
-    METRIC_GROUP_PARAMETER,
     GaugeBoard,
     GaugeCounters,
     OutcomeRecorder,
     PublishedGroup,
+    metric_group,
 )
 from flink_jobs.runtime.call_process import CallProcess
 from flink_jobs.runtime.counters import StatsReporter
@@ -90,8 +89,8 @@ class _Counted:
 
     def _open_counters(self, ctx: RuntimeContext, config: AppConfig) -> None:
         self._gauges = GaugeBoard()
-        group = ctx.get_job_parameter(METRIC_GROUP_PARAMETER, METRIC_GROUP)
-        self._metrics = PublishedGroup(ctx.get_metrics_group().add_group(group), self._gauges)
+        group = ctx.get_metrics_group().add_group(metric_group(config.job.metric_group))
+        self._metrics = PublishedGroup(group, self._gauges)
         self._flink_counters = GaugeCounters(self._metrics)
         self._stats = StatsReporter(
             config.redis.url, config.redis.key_prefix, config.job.stats_flush_s

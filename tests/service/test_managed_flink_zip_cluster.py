@@ -140,7 +140,7 @@ def cluster_run(
         names = _wait(
             lambda: {n for n in cluster.scrape_metrics() if n.startswith(CLOUDWATCH_PREFIX)},
             "the job's metrics from the TaskManager's reporter", METRICS_TIMEOUT_S,
-            seen=lambda: sorted(n for n in cluster.scrape_metrics() if "operator" in n)[:20],
+            seen=lambda: sorted(n for n in cluster.scrape_metrics() if "events_in" in n),
         )  # fmt: skip
         every_name = set(cluster.scrape_metrics())
         entries = cluster._rest(f"/jobs/{job_id}/jobmanager/config") or []

@@ -1,11 +1,11 @@
-"""The operators register their metrics under the group the job names: ``KinesisAnalytics``
-on Managed Flink, which forwards only that group's metrics to CloudWatch, and
-``shopper_intents`` elsewhere, which keeps the Prometheus names the dashboards read."""
+"""The operators register their metrics under ``job.metric_group``: ``KinesisAnalytics``
+from the Managed Flink zip, which forwards only that group's metrics to CloudWatch, and
+``shopper_intents`` by default, which keeps the Prometheus names the dashboards read."""
 
 from __future__ import annotations
 
 from flink_jobs.config import AppConfig
-from flink_jobs.metrics import CLOUDWATCH_METRIC_GROUP, METRIC_GROUP, METRIC_GROUP_PARAMETER
+from flink_jobs.metrics import CLOUDWATCH_METRIC_GROUP, METRIC_GROUP
 from flink_jobs.operators import DecodeEvents
 
 
@@ -40,10 +40,11 @@ class Context:
         return self.group
 
 
-def _registered(parameters: dict[str, str]) -> dict[tuple[str, ...], list[str]]:
-    operator = DecodeEvents(AppConfig())
-    ctx = Context(parameters)
-    operator._open_counters(ctx, AppConfig())
+def _registered(group: str) -> dict[tuple[str, ...], list[str]]:
+    config = AppConfig().with_overrides({"job": {"metric_group": group}})
+    operator = DecodeEvents(config)
+    ctx = Context({})
+    operator._open_counters(ctx, config)
     operator._retire_stats.detach()  # the Redis stats are not the subject: never flushed
     operator._stats = Stats()
     operator._count("events_in")
@@ -51,10 +52,10 @@ def _registered(parameters: dict[str, str]) -> dict[tuple[str, ...], list[str]]:
 
 
 def test_on_managed_flink_the_metrics_are_in_the_cloudwatch_group():
-    gauges = _registered({METRIC_GROUP_PARAMETER: CLOUDWATCH_METRIC_GROUP})
+    gauges = _registered(CLOUDWATCH_METRIC_GROUP)
     assert gauges == {("KinesisAnalytics",): ["events_in"]}
 
 
 def test_elsewhere_the_metrics_keep_their_prometheus_group():
-    assert _registered({}) == {(METRIC_GROUP,): ["events_in"]}
+    assert _registered("") == {(METRIC_GROUP,): ["events_in"]}
     assert METRIC_GROUP == "shopper_intents"
