@@ -55,7 +55,12 @@ INSTALL_TIMEOUT_S = 1200
 class UnpackedApp:
     root: Path
     python: Path
+    #: The zip's ``pyFiles`` folders, in order.
     pythonpath: tuple[Path, ...]
+    #: Folders after them on ``PYTHONPATH``: the installed runtime's packages, which an
+    #: interpreter PyFlink embeds (thread mode) finds only there, not through the venv's
+    #: ``.pth`` file.
+    runtime_path: tuple[Path, ...] = ()
 
     @property
     def main_file(self) -> Path:
@@ -67,7 +72,7 @@ class UnpackedApp:
 
     def environment(self, extra: Mapping[str, str] | None = None) -> dict[str, str]:
         env = {k: os.environ[k] for k in PASS_THROUGH_ENV if k in os.environ}
-        env["PYTHONPATH"] = os.pathsep.join(str(p) for p in self.pythonpath)
+        env["PYTHONPATH"] = os.pathsep.join(str(p) for p in (*self.pythonpath, *self.runtime_path))
         env["PYTHONNOUSERSITE"] = "1"
         env.update(extra or {})
         return env
@@ -149,7 +154,13 @@ def unpack(zip_path: Path, workdir: Path, flink_version: str | None = None) -> U
     version = flink_version or installed_flink_version()
     python = runtime_interpreter(version, workdir, cache_dir() / "flink-runtimes")
     options = json.loads((root / "BUILD_INFO.json").read_text())["run_options"]
-    return UnpackedApp(root=root, python=python, pythonpath=tuple(py_files(root, options)))
+    links = workdir / "runtime"
+    return UnpackedApp(
+        root=root,
+        python=python,
+        pythonpath=tuple(py_files(root, options)),
+        runtime_path=(links,) if links.is_dir() else (),
+    )
 
 
 def py_files(root: Path, run_options: Mapping[str, str]) -> list[Path]:
