@@ -57,6 +57,19 @@ bench-routing:
 
 # The Amazon Managed Service for Apache Flink application zip (Flink 2.2, Python 3.12) in
 # dist/; ARGS="--local" builds it for this interpreter instead. See deploy/README.md.
-.PHONY: package
-package: setup
+# Needs only the job's dependencies and the connector jars (SI_SETUP=package), in
+# $SI_CACHE_DIR or .cache/: no vLLM, no model, no broker.
+.PHONY: package package-deps
+package-deps:
+	@SI_SETUP=package bash scripts/setup.sh
+
+package: package-deps
 	$(PY) -m deploy.build_managed_flink_zip $(ARGS)
+
+# The compose tier (tests/compose): docker-compose.yml end to end on the project's own
+# Docker Engine (scripts/docker_engine.sh: its own socket and data under .cache/docker),
+# images built locally where none can be pulled (deploy/compose/). Each heavy step takes
+# the machine's heavy-run lock. scripts/compose_test.sh says what it does.
+.PHONY: compose-test
+compose-test: setup
+	bash scripts/compose_test.sh $(ARGS)

@@ -14,7 +14,8 @@ Layout of the zip (paths relative to its root)::
     site-packages/                     third-party dependencies, unpacked binary wheels for
                                        the target interpreter (cp312 manylinux by default)
     application_properties.example.json
-    BUILD_INFO.json                    target, vendored versions, run options
+    BUILD_INFO.json                    target, vendored versions, the merged jars (each
+                                       with its version and SHA-256), run options
 
 `app/` and `site-packages/` are the run option `pyFiles` (``app/,site-packages/``).
 Steps, in the order ``build`` runs them: stage the main file and the job, vendor the
@@ -25,11 +26,14 @@ properties and build info, zip the staging folder deterministically.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import logging
+import re
 import shutil
 import sys
 import tempfile
+import tomllib
 import zipfile
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -39,17 +43,18 @@ from typing import Any
 from deploy import fat_jar, vendor
 from deploy.main import FAT_JAR, PY_FOLDERS
 from flink_jobs.config import AppConfig, config_as_property_groups
+from flink_jobs.paths import cache_dir
 
 log = logging.getLogger(__name__)
 
 REPO = Path(__file__).resolve().parent.parent
-DEFAULT_JARS_DIR = REPO / ".cache" / "jars"
 #: The jars merged into the fat jar, in this order (the first copy of a duplicate wins).
+OWN_JAR = "shopper-intents-connectors.jar"
 JARS = (
     "flink-connector-kafka.jar",
     "kafka-clients.jar",
     "zstd-jni.jar",
-    "shopper-intents-connectors.jar",
+    OWN_JAR,
 )
 RUN_OPTIONS_GROUP = "kinesis.analytics.flink.run.options"
 EXAMPLE_PROPERTIES = "application_properties.example.json"
@@ -113,6 +118,49 @@ class BuildResult:
     info: dict[str, Any]
 
 
+def default_jars_dir() -> Path:
+    """Where ``scripts/setup.sh`` puts the connector jars: ``$SI_CACHE_DIR/jars``, else
+    ``.cache/jars`` in the checkout (``flink_jobs.paths.cache_dir``)."""
+    return cache_dir() / "jars"
+
+
+def jar_version(path: Path) -> str | None:
+    """A jar's version as it records it: ``Implementation-Version`` or ``Bundle-Version`` in
+    its manifest, or the ``version`` of a ``*-version.properties`` (kafka-clients keeps it
+    there); None when it records none."""
+    with zipfile.ZipFile(path) as jar:
+        names = set(jar.namelist())
+        if "META-INF/MANIFEST.MF" in names:
+            manifest = jar.read("META-INF/MANIFEST.MF").decode("utf-8", "replace")
+            for key in ("Implementation-Version", "Bundle-Version"):
+                found = re.search(rf"^{key}:\s*(\S+)", manifest, re.MULTILINE)
+                if found:
+                    return found.group(1)
+        for name in sorted(n for n in names if n.endswith("-version.properties")):
+            text = jar.read(name).decode("utf-8", "replace")
+            found = re.search(r"^version=(\S+)", text, re.MULTILINE)
+            if found:
+                return found.group(1)
+    return None
+
+
+def project_version() -> str:
+    return tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+
+
+def jar_record(path: Path) -> dict[str, Any]:
+    """What ``BUILD_INFO.json`` says of a merged jar: its name, version and SHA-256. The
+    project's own connector jar records none, so it carries the project's version."""
+    version = jar_version(path)
+    if version is None and path.name == OWN_JAR:
+        version = project_version()
+    return {
+        "name": path.name,
+        "version": version,
+        "sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
+    }
+
+
 def zip_name(target: vendor.TargetPlatform) -> str:
     return f"shopper-intents-managed-flink-py{target.python_version.replace('.', '')}.zip"
 
@@ -120,29 +168,33 @@ def zip_name(target: vendor.TargetPlatform) -> str:
 def build(
     out_dir: Path,
     target: vendor.TargetPlatform,
-    jars_dir: Path = DEFAULT_JARS_DIR,
+    jars_dir: Path | None = None,
     extra_jars: Sequence[Path] = (),
     pin_to_installed: bool = True,
 ) -> BuildResult:
-    """Build the zip into ``out_dir`` (see the module docstring) and return where it is."""
+    """Build the zip into ``out_dir`` (see the module docstring) and return where it is.
+    ``jars_dir``: the connector jars' folder (default: :func:`default_jars_dir`)."""
+    jars_dir = default_jars_dir() if jars_dir is None else jars_dir
     jars = [jars_dir / name for name in JARS] + list(extra_jars)
     missing = [str(j) for j in jars if not j.is_file()]
     if missing:
-        raise FileNotFoundError(f"missing jars: {', '.join(missing)} (run scripts/setup.sh)")
+        raise FileNotFoundError(
+            f"missing jars: {', '.join(missing)} (make package-deps, or set SI_CACHE_DIR)"
+        )
     with tempfile.TemporaryDirectory(prefix="si-zip-") as tmp:
         stage = Path(tmp)
         shutil.copyfile(REPO / "deploy" / "main.py", stage / "main.py")
         _copy_app(stage / "app")
         plan = vendor.plan(REPO / "pyproject.toml", target, pin_to_installed)
         vendor.vendor(plan.vendored, target, stage / "site-packages")
-        merged = fat_jar.merge_jars(jars, stage / FAT_JAR)
+        fat_jar.merge_jars(jars, stage / FAT_JAR)
         (stage / EXAMPLE_PROPERTIES).write_text(example_properties_json())
         info = {
             "target": asdict(target),
             "requirements": list(plan.requirements),
             "vendored": [d.pin for d in plan.vendored],
             "shadowing_runtime": list(plan.shadowing_runtime),
-            "jars": list(merged.jars),
+            "jars": [jar_record(j) for j in jars],
             "run_options": run_options(),
         }
         (stage / BUILD_INFO).write_text(json.dumps(info, indent=2) + "\n")
@@ -194,7 +246,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--local", action="store_true", help="build for this interpreter and machine instead"
     )
-    p.add_argument("--jars-dir", type=Path, default=DEFAULT_JARS_DIR)
+    p.add_argument("--jars-dir", type=Path, help="the connector jars (default: $SI_CACHE_DIR/jars)")
     p.add_argument(
         "--extra-jar",
         type=Path,

@@ -8,11 +8,15 @@
 3. Choose the jars for ``pipeline.jars``: the configured ``job.jars``; else none when
    deployed (Managed Flink already put the ``jarfile`` on the classpath); else the
    zip's own fat jar (a local run of the unpacked zip).
-4. Build the job (``flink_jobs.job``) and run it.
+4. Build the job (``flink_jobs.job``) with its metrics under the group Managed Flink
+   forwards to CloudWatch (``job.metric_group``: ``KinesisAnalytics`` unless set), and
+   run it. The restart strategy is
+   the application's: the job sets none unless ``job.restart_strategy`` says so.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import sys
@@ -47,10 +51,14 @@ def main() -> None:
     add_python_folders()
     from flink_jobs.config import MANAGED_FLINK_PROPERTIES, load_config
     from flink_jobs.job import build_environment, build_pipeline
+    from flink_jobs.metrics import CLOUDWATCH_METRIC_GROUP
 
     logging.basicConfig(level=os.environ.get("SI_LOG_LEVEL", "INFO"))
     config = load_config()
     jars = choose_jars(config.job.jars, deployed=MANAGED_FLINK_PROPERTIES.exists())
+    if not config.job.metric_group:
+        job = dataclasses.replace(config.job, metric_group=CLOUDWATCH_METRIC_GROUP)
+        config = dataclasses.replace(config, job=job)
     env = build_environment(config, jars)
     build_pipeline(env, config)
     env.execute(config.job.name)

@@ -275,6 +275,17 @@ class JobConfig:
     stats_flush_s: float = 1.0
     # Extra jars (Kafka connector, our deserializer); empty: found under the cache folder.
     jars: tuple[str, ...] = ()
+    # Flink's restart strategy for this job, as Flink's ``restart-strategy.*`` settings
+    # without that prefix (JSON object), e.g. {"type": "fixed-delay",
+    # "fixed-delay.attempts": "10", "fixed-delay.delay": "10 s"}. Empty: the cluster's.
+    # A strategy the job sets overrides the cluster's, so it stays empty unless wanted:
+    # Managed Flink's own restarts without limit, and Flink's default with checkpointing
+    # (exponential-delay) does too.
+    restart_strategy: Mapping[str, str] = field(default_factory=dict)
+    # The metric group of the operators' metrics. Empty: the deployment's. The Managed Flink
+    # zip's main file names KinesisAnalytics (the group CloudWatch receives); every other
+    # run, shopper_intents (the Prometheus names the dashboards read). metrics.py.
+    metric_group: str = ""
 
     def validate(self) -> None:
         for name in (
@@ -302,6 +313,11 @@ class JobConfig:
             )
         if self.restore_from == "latest" and not self.checkpoint_dir:
             raise ConfigError('job.restore_from "latest" needs job.checkpoint_dir')
+        if self.restart_strategy and "type" not in self.restart_strategy:
+            raise ConfigError(
+                'job.restart_strategy needs a "type" (e.g. {"type": "fixed-delay", '
+                f'"fixed-delay.attempts": "10"}}); got keys {sorted(self.restart_strategy)}'
+            )
 
 
 @dataclass(frozen=True)

@@ -92,9 +92,10 @@ def build_environment(config: AppConfig, jars: list[str]) -> StreamExecutionEnvi
     flink_conf.set_string("python.state.cache-size", str(config.job.python_state_cache_size))
     flink_conf.set_string("python.fn-execution.bundle.size", str(config.job.python_bundle_size))
     flink_conf.set_string("python.fn-execution.bundle.time", str(config.job.python_bundle_time_ms))
-    flink_conf.set_string("restart-strategy.type", "fixed-delay")
-    flink_conf.set_string("restart-strategy.fixed-delay.attempts", "3")
-    flink_conf.set_string("restart-strategy.fixed-delay.delay", "5 s")
+    # A strategy set here overrides the cluster's (Managed Flink's restarts without limit):
+    # only the one configured, if any.
+    for key, value in config.job.restart_strategy.items():
+        flink_conf.set_string(f"restart-strategy.{key}", value)
     if jars:
         flink_conf.set_string("pipeline.jars", ";".join(Path(j).resolve().as_uri() for j in jars))
     if config.job.checkpoint_dir:

@@ -52,6 +52,21 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+#: The metric group of the job's own metrics on a cluster of its own (compose, a standalone
+#: cluster, the embedded demo): the Prometheus reporter names them
+#: ``flink_taskmanager_job_task_operator_shopper_intents_<name>``, as the dashboards read.
+METRIC_GROUP = "shopper_intents"
+#: The group Managed Flink forwards to CloudWatch: it reports only metrics created under the
+#: group key ``KinesisAnalytics`` (docs/managed_flink.md#cloudwatch-metric-group). The
+#: zip's main file sets ``job.metric_group`` to it.
+CLOUDWATCH_METRIC_GROUP = "KinesisAnalytics"
+
+
+def metric_group(configured: str) -> str:
+    """The group the operators register under: ``job.metric_group``, else the default."""
+    return configured or METRIC_GROUP
+
+
 #: Suffixes of the gauges registered for each timing.
 TIMING_SUFFIXES = ("count", "sum", "p50", "p95", "max")
 

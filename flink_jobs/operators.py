@@ -41,7 +41,13 @@ from flink_jobs.core.timeline import Step, hold_event, is_held, on_event, on_tim
 from flink_jobs.core.trigger import END_OF_TIME_MS
 from flink_jobs.metrics import INFER_COUNTS as INFER_COUNTS  # the gauges' names, re-exported
 from flink_jobs.metrics import INFER_TIMINGS as INFER_TIMINGS
-from flink_jobs.metrics import GaugeBoard, GaugeCounters, OutcomeRecorder, PublishedGroup
+from flink_jobs.metrics import (
+    GaugeBoard,
+    GaugeCounters,
+    OutcomeRecorder,
+    PublishedGroup,
+    metric_group,
+)
 from flink_jobs.runtime.call_process import CallProcess
 from flink_jobs.runtime.counters import StatsReporter
 from flink_jobs.runtime.inference import PromptRunner
@@ -84,9 +90,8 @@ class _Counted:
 
     def _open_counters(self, ctx: RuntimeContext, config: AppConfig) -> None:
         self._gauges = GaugeBoard()
-        self._metrics = PublishedGroup(
-            ctx.get_metrics_group().add_group("shopper_intents"), self._gauges
-        )
+        group = ctx.get_metrics_group().add_group(metric_group(config.job.metric_group))
+        self._metrics = PublishedGroup(group, self._gauges)
         self._flink_counters = GaugeCounters(self._metrics)
         self._stats = StatsReporter(
             config.redis.url, config.redis.key_prefix, config.job.stats_flush_s

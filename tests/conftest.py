@@ -5,10 +5,15 @@ Sections, in file order:
 1. Tiers, by folder, each marked so: ``unit`` (pure: no service, no JVM, no network),
    ``service`` (a real broker, Redis and PyFlink; an LLM stand-in where the model is not
    the subject), ``model`` (real vLLM workers). ``make unit|service|model`` runs one.
-2. Service backend: where a Docker engine answers (``docker info``), services run in
-   containers through testcontainers (Apache Kafka in KRaft mode, Redis); elsewhere they
-   run as local processes from ``flink_jobs.tools.local_services`` (Tansu, redis-server).
-   ``SI_TEST_SERVICES=docker|local`` forces one.
+   ``compose`` (docker-compose.yml on the project's own Docker Engine) is collected only
+   under ``make compose-test``, which sets ``SI_COMPOSE_TEST=1`` after starting that engine
+   and building the images: ``make test`` leaves it out.
+2. Service backend, an explicit choice: local processes from
+   ``flink_jobs.tools.local_services`` (Tansu, redis-server) unless
+   ``SI_TEST_SERVICES=docker``, which runs them in containers through testcontainers
+   (Apache Kafka in KRaft mode, Redis) on the engine ``DOCKER_HOST`` names. A Docker engine
+   that merely answers changes nothing: the compose tier (``make compose-test``) starts
+   one of its own, whose registry-less images the other tiers could not use.
 3. Redis: ``redis_service`` (handle: ``.url``, ``.restart()``, ``.stop()``), ``redis_url``,
    ``redis_client`` (function-scoped, bytes replies).
 4. Kafka: ``kafka_service`` (handle: ``.bootstrap``, ``.restart()``, ``.stop()``),
@@ -28,11 +33,9 @@ backends.
 from __future__ import annotations
 
 import os
-import shutil
-import subprocess
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
@@ -52,8 +55,16 @@ if TYPE_CHECKING:
 
 # --- 1. tiers ----------------------------------------------------------------------------
 
-TIERS = ("unit", "service", "model")
+TIERS = ("unit", "service", "model", "compose")
 _TESTS_DIR = Path(__file__).parent
+COMPOSE_TEST_ENV = "SI_COMPOSE_TEST"
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """The compose tier needs the engine and images ``scripts/compose_test.sh`` prepares."""
+    if collection_path == _TESTS_DIR / "compose" and os.environ.get(COMPOSE_TEST_ENV) != "1":
+        return True
+    return None
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -115,25 +126,18 @@ class KafkaHandle(Protocol):
     def stop(self) -> None: ...
 
 
-def _docker_answers() -> bool:
-    if shutil.which("docker") is None:
-        return False
-    try:
-        done = subprocess.run(["docker", "info"], capture_output=True, timeout=15, check=False)
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-    return done.returncode == 0
+def choose_backend(environ: Mapping[str, str]) -> str:
+    """``"docker"`` only when ``SI_TEST_SERVICES`` says so, else ``"local"``."""
+    chosen = environ.get(SERVICES_ENV, "").strip().lower() or "local"
+    if chosen not in ("docker", "local"):
+        raise pytest.UsageError(f"{SERVICES_ENV} must be 'docker' or 'local', got {chosen!r}")
+    return chosen
 
 
 @pytest.fixture(scope="session")
 def service_backend() -> str:
     """``"docker"`` or ``"local"``: where this session's services run."""
-    forced = os.environ.get(SERVICES_ENV, "").strip().lower()
-    if forced in ("docker", "local"):
-        return forced
-    if forced:
-        raise pytest.UsageError(f"{SERVICES_ENV} must be 'docker' or 'local', got {forced!r}")
-    return "docker" if _docker_answers() else "local"
+    return choose_backend(os.environ)
 
 
 @pytest.fixture(scope="session")

@@ -31,7 +31,7 @@ JOB_JAVA_SOURCES = sorted((REPO / "flink_jobs" / "java" / "shopperintents").glob
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory: pytest.TempPathFactory) -> builder.BuildResult:
-    missing = [n for n in builder.JARS if not (builder.DEFAULT_JARS_DIR / n).is_file()]
+    missing = [n for n in builder.JARS if not (builder.default_jars_dir() / n).is_file()]
     if missing:
         pytest.skip(f"connector jars not built ({', '.join(missing)}): run scripts/setup.sh")
     return builder.build(tmp_path_factory.mktemp("zip"), vendor.TargetPlatform.local())

@@ -103,7 +103,7 @@ class StandInLlm:
 
 @pytest.fixture(scope="module")
 def unpacked_app(tmp_path_factory: pytest.TempPathFactory) -> UnpackedApp:
-    missing = [n for n in builder.JARS if not (builder.DEFAULT_JARS_DIR / n).is_file()]
+    missing = [n for n in builder.JARS if not (builder.default_jars_dir() / n).is_file()]
     if missing:
         pytest.skip(f"connector jars not built ({', '.join(missing)}): run scripts/setup.sh")
     out = tmp_path_factory.mktemp("zip")

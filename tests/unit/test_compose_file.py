@@ -6,8 +6,11 @@ names existing services with valid conditions that the dependency can meet; the 
 that bind mounts, commands and the image build refer to exist; and the project's own
 commands parse with the project's own argument parsers.
 
-Paths under ``.cache/`` are made by ``make setup`` (models, jars): they must be folders
-``scripts/setup.sh`` creates, and need not exist in a fresh clone.
+The compose path needs nothing of ``make setup``: no bind mount, build input or command
+names a path under ``.cache/``. The application image (``Dockerfile.flink``) does its
+system steps as root and ends as the base image's ``flink`` user; secrets reach services
+through their environment, never their command lines; the job is submitted by a script
+that restores the newest retained checkpoint.
 
 Hardening (issue 28 #10): published ports listen on the loopback by default; Redis, Kafka
 and Grafana ask for passwords that come from the env file, none with a default, and the
@@ -130,14 +133,11 @@ def host_ports(service: dict[str, Any]) -> list[str]:
     return ports
 
 
-def assert_exists_or_made_by_setup(host: Path, what: str) -> None:
+def assert_exists_without_setup(host: Path, what: str) -> None:
     relative = host.resolve().relative_to(REPO)
-    if relative.parts and relative.parts[0] == ".cache":
-        made = (REPO / "scripts" / "setup.sh").read_text()
-        assert len(relative.parts) > 1 and relative.parts[1] in made, (
-            f"{what}: {relative} is under .cache/ but scripts/setup.sh does not make it"
-        )
-        return
+    assert relative.parts[:1] != (".cache",), (
+        f"{what}: {relative} is made by `make setup`; the compose path builds it in an image"
+    )
     assert host.exists(), f"{what}: {relative} does not exist in the repository"
 
 
@@ -224,7 +224,7 @@ def test_bind_mount_sources_exist(services):
     for name, service in services.items():
         for source, _target in bind_mounts(service):
             assert not source.startswith(("/", "~")), f"{name}: host-specific mount {source}"
-            assert_exists_or_made_by_setup(REPO / source, f"{name} mount")
+            assert_exists_without_setup(REPO / source, f"{name} mount")
 
 
 def test_files_named_by_commands_exist(services):
@@ -249,7 +249,7 @@ def test_files_named_by_commands_exist(services):
                 path = workdir / path
             host = container_to_host(service, path)
             if host is not None:
-                assert_exists_or_made_by_setup(host, f"{name} command")
+                assert_exists_without_setup(host, f"{name} command")
                 checked += 1
     assert checked >= 4  # job.py, the replayed file, the modules, the model folder
 
@@ -259,7 +259,11 @@ def test_project_commands_parse(services):
     from flink_jobs.tools.replay import _build_parser as replay_parser
     from inference_sidecar.cli import build_parser as sidecar_parser
 
-    parsers = {"inference_sidecar": sidecar_parser, "flink_jobs.tools.replay": replay_parser}
+    parsers = {
+        "inference_sidecar": sidecar_parser,
+        "flink_jobs.tools.replay": replay_parser,
+        "deploy.compose_replay": replay_parser,  # the replay tool's arguments, as they are
+    }
     parsed = 0
     for name, service in services.items():
         argv = command_argv(service)
@@ -282,15 +286,92 @@ def test_app_image_build_inputs_exist(services):
     for context, dockerfile in builds:
         path = REPO / context / dockerfile
         assert path.is_file(), f"{dockerfile} is missing"
-        for line in path.read_text().splitlines():
-            words = line.split()
-            if not words or words[0] != "COPY":
-                continue
-            sources = [w for w in words[1:-1] if not w.startswith("--")]
-            for source in sources:
-                assert_exists_or_made_by_setup(REPO / context / source, f"{dockerfile} COPY")
-        ignore = path.with_name(path.name + ".dockerignore")
-        assert ignore.is_file(), f"{ignore.name} keeps .cache's venvs out of the build context"
+        for source in copy_sources(path.read_text()):
+            assert_exists_without_setup(REPO / context / source, f"{dockerfile} COPY")
+            assert in_build_context(source), f"{dockerfile} copies {source}: .dockerignore drops it"
+
+
+def copy_sources(dockerfile: str) -> list[str]:
+    """The build-context paths a Dockerfile's COPY lines read (not ``--from`` stages)."""
+    sources = []
+    for line in dockerfile.splitlines():
+        words = line.split()
+        if words[:1] != ["COPY"] or any(w.startswith("--from") for w in words):
+            continue
+        sources += [w for w in words[1:-1] if not w.startswith("--")]
+    return sources
+
+
+def in_build_context(source: str) -> bool:
+    """Whether ``.dockerignore`` (everything ignored, then ``!`` exceptions) keeps ``source``."""
+    kept = [
+        line[1:].rstrip("/")
+        for line in (REPO / ".dockerignore").read_text().splitlines()
+        if line.startswith("!")
+    ]
+    source = source.rstrip("/")
+    return any(
+        source == k or source.startswith(f"{k}/") or k.startswith(f"{source}/") for k in kept
+    )
+
+
+def test_the_build_context_leaves_out_the_cache():
+    assert (REPO / ".dockerignore").read_text().splitlines()[:0] == []
+    assert not in_build_context(".cache/venv") and not in_build_context(".cache")
+    assert in_build_context("flink_jobs") and in_build_context("deploy/compose_submit.py")
+
+
+def dockerfile_stages(text: str) -> list[list[str]]:
+    """Each stage's instructions (continuation lines joined), FROM first."""
+    joined = re.sub(r"\\\n", " ", text)
+    stages: list[list[str]] = []
+    for line in joined.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        if line.upper().startswith("FROM "):
+            stages.append([])
+        if stages:
+            stages[-1].append(line)
+    return stages
+
+
+def test_the_app_image_does_system_steps_as_root_and_runs_as_flink():
+    """The flink base image ends with ``USER flink``: a stage that installs packages or
+    writes outside its home switches to root first, and the image the services run ends
+    as ``flink`` (its entrypoint drops no privileges)."""
+    stages = dockerfile_stages((REPO / APP_IMAGE_DOCKERFILE).read_text())
+    assert stages, "no FROM"
+    for stage in stages:
+        user = "flink" if stage[0].split()[1].startswith(("flink:", "${FLINK_IMAGE}")) else None
+        for instruction in stage[1:]:
+            keyword, _, rest = instruction.partition(" ")
+            if keyword.upper() == "USER":
+                user = rest.strip()
+            if keyword.upper() == "RUN" and re.search(
+                r"apt-get|chown|/opt/venv|/opt/flink/lib", rest
+            ):
+                assert user in (None, "root"), f"{instruction[:60]}... runs as {user}"
+    final_users = [i.split()[1] for i in stages[-1] if i.upper().startswith("USER ")]
+    assert final_users[-1:] == ["flink"], f"the image ends as {final_users[-1:] or 'its base'}"
+
+
+def test_no_secret_is_on_a_command_line(raw_services):
+    """Secrets reach services through their environment (or files); a command line shows
+    in ``ps``, ``docker top`` and the container's recorded command."""
+    for name, service in raw_services.items():
+        for key in ("command", "entrypoint"):
+            text = str(service.get(key) or "")
+            named = [m["name"] for m in variables(text) if SECRET_NAME.search(m["name"])]
+            assert not named, f"{name}: {key} carries {named}"
+
+
+def test_job_submission_restores_the_newest_checkpoint(services):
+    """The job-submit service runs the submission script, which restores the newest
+    retained checkpoint under the checkpoint volume (tests/unit/test_compose_submit.py)."""
+    submit = services["job-submit"]
+    assert command_argv(submit) == ["python", "-m", "deploy.compose_submit"]
+    assert submit["environment"]["SI_JOB_CHECKPOINT_DIR"] == "/opt/flink/checkpoints"
 
 
 def test_flink_services_run_the_app_image(services):
@@ -472,3 +553,5 @@ def test_vllm_images_are_the_version_setup_installs(services):
         assert re.match(rf"v?{re.escape(installed[1])}(\b|-)", tag), (
             f"{name}: {image} is not vLLM {installed[1]}"
         )
+    model = re.search(r"ARG VLLM_IMAGE=(\S+)", (REPO / "Dockerfile.model").read_text())
+    assert model and f":v{installed[1]}" in model[1], "Dockerfile.model converts with another vLLM"

@@ -105,14 +105,27 @@ def hosts(services: dict[str, dict[str, Any]]) -> dict[str, list[str]]:
 
 
 def scrape_targets(prometheus: dict[str, Any]) -> list[tuple[str, str, int]]:
-    """(job, host, port) of every static target."""
+    """(job, host, port) of every static target and every name DNS service discovery
+    resolves (each of its addresses becomes a target)."""
     out = []
     for job in prometheus["scrape_configs"]:
         for group in job.get("static_configs") or []:
             for target in group["targets"]:
                 host, _, port = target.rpartition(":")
                 out.append((job["job_name"], host, int(port)))
+        for group in job.get("dns_sd_configs") or []:
+            for name in group["names"]:
+                out.append((job["job_name"], name, int(group["port"])))
     return out
+
+
+def static_hosts(prometheus: dict[str, Any]) -> set[str]:
+    return {
+        target.rpartition(":")[0]
+        for job in prometheus["scrape_configs"]
+        for group in job.get("static_configs") or []
+        for target in group["targets"]
+    }
 
 
 # --- what the code registers -------------------------------------------------------------
@@ -245,6 +258,23 @@ def test_every_metrics_endpoint_is_scraped(services, prometheus) -> None:
         )
         if serves:
             assert name in scraped_services, f"{name} serves metrics but is not scraped"
+
+
+def test_replicated_services_are_scraped_per_replica(services, prometheus) -> None:
+    """A service with replicas answers on its name from one replica at a time: a static
+    target would flap between them under one ``instance``. DNS service discovery (type A)
+    makes each replica's address a target of its own."""
+    replicated = {n for n, s in services.items() if (s.get("deploy") or {}).get("replicas")}
+    assert "taskmanager" in replicated
+    discovered = {
+        name
+        for job in prometheus["scrape_configs"]
+        for group in job.get("dns_sd_configs") or []
+        if group.get("type", "SRV") == "A"
+        for name in group["names"]
+    }
+    assert replicated <= discovered, f"not discovered per replica: {replicated - discovered}"
+    assert not replicated & static_hosts(prometheus), "a replicated service is a static target"
 
 
 def test_flink_services_run_the_prometheus_reporter(services, prometheus) -> None:

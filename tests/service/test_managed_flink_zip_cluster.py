@@ -1,0 +1,202 @@
+"""The Managed Flink zip on a standalone cluster of each runtime's Flink release, as
+Managed Flink runs it, and the job's settings that matter there.
+
+For each runtime of ``deploy.local_run.RUNTIMES`` (FLINK-2_2: Flink 2.2.1, FLINK-2_3:
+Flink 2.3.0, from the apache-flink wheel of that release): the zip is built for this
+interpreter, unpacked, and its ``main.py`` submitted with ``flink run -py`` to a JobManager
+and a TaskManager of that release, the zip's ``pyFiles`` shipped to the TaskManager, the
+Python being that release's PyFlink and the zip's folders only (``deploy.local_run``).
+Against the session's broker and Redis and LLM stand-ins behind the router (the model is
+not the subject): intents land, the metrics are registered under the group Managed Flink
+forwards to CloudWatch (``KinesisAnalytics``) and no restart strategy comes from the job.
+
+Without a cluster, the job's environment as PyFlink builds it on the py4j gateway: no
+restart strategy unless ``job.restart_strategy`` names one.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import orjson
+import pytest
+import redis
+
+from deploy import build_managed_flink_zip as builder
+from deploy.local_run import RUNTIMES, on_cluster, unpack
+from deploy.vendor import TargetPlatform
+from flink_jobs.config import load_config
+from flink_jobs.tools.local_services import create_topics, free_port
+from flink_jobs.tools.replay import replay_records
+from flink_jobs.tools.run_summary import wait_for_task_starts
+from intent_reader.layout import intent_key
+
+pytestmark = pytest.mark.timeout(25 * 60)
+
+SHOPPERS = 5
+#: A cluster of two JVMs starting beside other tests on two shared cores, then the job's
+#: first fetch: 40-90 s seen; the other release is first installed (about a minute).
+JOB_START_TIMEOUT_S = 420.0
+INTENTS_TIMEOUT_S = 180.0
+METRICS_TIMEOUT_S = 90.0
+CLOUDWATCH_PREFIX = "flink_taskmanager_job_task_operator_KinesisAnalytics_"
+PROMETHEUS_PREFIX = "flink_taskmanager_job_task_operator_shopper_intents_"
+
+
+@pytest.fixture(scope="module")
+def zip_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    missing = [n for n in builder.JARS if not (builder.default_jars_dir() / n).is_file()]
+    if missing:
+        pytest.skip(f"connector jars not built ({', '.join(missing)}): run scripts/setup.sh")
+    return builder.build(tmp_path_factory.mktemp("zip"), TargetPlatform.local()).zip_path
+
+
+def _events(name: str) -> list[bytes]:
+    base_ms = int(time.time() * 1000)
+    records = []
+    for s in range(SHOPPERS):
+        for i, kind in enumerate(("view", "click", "view", "add_to_cart")):
+            event = {
+                "event_id": f"{name}-{s}-{i}",
+                "shopper_id": f"{name}-shopper-{s}",
+                "event_type": kind,
+                "event_time": base_ms + (s * 4 + i) * 50,
+                "product": {"product_id": f"p-{s}-{i % 2}", "title": "Trail running shoe",
+                            "category": "Running Shoes", "price": 89.5},
+            }  # fmt: skip
+            records.append(orjson.dumps(event))
+    return records
+
+
+def _properties(path: Path, name: str, kafka: str, redis_url: str, llm: dict) -> Path:
+    groups = {
+        "kafka": {
+            "bootstrap_servers": kafka,
+            "events_topic": f"{name}-events",
+            "dead_letter_topic": f"{name}-dlq",
+            "group_id": name,
+            "starting_offsets": "earliest",
+        },
+        "redis": {"url": redis_url, "key_prefix": name},
+        "llm": {k: str(v) for k, v in llm.items()},
+        "trigger": {"quiet_s": "1", "max_wait_s": "2", "min_interval_s": "0"},
+        "job": {"checkpoint_interval_s": "2", "stats_flush_s": "0.5", "parallelism": "0"},
+    }
+    doc = [{"PropertyGroupId": builder.RUN_OPTIONS_GROUP, "PropertyMap": builder.run_options()}]
+    doc += [{"PropertyGroupId": g, "PropertyMap": m} for g, m in groups.items()]
+    path.write_text(json.dumps(doc))
+    return path
+
+
+@dataclass
+class ClusterRun:
+    flink_version: str
+    cluster_version: str
+    intents: set[str]
+    shoppers: set[str]
+    metric_names: set[str]
+    job_config: dict[str, str]
+
+
+def _wait(check, what: str, timeout_s: float, seen=lambda: None):
+    deadline = time.monotonic() + timeout_s
+    while not (result := check()):
+        assert time.monotonic() < deadline, f"timed out after {timeout_s:.0f} s: {what}; {seen()}"
+        time.sleep(1)
+    return result
+
+
+@pytest.fixture(scope="module", params=sorted(RUNTIMES), ids=sorted(RUNTIMES))
+def cluster_run(
+    request, zip_path, kafka_bootstrap, redis_url, standin_tier, tmp_path_factory
+) -> ClusterRun:
+    version = RUNTIMES[request.param]
+    workdir = tmp_path_factory.mktemp(request.param)
+    name = f"mf-{request.param.lower().replace('_', '')}-{time.monotonic_ns()}"
+    app = unpack(zip_path, workdir, version)
+    props = _properties(
+        workdir / "props.json", name, kafka_bootstrap, redis_url, standin_tier.job_settings()
+    )
+    create_topics(kafka_bootstrap, [f"{name}-events", f"{name}-dlq"], 1)
+    client = redis.Redis.from_url(redis_url)
+    first = free_port()
+    with on_cluster(
+        app, {"SI_PROPERTIES_FILE": str(props)}, workdir / "cluster", range(first, first + 4)
+    ) as (cluster, job_id):
+        cluster.wait_running(job_id, timeout_s=JOB_START_TIMEOUT_S)
+        assert wait_for_task_starts(client, name, 1, JOB_START_TIMEOUT_S), "no source task start"
+        sent = replay_records(kafka_bootstrap, f"{name}-events", _events(name), rate=40.0)
+        assert sent.ok, sent.describe(f"{name}-events")
+        shoppers = {f"{name}-shopper-{s}" for s in range(SHOPPERS)}
+
+        def landed() -> set[str]:
+            return {s for s in shoppers if client.exists(intent_key(s, name))}
+
+        _wait(lambda: landed() == shoppers, "an intent for every shopper", INTENTS_TIMEOUT_S,
+              seen=lambda: (landed(), cluster.exceptions(job_id)))  # fmt: skip
+        names = _wait(
+            lambda: {n for n in cluster.scrape_metrics() if n.startswith(CLOUDWATCH_PREFIX)},
+            "the job's metrics from the TaskManager's reporter", METRICS_TIMEOUT_S,
+            seen=lambda: sorted(n for n in cluster.scrape_metrics() if "events_in" in n),
+        )  # fmt: skip
+        every_name = set(cluster.scrape_metrics())
+        entries = cluster._rest(f"/jobs/{job_id}/jobmanager/config") or []
+        overview = cluster._rest("/overview") or {}
+        run = ClusterRun(
+            flink_version=version,
+            cluster_version=overview.get("flink-version", ""),
+            intents=landed(),
+            shoppers=shoppers,
+            metric_names=names | {n for n in every_name if n.startswith(PROMETHEUS_PREFIX)},
+            job_config={e["key"]: e["value"] for e in entries},
+        )
+    client.close()
+    return run
+
+
+def test_the_cluster_runs_the_runtimes_flink_release(cluster_run: ClusterRun):
+    assert cluster_run.cluster_version == cluster_run.flink_version
+
+
+def test_the_zip_writes_an_intent_for_every_shopper(cluster_run: ClusterRun):
+    assert cluster_run.intents == cluster_run.shoppers
+
+
+def test_the_metrics_are_in_the_group_managed_flink_forwards_to_cloudwatch(
+    cluster_run: ClusterRun,
+):
+    assert CLOUDWATCH_PREFIX + "events_in" in cluster_run.metric_names
+    assert CLOUDWATCH_PREFIX + "intents_written_rules" in cluster_run.metric_names
+    assert not {n for n in cluster_run.metric_names if n.startswith(PROMETHEUS_PREFIX)}
+
+
+def test_the_job_leaves_the_restart_strategy_to_the_cluster(cluster_run: ClusterRun):
+    assert cluster_run.job_config, "the JobManager reported no job configuration"
+    assert not {k for k in cluster_run.job_config if k.startswith("restart-strategy")}
+
+
+# --- the environment the job builds (py4j gateway, no cluster) ----------------------------
+
+
+def _restart_settings(overrides: dict) -> dict[str, str]:
+    from flink_jobs.job import build_environment
+
+    env = build_environment(load_config(overrides=overrides, environ={}), [])
+    settings = env._j_stream_execution_environment.getConfiguration().toMap()
+    return {str(k): str(settings[k]) for k in settings if str(k).startswith("restart-strategy")}
+
+
+def test_the_job_sets_no_restart_strategy_unless_configured():
+    assert _restart_settings({}) == {}
+
+
+def test_a_configured_restart_strategy_is_the_jobs():
+    strategy = {"type": "fixed-delay", "fixed-delay.attempts": "10", "fixed-delay.delay": "10 s"}
+    assert _restart_settings({"job": {"restart_strategy": json.dumps(strategy)}}) == {
+        "restart-strategy.type": "fixed-delay",
+        "restart-strategy.fixed-delay.attempts": "10",
+        "restart-strategy.fixed-delay.delay": "10 s",
+    }
