@@ -24,8 +24,8 @@ from inference_sidecar.config import (
     redact_url,
 )
 from inference_sidecar.exceptions import ConfigError, SidecarError
-from inference_sidecar.kv_events import EventSource
-from inference_sidecar.kv_index import DEFAULT_STALE_AFTER_S
+from inference_sidecar.kv.index import DEFAULT_STALE_AFTER_S
+from inference_sidecar.kv.subscriber import EventSource
 from inference_sidecar.policies import POLICY_NAMES
 from inference_sidecar.policies.bounded_hash import (
     DEFAULT_NEW_KEY_PLACEMENT,
@@ -34,7 +34,7 @@ from inference_sidecar.policies.bounded_hash import (
 )
 from inference_sidecar.workers import ClusterConfig, WorkerProcesses, specs_summary
 
-logger = logging.getLogger("inference_sidecar")
+log = logging.getLogger("inference_sidecar")
 
 
 def _add_router_options(p: argparse.ArgumentParser) -> None:
@@ -223,7 +223,7 @@ def serve(config: RouterConfig, log_level: str) -> None:
 
     from inference_sidecar.router import create_app
 
-    logger.info(
+    log.info(
         "router on http://%s:%d (%s, policy %s) -> %s",
         config.host,
         config.port,
@@ -263,7 +263,7 @@ def run_cluster(args: argparse.Namespace) -> int:
     pool = WorkerProcesses(cfg, ready_timeout_s=args.ready_timeout)
     # SIGTERM while workers start must still stop them: turn it into KeyboardInterrupt.
     signal.signal(signal.SIGTERM, _interrupt)
-    logger.info("starting %d worker(s):\n%s", len(pool.specs), specs_summary(pool.specs))
+    log.info("starting %d worker(s):\n%s", len(pool.specs), specs_summary(pool.specs))
     kv: dict[str, Any] = {}
     if cfg.kv_events:
         kv = {
@@ -284,7 +284,7 @@ def run_cluster(args: argparse.Namespace) -> int:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)  # uvicorn installs its own
             serve(rc, args.log_level)
     except KeyboardInterrupt:
-        logger.info("interrupted; workers stopped")
+        log.info("interrupted; workers stopped")
     return 0
 
 

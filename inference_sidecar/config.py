@@ -10,8 +10,8 @@ from urllib.parse import urlsplit
 
 from inference_sidecar.exceptions import ConfigError
 from inference_sidecar.health import HealthConfig
-from inference_sidecar.kv_events import EventSource
-from inference_sidecar.kv_index import DEFAULT_STALE_AFTER_S
+from inference_sidecar.kv.index import DEFAULT_STALE_AFTER_S
+from inference_sidecar.kv.subscriber import EventSource
 from inference_sidecar.policies import POLICY_NAMES
 from inference_sidecar.policies.bounded_hash import (
     DEFAULT_NEW_KEY_PLACEMENT,

@@ -1,5 +1,5 @@
 """The routing state of one pool of interchangeable workers: its policy, in-flight
-counts and health (the worker processes themselves are ``workers.py``'s).
+counts and health (the worker processes themselves are ``workers``').
 
 Synchronous and free of I/O on purpose: the router's asyncio code calls ``choose``,
 ``start`` and ``finish`` between awaits, so no lock is needed, and tests drive a pool

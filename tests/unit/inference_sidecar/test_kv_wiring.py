@@ -20,10 +20,10 @@ from inference_sidecar.cli import build_parser, cluster_config, parse_kv_events
 from inference_sidecar.config import RouterConfig
 from inference_sidecar.exceptions import ConfigError
 from inference_sidecar.health import HealthEvent
-from inference_sidecar.kv_blocks import BlockHashing
-from inference_sidecar.kv_events import EventSource, KVEventSubscriber
-from inference_sidecar.kv_index import EventBatch, Stored
-from inference_sidecar.prompt_tokens import PromptTokenizer
+from inference_sidecar.kv import EventBatch, Stored
+from inference_sidecar.kv.blocks import BlockHashing
+from inference_sidecar.kv.prompt_tokens import PromptTokenizer
+from inference_sidecar.kv.subscriber import EventSource, KVEventSubscriber
 from inference_sidecar.router import Router, build_app
 from inference_sidecar.workers import KV_EVENTS_OFFSET, ClusterConfig, plan_workers
 

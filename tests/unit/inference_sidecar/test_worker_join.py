@@ -20,8 +20,8 @@ from test_kv_wiring import (
 )
 
 from inference_sidecar.exceptions import ConfigError
-from inference_sidecar.kv_events import EventSource, KVEventSubscriber
-from inference_sidecar.kv_index import EventBatch
+from inference_sidecar.kv import EventBatch
+from inference_sidecar.kv.subscriber import EventSource, KVEventSubscriber
 from inference_sidecar.policies import make_policy
 from inference_sidecar.router import build_app
 from inference_sidecar.routing_state import RoutingState

@@ -1,13 +1,9 @@
 """Which worker holds which KV block, kept from the workers' KV cache events.
 
-Pure and synchronous, like ``routing_state``: the ZMQ shell (``kv_events``) decodes each
-worker's batches and the router's event loop hands them to ``KVIndex.apply`` one at a
-time, so no lock is needed and tests drive the index with plain calls and a fake clock.
-
-What vLLM publishes (``vllm/distributed/kv_events.py``): per engine step a batch
-``[timestamp, [event, ...], data_parallel_rank]`` with a sequence number counting up from
-0 when the worker starts. Events are ``BlockStored`` (new blocks, and blocks a request
-reused from the prefix cache), ``BlockRemoved`` (evicted) and ``AllBlocksCleared``.
+Pure and synchronous, like ``routing_state``: the ZMQ shell (``kv.subscriber``) decodes
+each worker's batches (``kv.batches``) and the router's event loop hands them to
+``KVIndex.apply`` one at a time, so no lock is needed and tests drive the index with plain
+calls and a fake clock.
 
 The index never trusts a worker's entries across a hole in what it heard:
 
@@ -36,116 +32,18 @@ back to estimating its cache by hashing (``KVPrefixPolicy``) until a batch arriv
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
-from inference_sidecar.kv_blocks import BlockHashing, external_hash
+from inference_sidecar.kv.batches import EventBatch, Removed, Stored
+from inference_sidecar.kv.blocks import BlockHashing
 
 DEFAULT_MAX_BLOCKS = 1 << 20
 """Per worker: 64 GiB of SmolLM2-135M KV at 16 tokens a block, far above any CPU worker."""
 DEFAULT_STALE_AFTER_S = 10.0
 
 Outcome = Literal["applied", "gap", "restart", "duplicate"]
-
-
-class KVEventFormatError(ValueError):
-    """A payload that is not a KV event batch as vLLM publishes it."""
-
-
-@dataclass(frozen=True, slots=True)
-class Stored:
-    hashes: tuple[int, ...]
-    parent: int | None
-    token_ids: tuple[int, ...]
-    block_size: int
-
-
-@dataclass(frozen=True, slots=True)
-class Removed:
-    hashes: tuple[int, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class Cleared:
-    pass
-
-
-Event = Stored | Removed | Cleared
-
-
-@dataclass(frozen=True, slots=True)
-class EventBatch:
-    seq: int
-    events: tuple[Event, ...]
-    ts: float = 0.0
-    ignored: int = 0
-    """Events of kinds this index does not use (another medium, an unknown tag)."""
-
-
-def _field(raw: Any, name: str, position: int) -> Any:
-    """A struct field, encoded as a map (msgspec's default) or an array (array_like)."""
-    if isinstance(raw, Mapping):
-        return raw.get(name)
-    if isinstance(raw, list | tuple) and len(raw) > position:
-        return raw[position]
-    return None
-
-
-def _decode_event(raw: Any) -> Event | None:
-    """One event: a tagged struct, ``{"type": "BlockStored", ...}`` or ``["BlockStored",
-    ...]``; None for kinds not used here (a medium other than the worker's own memory)."""
-    tag = raw.get("type") if isinstance(raw, Mapping) else (raw[0] if raw else None)
-    offset = 0 if isinstance(raw, Mapping) else 1
-    if tag == "BlockStored":
-        medium = _field(raw, "medium", 5 + offset)
-        if medium not in (None, "GPU"):
-            return None
-        hashes = _field(raw, "block_hashes", 0 + offset)
-        parent = _field(raw, "parent_block_hash", 1 + offset)
-        tokens = _field(raw, "token_ids", 2 + offset)
-        size = _field(raw, "block_size", 3 + offset)
-        if not isinstance(hashes, list) or not isinstance(tokens, list | None):
-            raise KVEventFormatError(f"BlockStored without block hashes: {raw!r:.200}")
-        return Stored(
-            tuple(external_hash(h) for h in hashes),
-            None if parent is None else external_hash(parent),
-            tuple(tokens or ()),
-            int(size or 0),
-        )
-    if tag == "BlockRemoved":
-        medium = _field(raw, "medium", 1 + offset)
-        if medium not in (None, "GPU"):
-            return None
-        hashes = _field(raw, "block_hashes", 0 + offset)
-        if not isinstance(hashes, list):
-            raise KVEventFormatError(f"BlockRemoved without block hashes: {raw!r:.200}")
-        return Removed(tuple(external_hash(h) for h in hashes))
-    if tag == "AllBlocksCleared":
-        return Cleared()
-    return None
-
-
-def decode_batch(seq: int, payload: Any) -> EventBatch:
-    """A batch from its sequence number and its msgpack-decoded payload
-    ``[ts, [event, ...], dp_rank?]``; raises ``KVEventFormatError`` naming what is wrong."""
-    if not isinstance(payload, list | tuple) or len(payload) < 2:
-        raise KVEventFormatError(f"a KV event batch is [ts, events, ...], got {payload!r:.200}")
-    ts, raw_events = payload[0], payload[1]
-    if not isinstance(raw_events, list):
-        raise KVEventFormatError(f"a batch's events must be a list, got {raw_events!r:.200}")
-    events: list[Event] = []
-    ignored = 0
-    try:
-        for raw in raw_events:
-            event = _decode_event(raw)
-            if event is None:
-                ignored += 1
-            else:
-                events.append(event)
-    except (TypeError, ValueError) as exc:
-        raise KVEventFormatError(str(exc)) from exc
-    return EventBatch(seq, tuple(events), float(ts or 0.0), ignored)
 
 
 @dataclass(slots=True)

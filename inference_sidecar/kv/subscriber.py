@@ -24,9 +24,9 @@ import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from inference_sidecar.kv_index import EventBatch, KVEventFormatError, decode_batch
+from inference_sidecar.kv.batches import EventBatch, KVEventFormatError, decode_batch
 
-logger = logging.getLogger(__name__)
+log = logging.getLogger(__name__)
 
 END_SEQ = -1
 POLL_MS = 200
@@ -120,7 +120,7 @@ class KVEventSubscriber:
                     try:
                         self._received(ctx, decoder, worker, frames)
                     except Exception:  # one bad batch must not stop the subscriber
-                        logger.exception("KV events from %s could not be handled", worker)
+                        log.exception("KV events from %s could not be handled", worker)
                         self._on_error(worker, "internal")
         finally:
             for sock in sockets:
@@ -136,7 +136,7 @@ class KVEventSubscriber:
         try:
             return decode_batch(seq, decoder.decode(payload))  # type: ignore[attr-defined]
         except (KVEventFormatError, ValueError) as exc:
-            logger.warning("undecodable KV event batch %d from %s: %s", seq, worker, exc)
+            log.warning("undecodable KV event batch %d from %s: %s", seq, worker, exc)
             self._on_error(worker, "format")
             return None
 
@@ -179,7 +179,7 @@ class KVEventSubscriber:
                     if batch is not None:
                         out.append(batch)
         except zmq.Again:
-            logger.warning("no replay from %s within %d ms", worker, REPLAY_TIMEOUT_MS)
+            log.warning("no replay from %s within %d ms", worker, REPLAY_TIMEOUT_MS)
             self._on_error(worker, "replay_timeout")
         finally:
             sock.close(linger=0)

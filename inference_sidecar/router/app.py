@@ -1,0 +1,232 @@
+"""The router's HTTP surface: routes, body reading, admission, errors as responses.
+
+Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
+``GET /health``, ``GET /metrics``, and ``POST /workers`` to add a worker that joined at
+runtime (an operator's call, like vllm-router's ``/add_worker``: bind the router to a
+private address).
+
+A completion request is refused with a 429 before its body is read when the router
+already serves ``max_concurrent_requests``; its body is read up to ``max_body_bytes``,
+then ``Router.prepare`` and ``Router.answer`` route it. Every error is an OpenAI-style
+JSON body; no path waits without a timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Awaitable
+
+import httpx
+import orjson
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+
+from inference_sidecar.config import RouterConfig
+from inference_sidecar.exceptions import ConfigError, NoWorkerAvailable, RequestError, UpstreamError
+from inference_sidecar.kv.subscriber import EventSource
+from inference_sidecar.router.bodies import (
+    JSON,
+    error_response,
+    json_object,
+    request_error_response,
+)
+from inference_sidecar.router.core import Router
+from inference_sidecar.router.streaming import RelayedStream
+
+log = logging.getLogger(__name__)
+
+#: Seconds a client refused by the admission limit is asked to wait (``Retry-After``).
+RETRY_AFTER_S = 1
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request's body, refused with a 413 past ``limit`` bytes (declared or sent)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise RequestError(
+            f"the request body ({declared} bytes) exceeds the limit of {limit} bytes",
+            status=413,
+            code="request_too_large",
+        )
+    parts: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise RequestError(
+                f"the request body exceeds the limit of {limit} bytes",
+                status=413,
+                code="request_too_large",
+            )
+        parts.append(chunk)
+    return b"".join(parts)
+
+
+async def completion(router: Router, request: Request, endpoint: str) -> Response:
+    """Handle ``POST /v1/{endpoint}`` if under the admission limit, else refuse it
+    before reading its body; never raises (errors become JSON bodies)."""
+    metrics = router.metrics
+    limit = router.config.max_concurrent_requests
+    if router.admitted >= limit:
+        metrics.requests.labels(endpoint, "429").inc()
+        return error_response(
+            429,
+            f"the router is serving its limit of {limit} requests; retry later",
+            "rate_limit_exceeded",
+            code=429,
+            headers={"retry-after": str(RETRY_AFTER_S)},
+        )
+    router.admitted += 1
+    metrics.admitted.set(router.admitted)
+
+    def release() -> None:
+        router.admitted -= 1
+        metrics.admitted.set(router.admitted)
+
+    response: Response | None = None
+    try:
+        response = await _complete(router, request, endpoint)
+        return response
+    finally:
+        if isinstance(response, RelayedStream):  # its slot is held until it ends
+            response.on_close.append(release)
+        else:
+            release()
+
+
+async def _complete(router: Router, request: Request, endpoint: str) -> Response:
+    received = router.clock()
+    try:
+        raw = await read_body(request, router.config.max_body_bytes)
+        routed = router.prepare(endpoint, raw, request.headers, received)
+        response = await _unless_disconnected(request, router.answer(routed))
+    except RequestError as exc:
+        response = request_error_response(exc)
+    except NoWorkerAvailable as exc:
+        response = error_response(503, exc.message, "service_unavailable", code=503)
+    except UpstreamError as exc:
+        response = error_response(502, exc.message, "upstream_error", code=502)
+    except ClientDisconnect:
+        response = error_response(400, "the client disconnected", "invalid_request_error")
+    router.metrics.requests.labels(endpoint, str(response.status_code)).inc()
+    if not isinstance(response, StreamingResponse):  # streams observe it when they end
+        router.metrics.latency.labels(endpoint).observe(router.clock() - received)
+    return response
+
+
+async def _unless_disconnected(request: Request, answer: Awaitable[Response]) -> Response:
+    """``answer``, unless the client hangs up first: then it is cancelled, which closes the
+    worker's connection and vLLM aborts the request instead of computing an answer nobody
+    will read (the job drops a call that a newer prompt of the same shopper supersedes).
+    A stream, once it has started, watches for the hang-up itself (``StreamingResponse``)."""
+    work = asyncio.ensure_future(answer)
+    gone = asyncio.ensure_future(_disconnect(request))
+    try:
+        await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:  # also when this handler is cancelled: nothing is left running
+        gone.cancel()
+        if not work.done():
+            work.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await work
+    if work.cancelled():
+        raise ClientDisconnect()
+    return work.result()
+
+
+async def _disconnect(request: Request) -> None:
+    """Returns when the client disconnects (the body has been read already)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def join(router: Router, request: Request) -> Response:
+    """``POST /workers`` with ``{"url": ..., "role": "worker", "kv_events": {"endpoint":
+    ..., "replay": ...}}``: 201 when added, 200 when it already was a worker."""
+    try:
+        doc = json_object(await read_body(request, router.config.max_body_bytes))
+        if not isinstance(doc.get("url"), str):
+            raise ConfigError("url", "give the worker's URL as a string")
+        events = doc.get("kv_events")
+        source = EventSource(**events) if isinstance(events, dict) else None
+        added = router.add_worker(doc["url"], str(doc.get("role", "worker")), source)
+    except RequestError as exc:
+        return error_response(exc.status, exc.message, exc.error_type, code=exc.code)
+    except TypeError as exc:  # kv_events with fields EventSource does not have
+        return error_response(400, f"kv_events: {exc}", "invalid_request_error")
+    except ConfigError as exc:
+        return error_response(400, str(exc), "invalid_request_error", param=exc.key)
+    _, health = router.readiness()
+    return Response(orjson.dumps(health), status_code=201 if added else 200, media_type=JSON)
+
+
+async def _http_exception(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    return error_response(
+        exc.status_code, str(exc.detail), "invalid_request_error", code=exc.status_code
+    )
+
+
+async def _unexpected(request: Request, exc: Exception) -> Response:
+    log.exception("unexpected error while handling %s %s", request.method, request.url.path)
+    return error_response(
+        500, f"internal router error: {type(exc).__name__}", "internal_error", code=500
+    )
+
+
+def build_app(router: Router) -> Starlette:
+    """The ASGI app of ``router``; its lifespan starts health checks and closes the pool."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        await router.start()
+        try:
+            yield
+        finally:
+            await router.aclose()
+
+    async def chat(request: Request) -> Response:
+        return await completion(router, request, "chat/completions")
+
+    async def completions(request: Request) -> Response:
+        return await completion(router, request, "completions")
+
+    async def models(request: Request) -> Response:
+        return await router.upstream.models(router.serving_pool)
+
+    async def health(request: Request) -> Response:
+        ready, doc = router.readiness()
+        return Response(orjson.dumps(doc), status_code=200 if ready else 503, media_type=JSON)
+
+    async def metrics(request: Request) -> Response:
+        return Response(router.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    async def workers(request: Request) -> Response:
+        return await join(router, request)
+
+    app = Starlette(
+        routes=[
+            Route("/v1/chat/completions", chat, methods=["POST"]),
+            Route("/v1/completions", completions, methods=["POST"]),
+            Route("/v1/models", models, methods=["GET"]),
+            Route("/health", health, methods=["GET"]),
+            Route("/metrics", metrics, methods=["GET"]),
+            Route("/workers", workers, methods=["POST"]),
+        ],
+        exception_handlers={HTTPException: _http_exception, Exception: _unexpected},
+        lifespan=lifespan,
+    )
+    app.state.router = router
+    return app
+
+
+def create_app(
+    config: RouterConfig, *, transport: httpx.AsyncBaseTransport | None = None
+) -> Starlette:
+    """Build a router and its app in one call (what ``cli router`` serves)."""
+    return build_app(Router(config, transport=transport))
