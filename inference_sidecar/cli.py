@@ -2,28 +2,38 @@
 
 ``router`` serves the router in front of workers that already run; ``cluster`` starts
 vLLM workers from a config, then the router in front of them, and stops everything on
-Ctrl-C or SIGTERM.
+Ctrl-C or SIGTERM. A number a flag cannot take (NaN, an infinity, a negative or zero
+where the router needs more) stops the command at once with a message naming the flag.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import math
+import os
 import signal
+import socket
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
 from inference_sidecar.config import (
+    ADMIN_HOST,
+    DEFAULT_BODY_TIMEOUT_S,
     DEFAULT_HOST,
+    DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_CONCURRENT_REQUESTS,
     DEFAULT_PORT,
+    DEFAULT_TOKENIZER_WORKERS,
     RouterConfig,
+    Secret,
     redact_url,
 )
 from inference_sidecar.exceptions import ConfigError, SidecarError
+from inference_sidecar.kv.blocks import SUPPORTED_ALGOS
 from inference_sidecar.kv.index import DEFAULT_STALE_AFTER_S
 from inference_sidecar.kv.subscriber import EventSource
 from inference_sidecar.policies import POLICY_NAMES
@@ -36,20 +46,68 @@ from inference_sidecar.workers import ClusterConfig, WorkerProcesses, specs_summ
 
 log = logging.getLogger("inference_sidecar")
 
+#: Where the router reads its admin token when ``--admin-token-file`` is not given.
+ADMIN_TOKEN_ENV = "SI_ROUTER_ADMIN_TOKEN"
+
+
+def number(minimum: float, *, above: bool = False) -> Callable[[str], float]:
+    """An argparse type: a finite number at least (``above``: more than) ``minimum``."""
+    bound = f"> {minimum:g}" if above else f">= {minimum:g}"
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not math.isfinite(value) or value < minimum or (above and value == minimum):
+            raise argparse.ArgumentTypeError(f"must be a finite number {bound}, got {text!r}")
+        return value
+
+    return parse
+
+
+def integer(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
+    """An argparse type: an integer in ``minimum..maximum``."""
+    span = f"in {minimum}..{maximum}" if maximum is not None else f">= {minimum}"
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum or (maximum is not None and value > maximum):
+            raise argparse.ArgumentTypeError(f"must be an integer {span}, got {text!r}")
+        return value
+
+    return parse
+
+
+def core_list(text: str) -> tuple[int, ...]:
+    """An argparse type: comma-separated CPU core numbers (0 or more)."""
+    try:
+        cores = tuple(int(c) for c in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected core numbers like 0,1, got {text!r}") from None
+    if any(c < 0 for c in cores):
+        raise argparse.ArgumentTypeError(f"core numbers are 0 or more, got {text!r}")
+    return cores
+
 
 def _add_router_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default=DEFAULT_HOST, help="address to bind (default %(default)s)")
-    p.add_argument("--port", type=int, default=DEFAULT_PORT, help="port (default %(default)s)")
+    p.add_argument(
+        "--port", type=integer(1, 65535), default=DEFAULT_PORT, help="port (default %(default)s)"
+    )
     p.add_argument("--policy", choices=POLICY_NAMES, default="bounded_hash")
     p.add_argument(
         "--load-factor",
-        type=float,
+        type=number(1.0),
         default=1.25,
         help="bound on a worker's in-flight requests, as a multiple of the mean (default 1.25)",
     )
     p.add_argument(
         "--residency-factor",
-        type=float,
+        type=number(1.0),
         default=1.25,
         help="bound on a worker's resident prompt tokens (the last prompt of every shopper "
         "homed there), as a multiple of the mean, for where a new shopper may go "
@@ -57,20 +115,20 @@ def _add_router_options(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--min-load-bound",
-        type=int,
+        type=integer(1),
         default=3,
         help="in-flight requests a worker may always take before keys spill (default 3)",
     )
     p.add_argument(
         "--recompute-weight",
-        type=float,
+        type=number(0.0),
         default=2.0,
         help="weight of a prompt's uncached tokens against a worker's queued ones when "
         "bounded_hash chooses where to send it (default 2; 0 routes on queues alone)",
     )
     p.add_argument(
         "--request-cost",
-        type=int,
+        type=integer(0),
         default=DEFAULT_REQUEST_COST,
         help="bounded_hash: queue cost of one request in flight on a worker, in prompt "
         "tokens (default %(default)s)",
@@ -85,29 +143,58 @@ def _add_router_options(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--kv-stale-after",
-        type=float,
+        type=number(0.0, above=True),
         default=DEFAULT_STALE_AFTER_S,
         help="kv_prefix: seconds of silence after a request before a worker's KV events "
         "are distrusted and its cache estimated by hashing (default %(default)s)",
     )
-    p.add_argument("--max-attempts", type=int, default=3, help="workers tried per request")
+    p.add_argument("--max-attempts", type=integer(1), default=3, help="workers tried per request")
     p.add_argument(
         "--request-timeout",
-        type=float,
+        type=number(0.0, above=True),
         default=120.0,
         help="total seconds one attempt on one worker may take, streamed or not",
     )
     p.add_argument(
+        "--body-timeout",
+        type=number(0.0, above=True),
+        default=DEFAULT_BODY_TIMEOUT_S,
+        help="seconds a client may take to send a request's body; past it the request "
+        "gets a 408 (default %(default)s)",
+    )
+    p.add_argument(
         "--max-concurrent-requests",
-        type=int,
+        type=integer(1),
         default=DEFAULT_MAX_CONCURRENT_REQUESTS,
         help="completion requests served at once; more get a 429 with Retry-After "
         "(default %(default)s)",
     )
     p.add_argument(
-        "--health-interval", type=float, default=2.0, help="seconds between probes; 0 disables"
+        "--health-interval",
+        type=number(0.0),
+        default=2.0,
+        help="seconds between probes; 0 disables",
     )
-    p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
+    p.add_argument("--max-body-bytes", type=integer(1024), default=DEFAULT_MAX_BODY_BYTES)
+    p.add_argument(
+        "--tokenizer-workers",
+        type=integer(0),
+        default=DEFAULT_TOKENIZER_WORKERS,
+        help="kv_prefix: processes that tokenize and hash prompts off the event loop; 0 "
+        "does it in a thread of the router (default %(default)s)",
+    )
+    p.add_argument(
+        "--admin-token-file",
+        type=Path,
+        metavar="FILE",
+        help="enables POST/DELETE /workers for requests carrying 'Authorization: Bearer "
+        f"<token>', the token read from FILE (or from ${ADMIN_TOKEN_ENV}); off by default",
+    )
+    p.add_argument(
+        "--admin-port",
+        type=integer(1, 65535),
+        help=f"serves POST/DELETE /workers on this port of {ADMIN_HOST} only (not on --port)",
+    )
     p.add_argument(
         "--key-header",
         action="append",
@@ -141,28 +228,46 @@ def build_parser() -> argparse.ArgumentParser:
     router.add_argument(
         "--tokenizer", metavar="DIR", help="kv_prefix: the model folder the workers serve"
     )
+    router.add_argument(
+        "--max-model-len",
+        type=integer(1),
+        help="kv_prefix: the workers' context in tokens (default: read from a worker's "
+        "/v1/models); a prompt that cannot fit is never tokenized",
+    )
+    router.add_argument(
+        "--kv-block-size",
+        type=integer(1),
+        help="kv_prefix: the workers' KV block size (default: read, with the hash "
+        "algorithm, from a worker's /metrics)",
+    )
+    router.add_argument(
+        "--kv-hash-algo",
+        choices=SUPPORTED_ALGOS,
+        default="sha256",
+        help="kv_prefix, with --kv-block-size: the workers' prefix caching hash algorithm",
+    )
 
     cluster = sub.add_parser("cluster", help="start vLLM workers and the router in front")
     _add_router_options(cluster)
     cluster.add_argument("--config", type=Path, help="cluster settings (.toml or .json)")
     cluster.add_argument("--mode", choices=["aggregated", "disaggregated"])
-    cluster.add_argument("--workers", type=int, help="workers in aggregated mode")
-    cluster.add_argument("--prefill-workers", type=int, dest="prefill")
-    cluster.add_argument("--decode-workers", type=int, dest="decode")
-    cluster.add_argument("--base-port", type=int)
+    cluster.add_argument("--workers", type=integer(1), help="workers in aggregated mode")
+    cluster.add_argument("--prefill-workers", type=integer(1), dest="prefill")
+    cluster.add_argument("--decode-workers", type=integer(1), dest="decode")
+    cluster.add_argument("--base-port", type=integer(1024, 65535))
     cluster.add_argument("--model-dir", type=Path)
     cluster.add_argument("--served-model-name")
     cluster.add_argument("--profile", choices=["cpu", "gpu"])
     cluster.add_argument("--kv-connector", choices=["ExampleConnector", "NixlConnector"])
-    cluster.add_argument("--max-model-len", type=int)
-    cluster.add_argument("--kv-cache-bytes", type=int)
+    cluster.add_argument("--max-model-len", type=integer(16))
+    cluster.add_argument("--kv-cache-bytes", type=integer(1 << 20))
     cluster.add_argument("--log-dir", type=Path)
     cluster.add_argument(
         "--cores",
-        type=lambda v: tuple(int(c) for c in v.split(",")),
+        type=core_list,
         help="CPU cores to pin workers to, e.g. 0,1 (default: all usable cores)",
     )
-    cluster.add_argument("--ready-timeout", type=float, default=300.0)
+    cluster.add_argument("--ready-timeout", type=number(0.0, above=True), default=300.0)
     return parser
 
 
@@ -182,12 +287,28 @@ def router_config(args: argparse.Namespace, **overrides: Any) -> RouterConfig:
         "max_concurrent_requests": args.max_concurrent_requests,
         "health_interval_s": args.health_interval,
         "max_body_bytes": args.max_body_bytes,
+        "body_timeout_s": args.body_timeout,
         "kv_stale_after_s": args.kv_stale_after,
+        "tokenizer_workers": args.tokenizer_workers,
+        "admin_port": args.admin_port,
+        "admin_token": admin_token(args.admin_token_file, os.environ),
     }
     if args.key_headers:
         kwargs["key_headers"] = tuple(args.key_headers)
     kwargs.update(overrides)
     return RouterConfig(**kwargs)
+
+
+def admin_token(path: Path | None, environ: Mapping[str, str]) -> Secret | None:
+    """The admin token from ``path`` (surrounding blanks dropped), else from
+    ``$SI_ROUTER_ADMIN_TOKEN``, else None (the admin routes stay off)."""
+    if path is not None:
+        try:
+            return Secret(path.read_text().strip())
+        except OSError as exc:
+            raise ConfigError("admin_token_file", f"cannot read {path}: {exc}") from exc
+    value = environ.get(ADMIN_TOKEN_ENV, "").strip()
+    return Secret(value) if value else None
 
 
 def parse_kv_events(values: Sequence[str]) -> dict[str, EventSource]:
@@ -218,7 +339,8 @@ def cluster_config(args: argparse.Namespace) -> ClusterConfig:
 
 
 def serve(config: RouterConfig, log_level: str) -> None:
-    """Run the router until SIGINT/SIGTERM (uvicorn handles both)."""
+    """Run the router until SIGINT/SIGTERM (uvicorn handles both). With an admin port,
+    one server listens on both sockets and the app tells them apart."""
     import uvicorn
 
     from inference_sidecar.router import create_app
@@ -231,14 +353,32 @@ def serve(config: RouterConfig, log_level: str) -> None:
         config.policy,
         ", ".join(redact_url(u) for u in config.workers or (*config.prefill, *config.decode)),
     )
-    uvicorn.run(
-        create_app(config),
-        host=config.host,
-        port=config.port,
-        log_level=log_level,
-        access_log=log_level == "debug",
-        timeout_graceful_shutdown=10,
-    )
+    options: dict[str, Any] = {
+        "log_level": log_level,
+        "access_log": log_level == "debug",
+        "timeout_graceful_shutdown": 10,
+    }
+    if config.admin_port is None:
+        uvicorn.run(create_app(config), host=config.host, port=config.port, **options)
+        return
+    log.info("admin routes on http://%s:%d", ADMIN_HOST, config.admin_port)
+    sockets = [_bound(config.host, config.port), _bound(ADMIN_HOST, config.admin_port)]
+    server = uvicorn.Server(uvicorn.Config(create_app(config), **options))
+    server.run(sockets=sockets)
+
+
+def _bound(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host:port`` (IPv6 when ``host`` is an IPv6 address)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise ConfigError("port", f"cannot listen on {host}:{port}: {exc}") from exc
+    sock.set_inheritable(True)
+    return sock
 
 
 def run_router(args: argparse.Namespace) -> int:
@@ -249,6 +389,9 @@ def run_router(args: argparse.Namespace) -> int:
         decode=tuple(args.decode),
         kv_events=parse_kv_events(args.kv_events),
         tokenizer_dir=args.tokenizer,
+        max_model_len=args.max_model_len,
+        kv_block_size=args.kv_block_size,
+        kv_hash_algo=args.kv_hash_algo,
     )
     serve(config, args.log_level)
     return 0
@@ -272,6 +415,7 @@ def run_cluster(args: argparse.Namespace) -> int:
                 for url, (events, replay) in pool.kv_event_sources.items()
             },
             "tokenizer_dir": str(pool.config.model_dir),
+            "max_model_len": pool.config.max_model_len,
         }
     try:
         with pool:
