@@ -96,6 +96,11 @@ class KVFeed:
         self.index.add_worker(worker)
         self._subscriber.add(worker, source)
 
+    def remove_worker(self, worker: str) -> None:
+        """Stop hearing ``worker`` and forget what it held."""
+        self._subscriber.remove(worker)
+        self.index.remove_worker(worker)
+
     # ----- events --------------------------------------------------------------------
 
     def _delivered(self, worker: str, items: list[tuple[EventBatch, bool]]) -> None:
@@ -104,7 +109,10 @@ class KVFeed:
             self._loop.call_soon_threadsafe(self.apply, worker, items)
 
     def apply(self, worker: str, items: list[tuple[EventBatch, bool]]) -> None:
-        """Apply a worker's batches, in order, to the index (on the event loop)."""
+        """Apply a worker's batches, in order, to the index (on the event loop); those of
+        a worker that left meanwhile are dropped."""
+        if worker not in self.index.workers:
+            return
         for batch, replayed in items:
             outcome = self.index.apply(worker, batch, replayed=replayed)
             if outcome in ("gap", "restart"):

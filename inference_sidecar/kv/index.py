@@ -106,6 +106,7 @@ class KVIndex:
     def remove_worker(self, worker: str) -> None:
         """Forget ``worker`` altogether (it left the pool)."""
         self._workers.pop(worker, None)
+        self.counters.pop(worker, None)
 
     @property
     def workers(self) -> tuple[str, ...]:

@@ -63,6 +63,7 @@ class KVEventSubscriber:
         self._next: dict[str, int] = {}
         self._lock = threading.Lock()
         self._joined: list[str] = []  # workers added since the thread last looked
+        self._left: list[str] = []  # workers removed since the thread last looked
 
     def start(self) -> None:
         if self._thread is None:
@@ -78,6 +79,13 @@ class KVEventSubscriber:
         with self._lock:
             self.sources[worker] = source
             self._joined.append(worker)
+
+    def remove(self, worker: str) -> None:
+        """Stop hearing a worker that left; the thread closes its socket within one poll
+        interval."""
+        with self._lock:
+            self.sources.pop(worker, None)
+            self._left.append(worker)
 
     def stop(self, timeout_s: float = 2.0) -> None:
         self._stop.set()
@@ -109,11 +117,18 @@ class KVEventSubscriber:
                 for worker in list(self.sources):
                     subscribe(worker)
             while not self._stop.is_set():
-                if self._joined:  # a plain read first: the lock only when a worker joined
+                if self._joined or self._left:  # a plain read first: the lock only then
                     with self._lock:
                         joined, self._joined = self._joined, []
+                        left, self._left = self._left, []
+                    for worker in left:
+                        for sock in [s for s, w in sockets.items() if w == worker]:
+                            poller.unregister(sock)
+                            del sockets[sock]
+                            sock.close(linger=0)
                     for worker in joined:
-                        subscribe(worker)
+                        if worker in self.sources:
+                            subscribe(worker)
                 for sock, _ in poller.poll(POLL_MS):
                     worker = sockets[sock]  # type: ignore[index]
                     frames = sock.recv_multipart()  # type: ignore[union-attr]

@@ -1,9 +1,14 @@
 """The router's HTTP surface: routes, body reading, admission, errors as responses.
 
 Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
-``GET /health``, ``GET /metrics``, and ``POST /workers`` to add a worker that joined at
-runtime (an operator's call, like vllm-router's ``/add_worker``: bind the router to a
-private address).
+``GET /health``, ``GET /metrics``, and the admin routes ``POST /workers`` (a worker that
+joined at runtime) and ``DELETE /workers`` (one that leaves).
+
+The admin routes change where prompts go, so they are off unless configured
+(``admin_guard``): with an admin token a request must carry ``Authorization: Bearer
+<token>`` (compared in constant time); with an admin port they answer only on that port,
+which listens on the loopback interface. A worker added at runtime never gets the
+client's credentials (``Upstream.headers_for``).
 
 A completion request is refused with a 429 before its body is read when the router
 already serves ``max_concurrent_requests``; its body is read up to ``max_body_bytes``,
@@ -17,6 +22,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable
+from typing import Any
 
 import httpx
 import orjson
@@ -26,7 +32,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from inference_sidecar.config import RouterConfig
+from inference_sidecar.config import RouterConfig, redact_url
 from inference_sidecar.exceptions import ConfigError, NoWorkerAvailable, RequestError, UpstreamError
 from inference_sidecar.kv.subscriber import EventSource
 from inference_sidecar.router.bodies import (
@@ -145,24 +151,92 @@ async def _disconnect(request: Request) -> None:
         pass
 
 
+def admin_guard(config: RouterConfig, request: Request) -> Response | None:
+    """The refusal of an admin request that may not pass, or None when it may: the admin
+    routes must be on, reached on the admin port when there is one, with the token when
+    there is one."""
+    if not config.admin_enabled:
+        return error_response(
+            403,
+            "the admin routes are off; start the router with --admin-token-file (or "
+            "$SI_ROUTER_ADMIN_TOKEN) or --admin-port to use them",
+            "permission_error",
+            code=403,
+        )
+    if config.admin_port is not None and _local_port(request) != config.admin_port:
+        return error_response(
+            403,
+            f"the admin routes answer on the admin port ({config.admin_port}) only",
+            "permission_error",
+            code=403,
+        )
+    token = config.admin_token
+    if token is not None:
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not token.matches(given.strip()):
+            return error_response(
+                401,
+                "the admin routes need 'Authorization: Bearer <admin token>'",
+                "authentication_error",
+                code=401,
+                headers={"www-authenticate": "Bearer"},
+            )
+    return None
+
+
+def _local_port(request: Request) -> int | None:
+    server = request.scope.get("server")
+    return server[1] if server else None
+
+
+async def _admin_doc(router: Router, request: Request) -> tuple[dict[str, Any], str]:
+    """The admin request's body (a JSON object with a string ``url``) and its role."""
+    doc = json_object(await read_body(request, router.config.max_body_bytes))
+    if not isinstance(doc.get("url"), str):
+        raise ConfigError("url", "give the worker's URL as a string")
+    return doc, str(doc.get("role", "worker"))
+
+
 async def join(router: Router, request: Request) -> Response:
     """``POST /workers`` with ``{"url": ..., "role": "worker", "kv_events": {"endpoint":
     ..., "replay": ...}}``: 201 when added, 200 when it already was a worker."""
+    refused = admin_guard(router.config, request)
+    if refused is not None:
+        return refused
     try:
-        doc = json_object(await read_body(request, router.config.max_body_bytes))
-        if not isinstance(doc.get("url"), str):
-            raise ConfigError("url", "give the worker's URL as a string")
+        doc, role = await _admin_doc(router, request)
         events = doc.get("kv_events")
         source = EventSource(**events) if isinstance(events, dict) else None
-        added = router.add_worker(doc["url"], str(doc.get("role", "worker")), source)
+        added = router.add_worker(doc["url"], role, source)
     except RequestError as exc:
-        return error_response(exc.status, exc.message, exc.error_type, code=exc.code)
+        return request_error_response(exc)
     except TypeError as exc:  # kv_events with fields EventSource does not have
         return error_response(400, f"kv_events: {exc}", "invalid_request_error")
     except ConfigError as exc:
         return error_response(400, str(exc), "invalid_request_error", param=exc.key)
     _, health = router.readiness()
     return Response(orjson.dumps(health), status_code=201 if added else 200, media_type=JSON)
+
+
+async def leave(router: Router, request: Request) -> Response:
+    """``DELETE /workers`` with ``{"url": ..., "role": "worker"}``: 200 when removed, 404
+    when it is no worker of that pool."""
+    refused = admin_guard(router.config, request)
+    if refused is not None:
+        return refused
+    try:
+        doc, role = await _admin_doc(router, request)
+        removed = router.membership.remove_worker(doc["url"], role)
+    except RequestError as exc:
+        return request_error_response(exc)
+    except ConfigError as exc:
+        return error_response(400, str(exc), "invalid_request_error", param=exc.key)
+    if not removed:
+        return error_response(
+            404, f"{redact_url(doc['url'])} is no worker of the {role} pool", "not_found_error"
+        )
+    _, health = router.readiness()
+    return Response(orjson.dumps(health), status_code=200, media_type=JSON)
 
 
 async def _http_exception(request: Request, exc: Exception) -> Response:
@@ -207,6 +281,8 @@ def build_app(router: Router) -> Starlette:
         return Response(router.metrics.render(), media_type="text/plain; version=0.0.4")
 
     async def workers(request: Request) -> Response:
+        if request.method == "DELETE":
+            return await leave(router, request)
         return await join(router, request)
 
     app = Starlette(
@@ -216,7 +292,7 @@ def build_app(router: Router) -> Starlette:
             Route("/v1/models", models, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
-            Route("/workers", workers, methods=["POST"]),
+            Route("/workers", workers, methods=["POST", "DELETE"]),
         ],
         exception_handlers={HTTPException: _http_exception, Exception: _unexpected},
         lifespan=lifespan,

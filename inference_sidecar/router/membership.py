@@ -10,6 +10,7 @@ logged and counted here.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -104,6 +105,31 @@ class Membership:
             assert kv_events is not None
             self._kv.add_worker(worker, kv_events)
         log.info("worker %s joined the %s pool", worker, pool.name)
+        return True
+
+    def remove_worker(self, url: str, role: str = "worker") -> bool:
+        """Take a worker out of the ``role`` pool (an operator's removal); False if it is
+        not a member. Its requests in flight finish; with kv_prefix its event stream is
+        dropped and its index entries forgotten. Raises ``ConfigError`` for a bad URL or
+        role, or rather than leave the pool without a worker."""
+        worker = redact_url(normalise_url(url, "url"))
+        pool = self.pools.get(role)
+        if pool is None:
+            raise ConfigError("role", f"this router's pools are {sorted(self.pools)}, not {role!r}")
+        try:
+            removed = pool.remove_worker(worker)
+        except ValueError as exc:
+            raise ConfigError("url", f"{exc}; add another worker first") from exc
+        if not removed:
+            return False
+        if not any(worker in p.workers for p in self.pools.values()):
+            self._probed_ok.discard(worker)
+            if self._kv is not None:
+                self._kv.remove_worker(worker)
+        for gauge in (self.metrics.in_service, self.metrics.in_flight):
+            with contextlib.suppress(KeyError):
+                gauge.remove(pool.name, worker)
+        log.info("worker %s left the %s pool", worker, pool.name)
         return True
 
     def _show_member(self, pool: RoutingState, worker: str) -> None:

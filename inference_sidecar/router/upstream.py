@@ -42,6 +42,8 @@ WORKER_HEADER = "x-sidecar-worker"
 PREFILL_WORKER_HEADER = "x-sidecar-prefill-worker"
 #: Client headers worth passing to a worker; hop-by-hop and length headers are not.
 FORWARDED_HEADERS = ("authorization", "x-request-id", "accept")
+#: Forwarded headers that carry the client's credentials: configured workers only.
+CREDENTIAL_HEADERS = ("authorization",)
 #: A header value as HTTP/1.1 can carry it: visible ASCII, spaces and tabs.
 _SENDABLE_HEADER_VALUE = re.compile(r"[\t\x20-\x7e]*")
 #: Bytes of an upstream error body kept when a 5xx is retried (for the error message).
@@ -56,6 +58,12 @@ class Upstream:
     ``urls`` maps a worker's shown name (its URL without credentials) to the URL to send
     to; ``clock`` is the router's; ``on_served(worker, since)`` hears of every successful
     attempt whose prompt had full KV blocks (the worker must publish events about them).
+
+    Which client headers reach which worker (``FORWARDED_HEADERS``): ``accept``,
+    ``x-request-id`` and the routing key's headers go to every worker; the client's
+    ``authorization`` (its credential for the workers, e.g. vLLM's ``--api-key``) only to
+    workers configured at start (``RouterConfig``'s URLs), never to one that joined at
+    runtime, whoever added it. Nothing else the client sends is forwarded.
     """
 
     def __init__(
@@ -71,6 +79,7 @@ class Upstream:
         self.metrics = metrics
         self.client = client
         self.urls = urls
+        self._configured = frozenset((*config.workers, *config.prefill, *config.decode))
         self._clock = clock
         self._on_served = on_served
 
@@ -91,6 +100,13 @@ class Upstream:
             headers[name] = value
         return headers
 
+    def headers_for(self, worker: str, headers: Mapping[str, str]) -> Mapping[str, str]:
+        """``headers`` (``forwarded_headers``) as ``worker`` may get them: without the
+        client's credential unless the worker was configured at start."""
+        if "authorization" not in headers or self.urls.get(worker) in self._configured:
+            return headers
+        return {k: v for k, v in headers.items() if k not in CREDENTIAL_HEADERS}
+
     # ----- one attempt ---------------------------------------------------------------
 
     def _begin(self, pool: RoutingState, worker: str, key: RoutingKey) -> Attempt:
@@ -109,7 +125,8 @@ class Upstream:
         pool.finish(worker, attempt.ok, now - attempt.started, now, attempt.ticket)
         if attempt.ok is True and attempt.blocks and self._on_served is not None:
             self._on_served(worker, attempt.started)
-        self.metrics.in_flight.labels(pool.name, worker).set(pool.in_flight[worker])
+        if worker in pool.in_flight:
+            self.metrics.in_flight.labels(pool.name, worker).set(pool.in_flight[worker])
 
     def _fail(self, attempt: Attempt, kind: str) -> None:
         self.metrics.worker_errors.labels(attempt.pool.name, attempt.worker, kind).inc()
@@ -179,7 +196,7 @@ class Upstream:
                 reply = await self.client.post(
                     f"{self.urls[attempt.worker]}{request.path}",
                     content=content,
-                    headers=request.headers,
+                    headers=self.headers_for(attempt.worker, request.headers),
                 )
             if reply.status_code >= 500:
                 raise AttemptFailed(
@@ -215,7 +232,7 @@ class Upstream:
                 "POST",
                 f"{self.urls[attempt.worker]}{request.path}",
                 content=content,
-                headers=request.headers,
+                headers=self.headers_for(attempt.worker, request.headers),
             )
             upstream: httpx.Response | None = None
             try:
