@@ -11,9 +11,10 @@ which listens on the loopback interface. A worker added at runtime never gets th
 client's credentials (``Upstream.headers_for``).
 
 A completion request is refused with a 429 before its body is read when the router
-already serves ``max_concurrent_requests``; its body is read up to ``max_body_bytes``,
-then ``Router.prepare`` and ``Router.answer`` route it. Every error is an OpenAI-style
-JSON body; no path waits without a timeout.
+already serves ``max_concurrent_requests``; its body is read up to ``max_body_bytes``
+within ``body_timeout_s``, holding no slot meanwhile (``admission``); then it takes a
+slot and ``Router.prepare`` and ``Router.answer`` route it. Every error is an
+OpenAI-style JSON body; no path waits without a timeout.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from starlette.routing import Route
 from inference_sidecar.config import RouterConfig, redact_url
 from inference_sidecar.exceptions import ConfigError, NoWorkerAvailable, RequestError, UpstreamError
 from inference_sidecar.kv.subscriber import EventSource
+from inference_sidecar.router.admission import Admission
 from inference_sidecar.router.bodies import (
     JSON,
     error_response,
@@ -50,53 +52,115 @@ log = logging.getLogger(__name__)
 RETRY_AFTER_S = 1
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The request's body, refused with a 413 past ``limit`` bytes (declared or sent)."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise RequestError(
-            f"the request body ({declared} bytes) exceeds the limit of {limit} bytes",
-            status=413,
-            code="request_too_large",
-        )
-    parts: list[bytes] = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
+class Body:
+    """A request body read within its deadline; its bytes count against ``admission``'s
+    budget until ``release``."""
+
+    def __init__(self, admission: Admission | None = None) -> None:
+        self.raw = b""
+        self.held = 0
+        self._admission = admission
+
+    async def read(self, request: Request, limit: int, timeout_s: float) -> bytes:
+        """The request's body: a 413 past ``limit`` bytes (declared or sent), a 408 when
+        it has not all arrived within ``timeout_s``, a 429 past the admission's budget."""
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
             raise RequestError(
-                f"the request body exceeds the limit of {limit} bytes",
+                f"the request body ({declared} bytes) exceeds the limit of {limit} bytes",
                 status=413,
                 code="request_too_large",
             )
-        parts.append(chunk)
-    return b"".join(parts)
+        parts: list[bytes] = []
+        size = 0
+        try:
+            async with asyncio.timeout(timeout_s):
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    if size > limit:
+                        raise RequestError(
+                            f"the request body exceeds the limit of {limit} bytes",
+                            status=413,
+                            code="request_too_large",
+                        )
+                    self._hold(len(chunk))
+                    parts.append(chunk)
+        except TimeoutError:
+            raise RequestError(
+                f"the request body did not arrive within {timeout_s:g} s; send it faster "
+                "or raise --body-timeout",
+                status=408,
+                code="request_timeout",
+            ) from None
+        self.raw = b"".join(parts)
+        return self.raw
+
+    def _hold(self, n: int) -> None:
+        if self._admission is None:
+            return
+        if not self._admission.hold(n):
+            raise RequestError(
+                "the router holds its limit of request bodies; retry later",
+                status=429,
+                code=429,
+                error_type="rate_limit_exceeded",
+            )
+        self.held += n
+
+    def release(self) -> None:
+        if self._admission is not None:
+            self._admission.release(self.held)
+        self.held = 0
+
+
+async def read_body(request: Request, config: RouterConfig) -> bytes:
+    """A body outside admission (the admin routes): its size and deadline only."""
+    return await Body().read(request, config.max_body_bytes, config.body_timeout_s)
+
+
+def _busy(limit: int) -> Response:
+    return error_response(
+        429,
+        f"the router is serving its limit of {limit} requests; retry later",
+        "rate_limit_exceeded",
+        code=429,
+        headers={"retry-after": str(RETRY_AFTER_S)},
+    )
 
 
 async def completion(router: Router, request: Request, endpoint: str) -> Response:
-    """Handle ``POST /v1/{endpoint}`` if under the admission limit, else refuse it
-    before reading its body; never raises (errors become JSON bodies)."""
-    metrics = router.metrics
-    limit = router.config.max_concurrent_requests
-    if router.admitted >= limit:
-        metrics.requests.labels(endpoint, "429").inc()
-        return error_response(
-            429,
-            f"the router is serving its limit of {limit} requests; retry later",
-            "rate_limit_exceeded",
-            code=429,
-            headers={"retry-after": str(RETRY_AFTER_S)},
-        )
-    router.admitted += 1
-    metrics.admitted.set(router.admitted)
+    """Handle ``POST /v1/{endpoint}``; never raises (errors become JSON bodies).
+
+    Refused at once when every slot is taken; otherwise the body is read without a slot
+    (``admission``), then the request takes one, or is refused if none is left.
+    """
+    admission, metrics = router.admission, router.metrics
+    received = router.clock()
+    if admission.full:
+        return _counted(router, endpoint, _busy(admission.slots), received)
+    body = Body(admission)
+    try:
+        raw = await body.read(request, router.config.max_body_bytes, router.config.body_timeout_s)
+    except RequestError as exc:
+        body.release()
+        return _counted(router, endpoint, _refusal(exc), received)
+    except ClientDisconnect:
+        body.release()
+        return _counted(router, endpoint, _gone(), received)
+    if not admission.take_slot():
+        body.release()
+        return _counted(router, endpoint, _busy(admission.slots), received)
+    metrics.admitted.set(admission.serving)
 
     def release() -> None:
-        router.admitted -= 1
-        metrics.admitted.set(router.admitted)
+        admission.release_slot()
+        body.release()
+        metrics.admitted.set(admission.serving)
 
     response: Response | None = None
     try:
-        response = await _complete(router, request, endpoint)
+        answer = await _answer(router, request, endpoint, raw, received)
+        response = _counted(router, endpoint, answer, received)
         return response
     finally:
         if isinstance(response, RelayedStream):  # its slot is held until it ends
@@ -105,22 +169,38 @@ async def completion(router: Router, request: Request, endpoint: str) -> Respons
             release()
 
 
-async def _complete(router: Router, request: Request, endpoint: str) -> Response:
-    received = router.clock()
+def _refusal(exc: RequestError) -> Response:
+    response = request_error_response(exc)
+    if exc.status == 429:
+        response.headers["retry-after"] = str(RETRY_AFTER_S)
+    return response
+
+
+def _gone() -> Response:
+    return error_response(400, "the client disconnected", "invalid_request_error")
+
+
+async def _answer(
+    router: Router, request: Request, endpoint: str, raw: bytes, received: float
+) -> Response:
     try:
-        raw = await read_body(request, router.config.max_body_bytes)
         routed = router.prepare(endpoint, raw, request.headers, received)
-        response = await _unless_disconnected(request, router.answer(routed))
+        return await _unless_disconnected(request, router.answer(routed))
     except RequestError as exc:
-        response = request_error_response(exc)
+        return request_error_response(exc)
     except NoWorkerAvailable as exc:
-        response = error_response(503, exc.message, "service_unavailable", code=503)
+        return error_response(503, exc.message, "service_unavailable", code=503)
     except UpstreamError as exc:
-        response = error_response(502, exc.message, "upstream_error", code=502)
+        return error_response(502, exc.message, "upstream_error", code=502)
     except ClientDisconnect:
-        response = error_response(400, "the client disconnected", "invalid_request_error")
+        return _gone()
+
+
+def _counted(router: Router, endpoint: str, response: Response, received: float) -> Response:
+    """``response``, counted by status; its latency observed unless it is a stream (a
+    stream observes it when it ends)."""
     router.metrics.requests.labels(endpoint, str(response.status_code)).inc()
-    if not isinstance(response, StreamingResponse):  # streams observe it when they end
+    if not isinstance(response, StreamingResponse):
         router.metrics.latency.labels(endpoint).observe(router.clock() - received)
     return response
 
@@ -191,7 +271,7 @@ def _local_port(request: Request) -> int | None:
 
 async def _admin_doc(router: Router, request: Request) -> tuple[dict[str, Any], str]:
     """The admin request's body (a JSON object with a string ``url``) and its role."""
-    doc = json_object(await read_body(request, router.config.max_body_bytes))
+    doc = json_object(await read_body(request, router.config))
     if not isinstance(doc.get("url"), str):
         raise ConfigError("url", "give the worker's URL as a string")
     return doc, str(doc.get("role", "worker"))

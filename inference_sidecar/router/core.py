@@ -32,6 +32,7 @@ from inference_sidecar.kv.prompt_tokens import PromptTokenizer
 from inference_sidecar.kv.subscriber import EventSource
 from inference_sidecar.metrics import RouterMetrics
 from inference_sidecar.policies import KVPrefixPolicy, Policy, make_policy
+from inference_sidecar.router.admission import Admission
 from inference_sidecar.router.attempts import RoutedRequest
 from inference_sidecar.router.bodies import parse_body
 from inference_sidecar.router.membership import Membership
@@ -96,8 +97,11 @@ class Router:
             lambda: self.clock(),
             on_served=self._served if self.kv is not None else None,
         )
-        self.admitted = 0
-        """Client completion requests being served (``app``'s admission limit)."""
+        self.admission = Admission(
+            config.max_concurrent_requests,
+            config.max_concurrent_requests * config.max_body_bytes,
+        )
+        """Slots of the completion requests served at once and the body bytes held."""
         self._health_task: asyncio.Task[None] | None = None
         self._kv_config_task: asyncio.Task[None] | None = None
         if self.kv is not None:
