@@ -317,7 +317,7 @@ def parse_kv_events(values: Sequence[str]) -> dict[str, EventSource]:
     for value in values:
         url, sep, rest = value.partition("=")
         endpoint, _, replay = rest.partition(",")
-        if not sep or not url or not endpoint.startswith(("tcp://", "ipc://")):
+        if not sep or not url:
             raise ConfigError("kv_events", f"expected URL=tcp://host:port[,REPLAY], got {value!r}")
         sources[url] = EventSource(endpoint, replay or None)
     return sources

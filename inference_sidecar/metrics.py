@@ -131,7 +131,8 @@ class _KVIndexCollector(Collector):
             prefix + "resyncs",
             "Times a worker's index entries were cleared, by reason: gap (missed batches not "
             "replayed), restart (its sequence went back), cleared (AllBlocksCleared), down "
-            "(health checks), overflow (more blocks than max_blocks).",
+            "(health checks), overflow (more blocks than max_blocks), stream_lost (its event "
+            "stream cannot be subscribed to).",
             labels=["worker", "reason"],
         )
         mismatches = CounterMetricFamily(

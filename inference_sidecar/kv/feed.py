@@ -51,7 +51,9 @@ class KVFeed:
         self.index = KVIndex(workers, hashing=hashing, stale_after_s=stale_after_s, clock=clock)
         self.tokenizer = tokenizer
         self._on_unhashed = on_unhashed
-        self._subscriber = KVEventSubscriber(sources, self._delivered, on_error)
+        self._subscriber = KVEventSubscriber(
+            sources, self._delivered, on_error, self._stream_changed
+        )
         self._loop: asyncio.AbstractEventLoop | None = None
 
     # ----- lifecycle -----------------------------------------------------------------
@@ -107,6 +109,11 @@ class KVFeed:
         """Called in the subscriber's thread: apply on the event loop's."""
         if self._loop is not None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(self.apply, worker, items)
+
+    def _stream_changed(self, worker: str, ok: bool) -> None:
+        """Called in the subscriber's thread: a worker's stream is up, or cannot be heard."""
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self.index.set_stream, worker, ok)
 
     def apply(self, worker: str, items: list[tuple[EventBatch, bool]]) -> None:
         """Apply a worker's batches, in order, to the index (on the event loop); those of

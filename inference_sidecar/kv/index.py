@@ -58,6 +58,8 @@ class WorkerBlocks:
     """When a request that must make the worker publish was prefilled, unanswered yet."""
     mismatched: bool = False
     """Its published hashes do not match ours (another seed or algorithm): never trusted."""
+    heard: bool = True
+    """Its event stream is subscribed to; False when the subscriber cannot hear it."""
 
 
 @dataclass(slots=True)
@@ -69,7 +71,8 @@ class IndexCounters:
     ignored: int = 0
     duplicates: int = 0
     resyncs: dict[str, int] = field(default_factory=dict)
-    """Clears by reason: gap, restart, cleared (AllBlocksCleared), reset, overflow."""
+    """Clears by reason: gap, restart, cleared (AllBlocksCleared), reset, down, overflow,
+    stream_lost."""
     verified: int = 0
     mismatches: int = 0
 
@@ -120,6 +123,16 @@ class KVIndex:
         state.blocks.clear()
         counts = self.counters[worker].resyncs
         counts[reason] = counts.get(reason, 0) + 1
+
+    def set_stream(self, worker: str, ok: bool) -> None:
+        """The subscriber can (``ok``) or cannot hear ``worker``'s events; while it cannot,
+        the worker's entries are cleared and it is not fresh."""
+        state = self._workers.get(worker)
+        if state is None or state.heard == ok:
+            return
+        state.heard = ok
+        if not ok:
+            self.reset(worker, "stream_lost")
 
     # ----- events --------------------------------------------------------------------
 
@@ -207,10 +220,11 @@ class KVIndex:
         state.awaiting_since = now
 
     def is_fresh(self, worker: str) -> bool:
-        """True when ``worker``'s entries can be trusted: its hashes match ours and it has
-        not kept silent past ``stale_after_s`` after a request that must make it publish."""
+        """True when ``worker``'s entries can be trusted: its stream is heard, its hashes
+        match ours and it has not kept silent past ``stale_after_s`` after a request that
+        must make it publish."""
         state = self._workers.get(worker)
-        if state is None or state.mismatched:
+        if state is None or state.mismatched or not state.heard:
             return False
         waiting = state.awaiting_since
         return waiting is None or self._clock() - waiting <= self.stale_after_s

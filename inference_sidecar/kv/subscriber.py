@@ -5,32 +5,76 @@ as 8 bytes big-endian, msgpack payload)``, on a PUB socket, and keeps its last b
 for a ROUTER "replay" socket: send it a starting sequence number (8 bytes) and it sends
 back every buffered batch from there, then an end marker (sequence -1).
 
-One thread polls every worker's SUB socket (ZMQ sockets are not for asyncio's loop, and
-decoding stays off it); each decoded batch is handed to the event loop with
-``call_soon_threadsafe`` and applied there to the ``KVIndex``, so the index is only ever
-touched by one thread. When a worker's sequence skips ahead and it has a replay
-endpoint, the thread first asks for the missing batches and hands them over, marked as
-replayed, before the batch that revealed the hole; the index clears the worker only if
-the hole is still there.
+One thread polls every worker's sockets (ZMQ sockets are not for asyncio's loop, and
+decoding stays off it); each decoded batch is handed over with ``deliver`` (the router
+applies it on its event loop, so the index is only ever touched by one thread). When a
+worker's sequence skips ahead and it has a replay endpoint, the missing batches are asked
+for, without blocking anyone else: that worker's batches wait (``held``) until the replay
+ends, passes ``replay_timeout_s`` or ``max_replay_batches``, then the replayed batches
+and the held ones are delivered in order; the index clears the worker only if a hole is
+still there. A worker whose replay failed is not asked again for ``replay_backoff_s``.
 
-ZMQ reconnects by itself to a worker that restarts; a payload that does not decode is
-counted (``on_error``) and skipped, which the index then sees as a gap.
+Every failure stays with its worker and is counted (``on_error(worker, kind)``):
+``connect`` (its endpoint cannot be connected: its socket is closed and ``on_stream(worker,
+False)`` says its events cannot be trusted), ``frames`` and ``format`` (a batch that does
+not decode, skipped: the index then sees a gap), ``replay_timeout``, ``replay_overrun``,
+``internal``. A message over ``max_msg_bytes`` makes ZMQ drop the connection (and
+reconnect), which the index also sees as a gap. The thread never stops for one worker's
+fault; the context is destroyed with linger 0, so stopping never hangs. ZMQ reconnects by
+itself to a worker that restarts.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import threading
+import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
+from inference_sidecar.exceptions import ConfigError
 from inference_sidecar.kv.batches import EventBatch, KVEventFormatError, decode_batch
 
 log = logging.getLogger(__name__)
 
 END_SEQ = -1
 POLL_MS = 200
-REPLAY_TIMEOUT_MS = 1000
+REPLAY_TIMEOUT_S = 1.0
+"""Per replay: how long a worker's batches may wait for the batches it missed."""
+MAX_REPLAY_BATCHES = 1024
+"""Per replay: batches taken from the replay buffer (vLLM keeps its last few thousand)."""
+MAX_HELD_BATCHES = 1024
+"""Per replay: live batches of the worker held back meanwhile."""
+REPLAY_BACKOFF_S = 30.0
+"""After a failed replay, that worker's holes are left as gaps for this long."""
+MAX_MSG_BYTES = 16 * 1024 * 1024
+"""``ZMQ_MAXMSGSIZE``: far above a batch of one engine step (a long prompt's blocks are
+a few hundred KiB), and a bound on what one message can make the router decode."""
+
+_TCP = re.compile(
+    r"tcp://(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_](?:[A-Za-z0-9_.-]*[A-Za-z0-9_])?)"
+    r":(?P<port>\d{1,5})"
+)
+MAX_IPC_PATH_BYTES = 107
+"""A Unix socket's path must fit ``sun_path`` (108 bytes with its terminating NUL)."""
+
+
+def check_endpoint(value: object, key: str) -> str:
+    """``value`` if it is an endpoint a subscriber can connect to (``tcp://host:port``
+    with a host name or address, not ``*``, or ``ipc://path``); raises ``ConfigError``
+    naming ``key``."""
+    if isinstance(value, str):
+        tcp = _TCP.fullmatch(value)
+        if tcp is not None and 1 <= int(tcp.group("port")) <= 65535:
+            return value
+        path = value.removeprefix("ipc://")
+        if value.startswith("ipc://") and path and path.isprintable():
+            if len(path.encode()) <= MAX_IPC_PATH_BYTES:
+                return value
+            raise ConfigError(key, f"an ipc:// path fits {MAX_IPC_PATH_BYTES} bytes at most")
+    raise ConfigError(key, f"expected tcp://host:port or ipc://path, got {value!r:.200}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,9 +85,30 @@ class EventSource:
     replay: str | None = None
     topic: str = ""
 
+    def __post_init__(self) -> None:
+        check_endpoint(self.endpoint, "kv_events.endpoint")
+        if self.replay is not None:
+            check_endpoint(self.replay, "kv_events.replay")
+        if not isinstance(self.topic, str):
+            raise ConfigError("kv_events.topic", f"expected a string, got {self.topic!r:.200}")
+
 
 Deliver = Callable[[str, list[tuple[EventBatch, bool]]], None]
 """``(worker, [(batch, replayed), ...])``: called in the subscriber's thread."""
+
+
+@dataclass(slots=True, eq=False)
+class _Replay:
+    """A replay in progress: the batches a worker missed, asked for from its buffer."""
+
+    worker: str
+    sock: Any
+    until: int
+    """The sequence number of the batch that revealed the hole (not replayed)."""
+    deadline: float
+    got: list[EventBatch] = field(default_factory=list)
+    held: list[EventBatch] = field(default_factory=list)
+    """The worker's live batches since the hole, the revealing one first."""
 
 
 class KVEventSubscriber:
@@ -54,16 +119,37 @@ class KVEventSubscriber:
         sources: Mapping[str, EventSource],
         deliver: Deliver,
         on_error: Callable[[str, str], None] = lambda worker, kind: None,
+        on_stream: Callable[[str, bool], None] = lambda worker, ok: None,
+        *,
+        replay_timeout_s: float = REPLAY_TIMEOUT_S,
+        max_replay_batches: int = MAX_REPLAY_BATCHES,
+        replay_backoff_s: float = REPLAY_BACKOFF_S,
+        max_msg_bytes: int = MAX_MSG_BYTES,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.sources = dict(sources)
         self._deliver = deliver
         self._on_error = on_error
+        self._on_stream = on_stream
+        self.replay_timeout_s = replay_timeout_s
+        self.max_replay_batches = max_replay_batches
+        self.replay_backoff_s = replay_backoff_s
+        self.max_msg_bytes = max_msg_bytes
+        self._clock = clock
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._next: dict[str, int] = {}
         self._lock = threading.Lock()
         self._joined: list[str] = []  # workers added since the thread last looked
         self._left: list[str] = []  # workers removed since the thread last looked
+        # Owned by the thread:
+        self._next: dict[str, int] = {}
+        self._subs: dict[Any, str] = {}
+        self._replays: dict[str, _Replay] = {}
+        self._no_replay_until: dict[str, float] = {}
+        self._poller: Any = None
+        self._ctx: Any = None
+
+    # ----- control (any thread) ------------------------------------------------------
 
     def start(self) -> None:
         if self._thread is None:
@@ -81,7 +167,7 @@ class KVEventSubscriber:
             self._joined.append(worker)
 
     def remove(self, worker: str) -> None:
-        """Stop hearing a worker that left; the thread closes its socket within one poll
+        """Stop hearing a worker that left; the thread closes its sockets within one poll
         interval."""
         with self._lock:
             self.sources.pop(worker, None)
@@ -93,109 +179,206 @@ class KVEventSubscriber:
             self._thread.join(timeout_s)
             self._thread = None
 
+    # ----- the thread ----------------------------------------------------------------
+
     def _run(self) -> None:
         import msgspec
         import zmq
 
-        ctx = zmq.Context()
+        self._ctx = zmq.Context()
+        self._poller = zmq.Poller()
         decoder = msgspec.msgpack.Decoder()
-        sockets: dict[zmq.Socket, str] = {}
-        poller = zmq.Poller()
-
-        def subscribe(worker: str) -> None:
-            source = self.sources[worker]
-            sub = ctx.socket(zmq.SUB)
-            sub.setsockopt(zmq.LINGER, 0)
-            sub.setsockopt_string(zmq.SUBSCRIBE, source.topic)
-            sub.connect(source.endpoint)
-            poller.register(sub, zmq.POLLIN)
-            sockets[sub] = worker
-
         try:
             with self._lock:
                 self._joined.clear()
-                for worker in list(self.sources):
-                    subscribe(worker)
+                first = list(self.sources)
+            for worker in first:
+                self._subscribe(worker)
             while not self._stop.is_set():
-                if self._joined or self._left:  # a plain read first: the lock only then
-                    with self._lock:
-                        joined, self._joined = self._joined, []
-                        left, self._left = self._left, []
-                    for worker in left:
-                        for sock in [s for s, w in sockets.items() if w == worker]:
-                            poller.unregister(sock)
-                            del sockets[sock]
-                            sock.close(linger=0)
-                    for worker in joined:
-                        if worker in self.sources:
-                            subscribe(worker)
-                for sock, _ in poller.poll(POLL_MS):
-                    worker = sockets[sock]  # type: ignore[index]
-                    frames = sock.recv_multipart()  # type: ignore[union-attr]
-                    try:
-                        self._received(ctx, decoder, worker, frames)
-                    except Exception:  # one bad batch must not stop the subscriber
-                        log.exception("KV events from %s could not be handled", worker)
-                        self._on_error(worker, "internal")
+                self._follow_membership()
+                for sock, _ in self._poller.poll(self._poll_ms()):
+                    self._readable(sock, decoder)
+                self._expire_replays()
+        except Exception:
+            log.exception("the KV event subscriber stopped; no worker's events are trusted")
+            for worker in list(self.sources):
+                self._on_error(worker, "internal")
+                self._on_stream(worker, False)
         finally:
-            for sock in sockets:
-                sock.close(linger=0)
-            ctx.term()
+            self._ctx.destroy(linger=0)  # closes every socket first: term cannot hang
 
-    def _decode(self, decoder: object, worker: str, frames: list[bytes]) -> EventBatch | None:
+    def _follow_membership(self) -> None:
+        if not (self._joined or self._left):  # a plain read first: the lock only then
+            return
+        with self._lock:
+            joined, self._joined = self._joined, []
+            left, self._left = self._left, []
+            sources = dict(self.sources)
+        for worker in left:
+            self._unsubscribe(worker)
+        for worker in joined:
+            if worker in sources:
+                self._subscribe(worker)
+
+    def _socket(self, kind: int) -> Any:
+        import zmq
+
+        sock = self._ctx.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.max_msg_bytes)
+        return sock
+
+    def _subscribe(self, worker: str) -> None:
+        import zmq
+
+        self._unsubscribe(worker)
+        source = self.sources.get(worker)
+        if source is None:
+            return
+        sock = self._socket(zmq.SUB)
+        try:
+            sock.setsockopt_string(zmq.SUBSCRIBE, source.topic)
+            sock.connect(source.endpoint)
+        except zmq.ZMQError as exc:
+            sock.close(linger=0)
+            log.warning(
+                "cannot subscribe to %s's KV events at %s: %s", worker, source.endpoint, exc
+            )
+            self._on_error(worker, "connect")
+            self._on_stream(worker, False)
+            return
+        self._poller.register(sock, zmq.POLLIN)
+        self._subs[sock] = worker
+        self._on_stream(worker, True)
+
+    def _unsubscribe(self, worker: str) -> None:
+        for sock in [s for s, w in self._subs.items() if w == worker]:
+            self._poller.unregister(sock)
+            del self._subs[sock]
+            sock.close(linger=0)
+        replay = self._replays.pop(worker, None)
+        if replay is not None:
+            self._close(replay)
+        self._next.pop(worker, None)
+
+    def _poll_ms(self) -> int:
+        if not self._replays:
+            return POLL_MS
+        soonest = min(r.deadline for r in self._replays.values()) - self._clock()
+        return max(0, min(POLL_MS, int(soonest * 1000) + 1))
+
+    def _readable(self, sock: Any, decoder: Any) -> None:
+        worker = self._subs.get(sock)
+        replay = None if worker is not None else self._replay_of(sock)
+        if worker is None and replay is None:
+            return
+        name = worker if worker is not None else replay.worker  # type: ignore[union-attr]
+        try:
+            frames = sock.recv_multipart()
+            if replay is not None:
+                self._replayed(replay, decoder, frames)
+            else:
+                batch = self._decode(decoder, name, frames)
+                if batch is not None:
+                    self._received(name, batch)
+        except Exception:  # one bad batch must not stop the subscriber
+            log.exception("KV events from %s could not be handled", name)
+            self._on_error(name, "internal")
+
+    def _replay_of(self, sock: Any) -> _Replay | None:
+        return next((r for r in self._replays.values() if r.sock is sock), None)
+
+    def _decode(self, decoder: Any, worker: str, frames: list[bytes]) -> EventBatch | None:
         if len(frames) != 3:
             self._on_error(worker, "frames")
             return None
         _, seq_bytes, payload = frames
         seq = int.from_bytes(seq_bytes, "big", signed=True)
         try:
-            return decode_batch(seq, decoder.decode(payload))  # type: ignore[attr-defined]
+            return decode_batch(seq, decoder.decode(payload))
         except (KVEventFormatError, ValueError) as exc:
             log.warning("undecodable KV event batch %d from %s: %s", seq, worker, exc)
             self._on_error(worker, "format")
             return None
 
-    def _received(self, ctx: object, decoder: object, worker: str, frames: list[bytes]) -> None:
-        batch = self._decode(decoder, worker, frames)
-        if batch is None:
+    # ----- sequencing and replays ----------------------------------------------------
+
+    def _received(self, worker: str, batch: EventBatch) -> None:
+        replay = self._replays.get(worker)
+        if replay is not None:
+            replay.held.append(batch)
+            if len(replay.held) >= MAX_HELD_BATCHES:
+                self._finish(replay, "replay_overrun")
             return
         expected = self._next.get(worker, 0)
-        items: list[tuple[EventBatch, bool]] = []
-        replay = self.sources[worker].replay
-        if batch.seq > expected and replay is not None:
-            items = [
-                (b, True)
-                for b in self._replay(ctx, decoder, worker, replay, expected)
-                if b.seq < batch.seq
-            ]
-        items.append((batch, False))
+        source = self.sources.get(worker)
+        if (
+            batch.seq > expected
+            and source is not None
+            and source.replay is not None
+            and self._clock() >= self._no_replay_until.get(worker, 0.0)
+            and self._ask_replay(worker, source.replay, expected, batch)
+        ):
+            return
         self._next[worker] = batch.seq + 1
-        self._deliver(worker, items)
+        self._deliver(worker, [(batch, False)])
 
-    def _replay(
-        self, ctx: object, decoder: object, worker: str, endpoint: str, start: int
-    ) -> list[EventBatch]:
-        """The worker's buffered batches from ``start`` on (empty if it does not answer)."""
+    def _ask_replay(self, worker: str, endpoint: str, start: int, batch: EventBatch) -> bool:
+        """Ask ``worker``'s replay socket for the batches from ``start`` on; False when
+        it cannot even be asked."""
         import zmq
 
-        sock = ctx.socket(zmq.DEALER)  # type: ignore[attr-defined]
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.RCVTIMEO, REPLAY_TIMEOUT_MS)
-        out: list[EventBatch] = []
+        sock = self._socket(zmq.DEALER)
         try:
             sock.connect(endpoint)
-            sock.send_multipart([b"", start.to_bytes(8, "big")])
-            while True:
-                frames = sock.recv_multipart()
-                if len(frames) == 4 and int.from_bytes(frames[2], "big", signed=True) == END_SEQ:
-                    break
-                if len(frames) == 4:
-                    batch = self._decode(decoder, worker, frames[1:])
-                    if batch is not None:
-                        out.append(batch)
-        except zmq.Again:
-            log.warning("no replay from %s within %d ms", worker, REPLAY_TIMEOUT_MS)
-            self._on_error(worker, "replay_timeout")
-        finally:
+            sock.send_multipart([b"", start.to_bytes(8, "big")], flags=zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
             sock.close(linger=0)
-        return out
+            log.warning("cannot ask %s for a replay at %s: %s", worker, endpoint, exc)
+            self._on_error(worker, "replay_connect")
+            return False
+        self._poller.register(sock, zmq.POLLIN)
+        deadline = self._clock() + self.replay_timeout_s
+        self._replays[worker] = _Replay(worker, sock, batch.seq, deadline, held=[batch])
+        return True
+
+    def _replayed(self, replay: _Replay, decoder: Any, frames: list[bytes]) -> None:
+        if len(frames) != 4:
+            self._on_error(replay.worker, "frames")
+            return
+        if int.from_bytes(frames[2], "big", signed=True) == END_SEQ:
+            self._finish(replay, None)
+            return
+        batch = self._decode(decoder, replay.worker, frames[1:])
+        if batch is not None:
+            replay.got.append(batch)
+            if batch.seq >= replay.until - 1:
+                self._finish(replay, None)  # everything missed is here
+                return
+        if len(replay.got) >= self.max_replay_batches:
+            self._finish(replay, "replay_overrun")
+
+    def _expire_replays(self) -> None:
+        now = self._clock()
+        for replay in [r for r in self._replays.values() if now >= r.deadline]:
+            log.warning(
+                "no complete replay from %s within %.1f s", replay.worker, self.replay_timeout_s
+            )
+            self._finish(replay, "replay_timeout")
+
+    def _finish(self, replay: _Replay, error: str | None) -> None:
+        """Deliver what the replay brought, then the batches held meanwhile, in order."""
+        self._replays.pop(replay.worker, None)
+        self._close(replay)
+        if error is not None:
+            self._on_error(replay.worker, error)
+            self._no_replay_until[replay.worker] = self._clock() + self.replay_backoff_s
+        first_live = replay.held[0].seq
+        items = [(b, True) for b in replay.got if b.seq < first_live]
+        items += [(b, False) for b in replay.held]
+        self._next[replay.worker] = replay.held[-1].seq + 1
+        self._deliver(replay.worker, items)
+
+    def _close(self, replay: _Replay) -> None:
+        self._poller.unregister(replay.sock)
+        replay.sock.close(linger=0)

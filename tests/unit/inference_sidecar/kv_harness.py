@@ -31,6 +31,7 @@ class FakePublisher:
     """vLLM's ZmqEventPublisher's wire format, on ipc:// sockets, with a replay buffer."""
 
     def __init__(self, tmp_path: Path) -> None:
+        tmp_path.mkdir(parents=True, exist_ok=True)
         self.ctx = zmq.Context()
         self.endpoint = f"ipc://{tmp_path}/events"
         self.replay_endpoint = f"ipc://{tmp_path}/replay"
