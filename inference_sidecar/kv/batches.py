@@ -15,6 +15,14 @@ from typing import Any
 
 from inference_sidecar.kv.blocks import external_hash
 
+MAX_EVENT_BLOCKS = 1 << 14
+"""Blocks one ``BlockStored`` or ``BlockRemoved`` may name: a 262,144-token context at 16
+tokens a block. vLLM publishes a request's new (or reused) full blocks per engine step."""
+MAX_EVENT_TOKENS = 1 << 18
+"""Token ids one ``BlockStored`` may carry (its blocks' tokens)."""
+MAX_BATCH_EVENTS = 1 << 14
+"""Events one batch may carry (one engine step's requests)."""
+
 
 class KVEventFormatError(ValueError):
     """A payload that is not a KV event batch as vLLM publishes it."""
@@ -74,6 +82,8 @@ def _decode_event(raw: Any) -> Event | None:
         size = _field(raw, "block_size", 3 + offset)
         if not isinstance(hashes, list) or not isinstance(tokens, list | None):
             raise KVEventFormatError(f"BlockStored without block hashes: {raw!r:.200}")
+        _bounded("BlockStored block hashes", len(hashes), MAX_EVENT_BLOCKS)
+        _bounded("BlockStored token ids", len(tokens or ()), MAX_EVENT_TOKENS)
         return Stored(
             tuple(external_hash(h) for h in hashes),
             None if parent is None else external_hash(parent),
@@ -87,6 +97,7 @@ def _decode_event(raw: Any) -> Event | None:
         hashes = _field(raw, "block_hashes", 0 + offset)
         if not isinstance(hashes, list):
             raise KVEventFormatError(f"BlockRemoved without block hashes: {raw!r:.200}")
+        _bounded("BlockRemoved block hashes", len(hashes), MAX_EVENT_BLOCKS)
         return Removed(tuple(external_hash(h) for h in hashes))
     if tag == "AllBlocksCleared":
         return Cleared()
@@ -101,6 +112,7 @@ def decode_batch(seq: int, payload: Any) -> EventBatch:
     ts, raw_events = payload[0], payload[1]
     if not isinstance(raw_events, list):
         raise KVEventFormatError(f"a batch's events must be a list, got {raw_events!r:.200}")
+    _bounded("events of a batch", len(raw_events), MAX_BATCH_EVENTS)
     events: list[Event] = []
     ignored = 0
     try:
@@ -113,3 +125,8 @@ def decode_batch(seq: int, payload: Any) -> EventBatch:
     except (TypeError, ValueError) as exc:
         raise KVEventFormatError(str(exc)) from exc
     return EventBatch(seq, tuple(events), float(ts or 0.0), ignored)
+
+
+def _bounded(what: str, n: int, limit: int) -> None:
+    if n > limit:
+        raise KVEventFormatError(f"{n} {what}, more than the {limit} a worker publishes at once")

@@ -20,7 +20,10 @@ the worker publish it again.
 
 Memory is bounded by the workers' caches, not by the number of shoppers: a worker holds at
 most its ``num_gpu_blocks`` blocks, and each worker's entries are capped at
-``max_blocks`` (oldest dropped first) in case a removal is ever missed.
+``max_blocks`` (oldest dropped first, one at a time from an ordered dict: the cost of an
+eviction does not grow with the index) in case a removal is ever missed. What one event
+can cost is bounded where it is decoded (``batches``: blocks and tokens per event) and
+here: a chain is verified on its first ``VERIFY_BLOCKS`` blocks only.
 
 Staleness: a request of at least one full block always makes its worker publish a
 ``BlockStored`` (new or reused blocks). ``expect_events`` notes such a request served
@@ -32,6 +35,7 @@ back to estimating its cache by hashing (``KVPrefixPolicy``) until a batch arriv
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -39,9 +43,13 @@ from typing import Literal
 from inference_sidecar.kv.batches import EventBatch, Removed, Stored
 from inference_sidecar.kv.blocks import BlockHashing
 
-DEFAULT_MAX_BLOCKS = 1 << 20
-"""Per worker: 64 GiB of SmolLM2-135M KV at 16 tokens a block, far above any CPU worker."""
+DEFAULT_MAX_BLOCKS = 1 << 18
+"""Per worker: more than an 80 GB GPU holds of SmolLM2-135M's KV (23 KiB a token: about
+217,000 blocks of 16 tokens), the smallest model served here; about 30 MiB of index."""
 DEFAULT_STALE_AFTER_S = 10.0
+VERIFY_BLOCKS = 4
+"""Leading blocks of a published root chain compared with our computation: enough to tell
+another seed or algorithm, at a cost that does not grow with the prompt."""
 
 Outcome = Literal["applied", "gap", "restart", "duplicate"]
 
@@ -50,8 +58,8 @@ Outcome = Literal["applied", "gap", "restart", "duplicate"]
 class WorkerBlocks:
     """What the index knows of one worker."""
 
-    blocks: dict[int, None] = field(default_factory=dict)
-    """Block hashes, oldest stored first (an insertion-ordered set)."""
+    blocks: OrderedDict[int, None] = field(default_factory=OrderedDict)
+    """Block hashes, least recently stored first (an ordered set)."""
     next_seq: int = 0
     last_batch_at: float | None = None
     awaiting_since: float | None = None
@@ -181,22 +189,25 @@ class KVIndex:
             self._verify(worker, state, event)
         blocks = state.blocks
         for h in event.hashes:
-            blocks.pop(h, None)  # a reused block becomes the newest
-            blocks[h] = None
-        overflow = len(blocks) - self.max_blocks
-        if overflow > 0:
-            for h in list(blocks)[:overflow]:
-                del blocks[h]
+            if h in blocks:
+                blocks.move_to_end(h)  # a reused block becomes the newest
+            else:
+                blocks[h] = None
+        if len(blocks) > self.max_blocks:
+            while len(blocks) > self.max_blocks:
+                blocks.popitem(last=False)
             counts = self.counters[worker].resyncs
             counts["overflow"] = counts.get("overflow", 0) + 1
 
     def _verify(self, worker: str, state: WorkerBlocks, event: Stored) -> None:
-        """A chain published from its root must equal ours for the same tokens."""
+        """A chain published from its root must equal ours for the same tokens (its first
+        ``VERIFY_BLOCKS`` blocks)."""
         assert self.hashing is not None
-        if event.block_size != self.hashing.block_size:
+        size = self.hashing.block_size
+        if event.block_size != size:
             ours: tuple[int, ...] = ()
         else:
-            ours = self.hashing.block_hashes(event.token_ids)
+            ours = self.hashing.block_hashes(event.token_ids[: VERIFY_BLOCKS * size])
         counters = self.counters[worker]
         if ours and ours == event.hashes[: len(ours)]:
             counters.verified += 1

@@ -18,10 +18,11 @@ Every failure stays with its worker and is counted (``on_error(worker, kind)``):
 ``connect`` (its endpoint cannot be connected: its socket is closed and ``on_stream(worker,
 False)`` says its events cannot be trusted), ``frames`` and ``format`` (a batch that does
 not decode, skipped: the index then sees a gap), ``replay_timeout``, ``replay_overrun``,
-``internal``. A message over ``max_msg_bytes`` makes ZMQ drop the connection (and
-reconnect), which the index also sees as a gap. The thread never stops for one worker's
-fault; the context is destroyed with linger 0, so stopping never hangs. ZMQ reconnects by
-itself to a worker that restarts.
+``internal``. A message over ``max_msg_bytes`` makes ZMQ drop the connection, and ZMQ
+does not reconnect after that (a protocol error, unlike a worker that restarts), so each
+SUB socket is watched (a ZMQ monitor) and subscribed again when it is disconnected
+(``disconnected``); the batches missed meanwhile are a gap. The thread never stops for
+one worker's fault; the context is destroyed with linger 0, so stopping never hangs.
 """
 
 from __future__ import annotations
@@ -144,6 +145,7 @@ class KVEventSubscriber:
         # Owned by the thread:
         self._next: dict[str, int] = {}
         self._subs: dict[Any, str] = {}
+        self._monitors: dict[Any, tuple[str, Any]] = {}  # monitor -> (worker, its socket)
         self._replays: dict[str, _Replay] = {}
         self._no_replay_until: dict[str, float] = {}
         self._poller: Any = None
@@ -216,6 +218,7 @@ class KVEventSubscriber:
             sources = dict(self.sources)
         for worker in left:
             self._unsubscribe(worker)
+            self._next.pop(worker, None)
         for worker in joined:
             if worker in sources:
                 self._subscribe(worker)
@@ -247,11 +250,20 @@ class KVEventSubscriber:
             self._on_error(worker, "connect")
             self._on_stream(worker, False)
             return
-        self._poller.register(sock, zmq.POLLIN)
+        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        for s in (sock, monitor):
+            self._poller.register(s, zmq.POLLIN)
         self._subs[sock] = worker
+        self._monitors[monitor] = (worker, sock)
         self._on_stream(worker, True)
 
     def _unsubscribe(self, worker: str) -> None:
+        for monitor, (w, sock) in list(self._monitors.items()):
+            if w == worker:
+                self._poller.unregister(monitor)
+                del self._monitors[monitor]
+                sock.disable_monitor()
+                monitor.close(linger=0)
         for sock in [s for s, w in self._subs.items() if w == worker]:
             self._poller.unregister(sock)
             del self._subs[sock]
@@ -259,7 +271,17 @@ class KVEventSubscriber:
         replay = self._replays.pop(worker, None)
         if replay is not None:
             self._close(replay)
-        self._next.pop(worker, None)
+
+    def _disconnected(self, monitor: Any) -> None:
+        """A SUB socket lost its connection: subscribe again (ZMQ gives up on a connection
+        it dropped for a message over ``max_msg_bytes``)."""
+        from zmq.utils.monitor import recv_monitor_message
+
+        worker, _ = self._monitors[monitor]
+        recv_monitor_message(monitor)
+        log.warning("%s's KV event stream was disconnected; subscribing again", worker)
+        self._on_error(worker, "disconnected")
+        self._subscribe(worker)
 
     def _poll_ms(self) -> int:
         if not self._replays:
@@ -268,6 +290,9 @@ class KVEventSubscriber:
         return max(0, min(POLL_MS, int(soonest * 1000) + 1))
 
     def _readable(self, sock: Any, decoder: Any) -> None:
+        if sock in self._monitors:
+            self._disconnected(sock)
+            return
         worker = self._subs.get(sock)
         replay = None if worker is not None else self._replay_of(sock)
         if worker is None and replay is None:

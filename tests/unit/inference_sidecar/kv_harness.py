@@ -14,7 +14,14 @@ from fake_workers import FakeWorkers
 from router_harness import A, B
 
 from inference_sidecar.config import RouterConfig
-from inference_sidecar.kv import BlockHashing, EventBatch, EventSource, PromptTokenizer, Stored
+from inference_sidecar.kv import (
+    BlockHashing,
+    EventBatch,
+    EventSource,
+    KVEventSubscriber,
+    PromptTokenizer,
+    Stored,
+)
 from inference_sidecar.router import Router
 
 HASHING = BlockHashing(block_size=4)
@@ -114,3 +121,32 @@ def prompt_tokens(body: dict[str, Any]) -> list[int]:
 def stored_batch(seq: int, tokens: list[int]) -> list[tuple[EventBatch, bool]]:
     event = Stored(HASHING.block_hashes(tokens), None, tuple(tokens), HASHING.block_size)
     return [(EventBatch(seq, (event,)), False)]
+
+
+class Heard:
+    """What a subscriber delivered and reported, per worker, in order."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.deliveries: list[tuple[str, list[tuple[int, bool]]]] = []
+        self.errors: list[tuple[str, str]] = []
+        self.streams: list[tuple[str, bool]] = []
+
+    def deliver(self, worker: str, items: list[tuple[EventBatch, bool]]) -> None:
+        with self.lock:
+            self.deliveries.append((worker, [(b.seq, replayed) for b, replayed in items]))
+
+    def error(self, worker: str, kind: str) -> None:
+        with self.lock:
+            self.errors.append((worker, kind))
+
+    def stream(self, worker: str, ok: bool) -> None:
+        with self.lock:
+            self.streams.append((worker, ok))
+
+    def seqs(self, worker: str) -> list[tuple[int, bool]]:
+        with self.lock:
+            return [item for w, items in self.deliveries if w == worker for item in items]
+
+    def subscriber(self, sources: dict[str, EventSource], **kw: Any) -> KVEventSubscriber:
+        return KVEventSubscriber(sources, self.deliver, self.error, self.stream, **kw)

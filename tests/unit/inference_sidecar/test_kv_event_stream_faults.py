@@ -14,12 +14,12 @@ from typing import Any
 import pytest
 import zmq
 from fake_workers import FakeWorkers
-from kv_harness import FakePublisher, kv_prefix_router, wait_for
+from kv_harness import FakePublisher, Heard, kv_prefix_router, wait_for
 from router_harness import ADMIN, ADMIN_TOKEN, A, B, C, assert_openai_error
 
 from inference_sidecar.config import RouterConfig
 from inference_sidecar.exceptions import ConfigError
-from inference_sidecar.kv import EventBatch, EventSource, KVEventSubscriber
+from inference_sidecar.kv import EventSource
 
 BAD_ENDPOINTS = [
     "tcp://127.0.0.1",  # no port: libzmq refuses it in connect()
@@ -30,35 +30,6 @@ BAD_ENDPOINTS = [
     "ipc:///tmp/" + "x" * 120,  # longer than a Unix socket path can be
     "worker-4:5557",
 ]
-
-
-class Heard:
-    """What a subscriber delivered and reported, per worker, in order."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.deliveries: list[tuple[str, list[tuple[int, bool]]]] = []
-        self.errors: list[tuple[str, str]] = []
-        self.streams: list[tuple[str, bool]] = []
-
-    def deliver(self, worker: str, items: list[tuple[EventBatch, bool]]) -> None:
-        with self.lock:
-            self.deliveries.append((worker, [(b.seq, replayed) for b, replayed in items]))
-
-    def error(self, worker: str, kind: str) -> None:
-        with self.lock:
-            self.errors.append((worker, kind))
-
-    def stream(self, worker: str, ok: bool) -> None:
-        with self.lock:
-            self.streams.append((worker, ok))
-
-    def seqs(self, worker: str) -> list[tuple[int, bool]]:
-        with self.lock:
-            return [item for w, items in self.deliveries if w == worker for item in items]
-
-    def subscriber(self, sources: dict[str, EventSource], **kw: Any) -> KVEventSubscriber:
-        return KVEventSubscriber(sources, self.deliver, self.error, self.stream, **kw)
 
 
 def heard_from(publisher: FakePublisher, heard: Heard, worker: str) -> int:
