@@ -34,6 +34,9 @@ class Stored:
     parent: int | None
     token_ids: tuple[int, ...]
     block_size: int
+    lora_name: str | None = None
+    extra_keys: tuple[Any, ...] | None = None
+    """Per block, the untagged extra keys its hash includes (``kv.blocks``), or None."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,11 +87,15 @@ def _decode_event(raw: Any) -> Event | None:
             raise KVEventFormatError(f"BlockStored without block hashes: {raw!r:.200}")
         _bounded("BlockStored block hashes", len(hashes), MAX_EVENT_BLOCKS)
         _bounded("BlockStored token ids", len(tokens or ()), MAX_EVENT_TOKENS)
+        lora_name = _field(raw, "lora_name", 6 + offset)
+        extra_keys = _field(raw, "extra_keys", 7 + offset)
         return Stored(
             tuple(external_hash(h) for h in hashes),
             None if parent is None else external_hash(parent),
             tuple(tokens or ()),
             int(size or 0),
+            lora_name if isinstance(lora_name, str) else None,
+            tuple(extra_keys) if isinstance(extra_keys, list | tuple) else None,
         )
     if tag == "BlockRemoved":
         medium = _field(raw, "medium", 1 + offset)

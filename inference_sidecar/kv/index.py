@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from inference_sidecar.kv.batches import EventBatch, Removed, Stored
-from inference_sidecar.kv.blocks import BlockHashing
+from inference_sidecar.kv.blocks import BlockHashing, Unverifiable, event_extra_keys
 
 DEFAULT_MAX_BLOCKS = 1 << 18
 """Per worker: more than an 80 GB GPU holds of SmolLM2-135M's KV (23 KiB a token: about
@@ -83,6 +83,8 @@ class IndexCounters:
     stream_lost."""
     verified: int = 0
     mismatches: int = 0
+    unverifiable: int = 0
+    """Root chains with extra keys that cannot be rebuilt here: neither trusted nor not."""
 
 
 class KVIndex:
@@ -100,6 +102,8 @@ class KVIndex:
         if max_blocks < 1 or stale_after_s <= 0:
             raise ValueError("max_blocks must be >= 1 and stale_after_s > 0")
         self.hashing = hashing
+        self.lora_paths: dict[str, str] = {}
+        """LoRA adapter name -> path, as the workers list them (extra keys of its blocks)."""
         self.max_blocks = max_blocks
         self.stale_after_s = stale_after_s
         self._clock = clock
@@ -200,15 +204,21 @@ class KVIndex:
             counts["overflow"] = counts.get("overflow", 0) + 1
 
     def _verify(self, worker: str, state: WorkerBlocks, event: Stored) -> None:
-        """A chain published from its root must equal ours for the same tokens (its first
-        ``VERIFY_BLOCKS`` blocks)."""
+        """A chain published from its root must equal ours for the same tokens and extra
+        keys (its first ``VERIFY_BLOCKS`` blocks); one whose extra keys cannot be rebuilt
+        is counted and judged neither way."""
         assert self.hashing is not None
+        counters = self.counters[worker]
+        try:
+            keys = event_extra_keys(event.extra_keys, event.lora_name, self.lora_paths)
+        except Unverifiable:
+            counters.unverifiable += 1
+            return
         size = self.hashing.block_size
         if event.block_size != size:
             ours: tuple[int, ...] = ()
         else:
-            ours = self.hashing.block_hashes(event.token_ids[: VERIFY_BLOCKS * size])
-        counters = self.counters[worker]
+            ours = self.hashing.block_hashes(event.token_ids[: VERIFY_BLOCKS * size], keys)
         if ours and ours == event.hashes[: len(ours)]:
             counters.verified += 1
             state.mismatched = False

@@ -94,9 +94,9 @@ class CountingHashing(BlockHashing):
 
     hashed: list[int] = field(default_factory=list, compare=False)
 
-    def block_hashes(self, token_ids: Any) -> tuple[int, ...]:
+    def block_hashes(self, token_ids: Any, extra_keys: Any = None) -> tuple[int, ...]:
         self.hashed.append(len(token_ids))
-        return BlockHashing.block_hashes(self, token_ids)
+        return BlockHashing.block_hashes(self, token_ids, extra_keys)
 
 
 class TestVerification:
