@@ -99,7 +99,9 @@ class RouterMetrics:
             "inference_sidecar_kv_unhashed_requests",
             "kv_prefix: requests routed without block hashes, by reason: unreproducible "
             "(a prompt the router cannot tokenize as the worker does), no_hashing (the "
-            "workers' block size and hash algorithm not read yet).",
+            "workers' block size and hash algorithm not read yet), over_context (more "
+            "tokens than the model's context: not tokenized), unknown_model (a model no "
+            "worker lists), tokenizer_failed (a tokenizer process died).",
             ["reason"],
             registry=r,
         )
@@ -140,6 +142,12 @@ class _KVIndexCollector(Collector):
             "Published block chains whose hashes differ from the router's computation.",
             labels=["worker"],
         )
+        unverifiable = CounterMetricFamily(
+            prefix + "unverifiable_chains",
+            "Published block chains with extra keys the router cannot rebuild (a LoRA "
+            "adapter whose path it does not know): neither trusted nor distrusted.",
+            labels=["worker"],
+        )
         fallbacks = CounterMetricFamily(
             prefix + "fallbacks",
             "Routing choices in which a worker's cache was estimated by hashing because its "
@@ -162,7 +170,8 @@ class _KVIndexCollector(Collector):
             for reason, n in sorted(c.resyncs.items()):
                 resyncs.add_metric([worker, reason], n)
             mismatches.add_metric([worker], c.mismatches)
+            unverifiable.add_metric([worker], c.unverifiable)
             fallbacks.add_metric([worker], fallback_counts.get(worker, 0))
             blocks.add_metric([worker], self.index.block_count(worker))
             fresh.add_metric([worker], int(self.index.is_fresh(worker)))
-        yield from (batches, events, resyncs, mismatches, fallbacks, blocks, fresh)
+        yield from (batches, events, resyncs, mismatches, unverifiable, fallbacks, blocks, fresh)

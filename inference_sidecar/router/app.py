@@ -184,7 +184,7 @@ async def _answer(
     router: Router, request: Request, endpoint: str, raw: bytes, received: float
 ) -> Response:
     try:
-        routed = router.prepare(endpoint, raw, request.headers, received)
+        routed = await router.prepare(endpoint, raw, request.headers, received)
         return await _unless_disconnected(request, router.answer(routed))
     except RequestError as exc:
         return request_error_response(exc)

@@ -28,6 +28,7 @@ from inference_sidecar.kv.batches import EventBatch
 from inference_sidecar.kv.blocks import BlockHashing
 from inference_sidecar.kv.feed import KVFeed
 from inference_sidecar.kv.index import KVIndex
+from inference_sidecar.kv.prompt_blocks import BlockComputer
 from inference_sidecar.kv.prompt_tokens import PromptTokenizer
 from inference_sidecar.kv.subscriber import EventSource
 from inference_sidecar.metrics import RouterMetrics
@@ -68,11 +69,14 @@ class Router:
         self.kv: KVFeed | None = None
         if config.policy == KVPrefixPolicy.name:
             assert config.tokenizer_dir is not None  # RouterConfig checks it
+            if kv_hashing is None and config.kv_block_size is not None:
+                kv_hashing = BlockHashing(config.kv_block_size, config.kv_hash_algo)
             self.kv = KVFeed(
                 [redact_url(u) for u in (*config.workers, *config.prefill, *config.decode)],
                 {redact_url(u): s for u, s in config.kv_events.items()},
-                tokenizer or PromptTokenizer.from_model_dir(config.tokenizer_dir),
+                _block_computer(config, tokenizer),
                 hashing=kv_hashing,
+                max_model_len=config.max_model_len,
                 stale_after_s=config.kv_stale_after_s,
                 clock=clock,
                 on_error=self._kv_error,
@@ -173,11 +177,12 @@ class Router:
                 self.membership.health_loop(lambda: self._client), name="health-checks"
             )
         if self.kv is not None:
-            self.kv.start()
-            if self.kv.index.hashing is None and self._kv_config_task is None:
+            await self.kv.start()
+            needs = self.kv.index.hashing is None or self.kv.max_model_len is None
+            if needs and self._kv_config_task is None:
                 self._kv_config_task = asyncio.create_task(
-                    self.kv.learn_hashing(
-                        self.membership.workers, self._read_metrics, (httpx.HTTPError,)
+                    self.kv.learn_workers(
+                        self.membership.workers, self._read_worker, (httpx.HTTPError,)
                     ),
                     name="kv-cache-config",
                 )
@@ -195,10 +200,11 @@ class Router:
 
     # ----- KV events (kv_prefix) -------------------------------------------------------
 
-    async def _read_metrics(self, worker: str) -> str:
+    async def _read_worker(self, worker: str, path: str) -> str:
         reply = await self._client.get(
-            f"{self.membership.urls[worker]}/metrics", timeout=self.config.health_timeout_s
+            f"{self.membership.urls[worker]}{path}", timeout=self.config.health_timeout_s
         )
+        reply.raise_for_status()
         return reply.text
 
     def _served(self, worker: str, since: float) -> None:
@@ -218,23 +224,24 @@ class Router:
 
     # ----- a completion request ----------------------------------------------------------
 
-    def prepare(
+    async def prepare(
         self, endpoint: str, raw: bytes, headers: Mapping[str, str], received: float
     ) -> RoutedRequest:
         """Parse a client's request once, as every routing step needs it: its body, its
-        routing key with the prompt's size (and blocks, kv_prefix), the headers a worker
-        gets. Raises ``RequestError`` saying what is wrong."""
+        routing key with the prompt's size (and blocks, kv_prefix, computed off the event
+        loop), the headers a worker gets. Raises ``RequestError`` saying what is wrong."""
         body = parse_body(raw)
         key = extract_routing_key(headers, body, self.config.key_headers)
         key = dataclasses.replace(key, size=estimate_prompt_tokens(body))
+        forwarded = self.upstream.forwarded_headers(headers)  # a bad header: before the work
         if self.kv is not None:
-            key = self.kv.with_blocks(key, endpoint, body)
+            key = await self.kv.with_blocks(key, endpoint, raw, body)
         return RoutedRequest(
             endpoint=endpoint,
             raw=raw,
             body=body,
             key=key,
-            headers=self.upstream.forwarded_headers(headers),
+            headers=forwarded,
             received=received,
         )
 
@@ -282,3 +289,14 @@ class Router:
             self.metrics.decisions.labels(self.policy_name, "decode", "pd_fallback").inc()
             whole = orjson.dumps(pd.decode_body(body, None))
             return await self.upstream.serve(prefill_pool, request, whole, {})
+
+
+def _block_computer(config: RouterConfig, tokenizer: PromptTokenizer | None) -> BlockComputer:
+    """Tokenizer processes loading the model folder's tokenizer; a thread when there are
+    none, or when a tokenizer is given in code (it cannot be sent to a process)."""
+    if tokenizer is not None:
+        return BlockComputer(tokenizer, None, 0)
+    assert config.tokenizer_dir is not None
+    if config.tokenizer_workers == 0:
+        return BlockComputer(PromptTokenizer.from_model_dir(config.tokenizer_dir), None, 0)
+    return BlockComputer(None, config.tokenizer_dir, config.tokenizer_workers)

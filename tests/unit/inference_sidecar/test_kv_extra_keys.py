@@ -15,10 +15,13 @@ from inference_sidecar.kv import (
     BlockHashing,
     EventBatch,
     KVIndex,
+    PromptTokenizer,
     Stored,
     decode_batch,
 )
 from inference_sidecar.kv.blocks import BlockExtras, Unverifiable, event_extra_keys
+from inference_sidecar.kv.models import WorkerModels, models_from_list
+from inference_sidecar.kv.prompt_blocks import prompt_blocks
 
 A = "http://a:1"
 HASHING = BlockHashing(block_size=4)
@@ -135,3 +138,42 @@ class TestVerifyingPublishedChains:
         assert isinstance(event, Stored)
         assert event.lora_name == LORA[0]
         assert event.extra_keys == ([LORA[0], SALT], [LORA[0]])
+
+
+TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+
+
+class TestHashingRequests:
+    tokenizer = PromptTokenizer(lambda text, special: [ord(c) for c in text], TEMPLATE)
+
+    def blocks(self, models: WorkerModels | None = None, **body: Any) -> Any:
+        doc = {"model": "base", "messages": [{"role": "user", "content": "x" * 24}], **body}
+        return prompt_blocks(self.tokenizer, "chat/completions", doc, HASHING, 4096, models)
+
+    def test_a_salted_request_is_hashed_with_its_salt(self) -> None:
+        salted = self.blocks(cache_salt=SALT)
+        assert salted.unhashed is None
+        assert salted.blocks == HASHING.block_hashes([ord("x")] * 24, BlockExtras(cache_salt=SALT))
+        assert salted.blocks != self.blocks().blocks
+
+    def test_an_adapters_request_is_hashed_with_the_adapter(self) -> None:
+        models = WorkerModels(4096, frozenset({"base"}), {LORA[0]: LORA[1]})
+        result = self.blocks(models, model=LORA[0])
+        assert result.blocks == HASHING.block_hashes([ord("x")] * 24, BlockExtras(lora=LORA))
+
+    def test_a_model_no_worker_lists_is_not_hashed(self) -> None:
+        models = WorkerModels(4096, frozenset({"base"}), {})
+        assert self.blocks(models, model="other").unhashed == "unknown_model"
+
+    def test_a_salt_vllm_would_refuse_is_not_hashed(self) -> None:
+        assert self.blocks(cache_salt="").unhashed == "unreproducible"
+        assert self.blocks(cache_salt=7).unhashed == "unreproducible"
+
+    def test_the_adapters_are_read_from_vllms_model_list(self) -> None:
+        text = (
+            '{"object": "list", "data": ['
+            '{"id": "base", "max_model_len": 4096, "root": "/models/base", "parent": null},'
+            f'{{"id": "{LORA[0]}", "root": "{LORA[1]}", "parent": "base"}}]}}'
+        )
+        models = models_from_list(text)
+        assert models == WorkerModels(4096, frozenset({"base"}), {LORA[0]: LORA[1]})
