@@ -19,7 +19,7 @@ from inference_sidecar.exceptions import ConfigError
 from inference_sidecar.health import HealthConfig
 from inference_sidecar.kv.blocks import SUPPORTED_ALGOS
 from inference_sidecar.kv.index import DEFAULT_STALE_AFTER_S
-from inference_sidecar.kv.subscriber import EventSource
+from inference_sidecar.kv.sources import EventSource
 from inference_sidecar.policies import POLICY_NAMES
 from inference_sidecar.policies.bounded_hash import (
     DEFAULT_NEW_KEY_PLACEMENT,

@@ -2,16 +2,21 @@
 
 Modules, from the wire inward::
 
-    subscriber     the ZMQ subscriber thread: each worker's event stream, replays of
-                   missed batches (``EventSource``, ``KVEventSubscriber``)
+    sources        where a worker publishes, checked when given (``EventSource``)
+    subscriber     the ZMQ subscriber thread: each worker's event stream, bounded
+                   replays of missed batches (``KVEventSubscriber``)
     batches        a published batch decoded into plain values (``decode_batch``)
     index          which worker holds which block (``KVIndex``), pure and synchronous
-    blocks         a prompt's block hashes computed as the worker computes them
-                   (``BlockHashing``), and the worker's hashing read from its metrics
+    blocks         a prompt's block hashes computed as the worker computes them, extra
+                   keys included (``BlockHashing``), and the worker's hashing read from
+                   its metrics
     prompt_tokens  a request's prompt token ids, rendered and tokenized as the worker
-                   does (``PromptTokenizer``)
+                   does, never past the context (``PromptTokenizer``)
+    prompt_blocks  that work in tokenizer processes, off the event loop
+    models         what the workers serve: the context, LoRA adapters' paths
     feed           the router's side: the subscriber's batches applied to the index on
-                   the event loop, the workers' hashing learned, a request's blocks
+                   the event loop, the workers' hashing and models learned, a
+                   request's blocks
 """
 
 from inference_sidecar.kv.batches import (
@@ -25,7 +30,8 @@ from inference_sidecar.kv.batches import (
 from inference_sidecar.kv.blocks import BlockHashing, external_hash, hashing_from_metrics
 from inference_sidecar.kv.index import DEFAULT_STALE_AFTER_S, KVIndex
 from inference_sidecar.kv.prompt_tokens import PromptTokenizer
-from inference_sidecar.kv.subscriber import EventSource, KVEventSubscriber
+from inference_sidecar.kv.sources import EventSource
+from inference_sidecar.kv.subscriber import KVEventSubscriber
 
 __all__ = [
     "DEFAULT_STALE_AFTER_S",

@@ -24,7 +24,8 @@ from inference_sidecar.kv.blocks import BlockHashing, hashing_from_metrics
 from inference_sidecar.kv.index import KVIndex
 from inference_sidecar.kv.models import WorkerModels, models_from_list
 from inference_sidecar.kv.prompt_blocks import BlockComputer
-from inference_sidecar.kv.subscriber import EventSource, KVEventSubscriber
+from inference_sidecar.kv.sources import EventSource
+from inference_sidecar.kv.subscriber import KVEventSubscriber
 from inference_sidecar.routing_key import RoutingKey
 
 log = logging.getLogger(__name__)

@@ -28,15 +28,14 @@ one worker's fault; the context is destroyed with linger 0, so stopping never ha
 from __future__ import annotations
 
 import logging
-import re
 import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from inference_sidecar.exceptions import ConfigError
 from inference_sidecar.kv.batches import EventBatch, KVEventFormatError, decode_batch
+from inference_sidecar.kv.sources import EventSource
 
 log = logging.getLogger(__name__)
 
@@ -53,46 +52,6 @@ REPLAY_BACKOFF_S = 30.0
 MAX_MSG_BYTES = 16 * 1024 * 1024
 """``ZMQ_MAXMSGSIZE``: far above a batch of one engine step (a long prompt's blocks are
 a few hundred KiB), and a bound on what one message can make the router decode."""
-
-_TCP = re.compile(
-    r"tcp://(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_](?:[A-Za-z0-9_.-]*[A-Za-z0-9_])?)"
-    r":(?P<port>\d{1,5})"
-)
-MAX_IPC_PATH_BYTES = 107
-"""A Unix socket's path must fit ``sun_path`` (108 bytes with its terminating NUL)."""
-
-
-def check_endpoint(value: object, key: str) -> str:
-    """``value`` if it is an endpoint a subscriber can connect to (``tcp://host:port``
-    with a host name or address, not ``*``, or ``ipc://path``); raises ``ConfigError``
-    naming ``key``."""
-    if isinstance(value, str):
-        tcp = _TCP.fullmatch(value)
-        if tcp is not None and 1 <= int(tcp.group("port")) <= 65535:
-            return value
-        path = value.removeprefix("ipc://")
-        if value.startswith("ipc://") and path and path.isprintable():
-            if len(path.encode()) <= MAX_IPC_PATH_BYTES:
-                return value
-            raise ConfigError(key, f"an ipc:// path fits {MAX_IPC_PATH_BYTES} bytes at most")
-    raise ConfigError(key, f"expected tcp://host:port or ipc://path, got {value!r:.200}")
-
-
-@dataclass(frozen=True, slots=True)
-class EventSource:
-    """Where one worker publishes: its PUB endpoint, and its replay endpoint if any."""
-
-    endpoint: str
-    replay: str | None = None
-    topic: str = ""
-
-    def __post_init__(self) -> None:
-        check_endpoint(self.endpoint, "kv_events.endpoint")
-        if self.replay is not None:
-            check_endpoint(self.replay, "kv_events.replay")
-        if not isinstance(self.topic, str):
-            raise ConfigError("kv_events.topic", f"expected a string, got {self.topic!r:.200}")
-
 
 Deliver = Callable[[str, list[tuple[EventBatch, bool]]], None]
 """``(worker, [(batch, replayed), ...])``: called in the subscriber's thread."""

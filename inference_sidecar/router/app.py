@@ -35,7 +35,7 @@ from starlette.routing import Route
 
 from inference_sidecar.config import RouterConfig, redact_url
 from inference_sidecar.exceptions import ConfigError, NoWorkerAvailable, RequestError, UpstreamError
-from inference_sidecar.kv.subscriber import EventSource
+from inference_sidecar.kv.sources import EventSource
 from inference_sidecar.router.admission import Admission
 from inference_sidecar.router.bodies import (
     JSON,

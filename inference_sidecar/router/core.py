@@ -30,7 +30,7 @@ from inference_sidecar.kv.feed import KVFeed
 from inference_sidecar.kv.index import KVIndex
 from inference_sidecar.kv.prompt_blocks import BlockComputer
 from inference_sidecar.kv.prompt_tokens import PromptTokenizer
-from inference_sidecar.kv.subscriber import EventSource
+from inference_sidecar.kv.sources import EventSource
 from inference_sidecar.metrics import RouterMetrics
 from inference_sidecar.policies import KVPrefixPolicy, Policy, make_policy
 from inference_sidecar.router.admission import Admission

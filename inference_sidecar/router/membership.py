@@ -21,7 +21,7 @@ from inference_sidecar.config import RouterConfig, normalise_url, redact_url
 from inference_sidecar.exceptions import ConfigError
 from inference_sidecar.health import HealthEvent
 from inference_sidecar.kv.feed import KVFeed
-from inference_sidecar.kv.subscriber import EventSource
+from inference_sidecar.kv.sources import EventSource
 from inference_sidecar.metrics import RouterMetrics
 from inference_sidecar.policies import Policy
 from inference_sidecar.routing_state import RoutingState

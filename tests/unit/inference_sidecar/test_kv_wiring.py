@@ -27,7 +27,8 @@ from inference_sidecar.config import RouterConfig
 from inference_sidecar.exceptions import ConfigError
 from inference_sidecar.health import HealthEvent
 from inference_sidecar.kv import EventBatch, Stored
-from inference_sidecar.kv.subscriber import EventSource, KVEventSubscriber
+from inference_sidecar.kv.sources import EventSource
+from inference_sidecar.kv.subscriber import KVEventSubscriber
 from inference_sidecar.router import Router, build_app
 from inference_sidecar.workers import KV_EVENTS_OFFSET, ClusterConfig, plan_workers
 

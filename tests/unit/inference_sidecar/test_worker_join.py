@@ -32,7 +32,8 @@ from router_harness import (
 
 from inference_sidecar.exceptions import ConfigError
 from inference_sidecar.kv import EventBatch
-from inference_sidecar.kv.subscriber import EventSource, KVEventSubscriber
+from inference_sidecar.kv.sources import EventSource
+from inference_sidecar.kv.subscriber import KVEventSubscriber
 from inference_sidecar.policies import make_policy
 from inference_sidecar.router import build_app
 from inference_sidecar.routing_state import RoutingState
