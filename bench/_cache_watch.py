@@ -24,7 +24,8 @@ import httpx
 
 from inference_sidecar.kv import EventBatch, KVIndex
 from inference_sidecar.kv.blocks import hashing_from_metrics
-from inference_sidecar.kv.subscriber import EventSource, KVEventSubscriber
+from inference_sidecar.kv.sources import EventSource
+from inference_sidecar.kv.subscriber import KVEventSubscriber
 
 
 class CacheWatch:
