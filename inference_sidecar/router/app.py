@@ -147,6 +147,9 @@ async def completion(router: Router, request: Request, endpoint: str) -> Respons
     except ClientDisconnect:
         body.release()
         return _counted(router, endpoint, _gone(), received)
+    except BaseException:  # cancelled (the server shuts down): give the bytes back
+        body.release()
+        raise
     if not admission.take_slot():
         body.release()
         return _counted(router, endpoint, _busy(admission.slots), received)

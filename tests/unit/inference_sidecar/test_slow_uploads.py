@@ -124,3 +124,19 @@ class TestAdmissionBookkeeping:
         assert admission.body_bytes == 60
         admission.release(60)
         assert admission.hold(100)
+
+
+async def test_a_body_read_cut_short_by_cancellation_gives_its_bytes_back(
+    client_for: Any,
+) -> None:
+    client, router = client_for()
+    never = asyncio.Event()
+    taken: list[bytes] = []
+    upload = asyncio.create_task(
+        client.post(CHAT, content=trickle(RAW[:10], RAW[10:], never, taken))
+    )
+    await until(lambda: router.admission.body_bytes == 10)
+    upload.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await upload
+    await until(lambda: router.admission.body_bytes == 0)
