@@ -22,9 +22,10 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import httpx
 
-from inference_sidecar.kv_blocks import hashing_from_metrics
-from inference_sidecar.kv_events import EventSource, KVEventSubscriber
-from inference_sidecar.kv_index import EventBatch, KVIndex
+from inference_sidecar.kv import EventBatch, KVIndex
+from inference_sidecar.kv.blocks import hashing_from_metrics
+from inference_sidecar.kv.sources import EventSource
+from inference_sidecar.kv.subscriber import KVEventSubscriber
 
 
 class CacheWatch:

@@ -19,8 +19,8 @@ import tracemalloc
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from inference_sidecar.kv_blocks import BlockHashing
-from inference_sidecar.kv_index import EventBatch, KVIndex, Removed, Stored
+from inference_sidecar.kv import EventBatch, KVIndex, Removed, Stored
+from inference_sidecar.kv.blocks import BlockHashing
 from inference_sidecar.policies import KVPrefixPolicy
 
 WORKERS = ("http://w0", "http://w1", "http://w2")

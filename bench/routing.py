@@ -44,6 +44,7 @@ import json
 import logging
 import math
 import re
+import secrets
 import sys
 import time
 from collections import Counter
@@ -78,6 +79,7 @@ from bench._workload import (
 )
 from flink_jobs.tools.local_services import LocalProcess, free_port, stop_on_sigterm
 from flink_jobs.tools.run_summary import percentile
+from inference_sidecar.cli import ADMIN_TOKEN_ENV
 from inference_sidecar.workers import (
     ClusterConfig,
     WorkerProcesses,
@@ -171,6 +173,10 @@ def vllm_router_binary(cache: Path) -> Path:
     return path
 
 
+#: Our router's admin routes (POST /workers) are off unless it has an admin token.
+ADMIN_TOKEN = secrets.token_hex(16)
+
+
 def start_router(
     spec: RouterSpec,
     pool: WorkerProcesses,
@@ -205,7 +211,8 @@ def start_router(
             for url, (events, replay) in sources.items():
                 argv += ["--kv-event-source", f"{url}={events}"]
                 argv += ["--kv-event-replay-source", f"{url}={replay}"]
-    proc = LocalProcess(spec.key, argv, log_dir / f"{spec.key}.log", cwd=repo_root())
+    env = {ADMIN_TOKEN_ENV: ADMIN_TOKEN} if spec.router == "sidecar" else None
+    proc = LocalProcess(spec.key, argv, log_dir / f"{spec.key}.log", cwd=repo_root(), env=env)
     proc.start()
     url = f"http://127.0.0.1:{port}"
 
@@ -227,7 +234,8 @@ def join_worker(spec: RouterSpec, router: str, worker: str, events: tuple[str, s
         body: dict[str, Any] = {"url": worker}
         if spec.policy == "kv_prefix":
             body["kv_events"] = {"endpoint": events[0], "replay": events[1]}
-        reply = httpx.post(f"{router}/workers", json=body, timeout=30)
+        admin = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+        reply = httpx.post(f"{router}/workers", json=body, headers=admin, timeout=30)
     else:
         reply = httpx.post(f"{router}/add_worker", params={"url": worker}, timeout=120)
     if not reply.is_success:

@@ -1,169 +1,37 @@
-"""Command line: ``inference-sidecar router ...`` and ``inference-sidecar cluster ...``.
+"""Command line: ``inference-sidecar router ...`` and ``inference-sidecar cluster ...``
+(the flags: ``arguments``).
 
 ``router`` serves the router in front of workers that already run; ``cluster`` starts
 vLLM workers from a config, then the router in front of them, and stops everything on
-Ctrl-C or SIGTERM.
+Ctrl-C or SIGTERM. A number a flag cannot take (NaN, an infinity, a negative or zero
+where the router needs more) stops the command at once with a message naming the flag.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
+import socket
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
+from inference_sidecar.arguments import ADMIN_TOKEN_ENV, build_parser
 from inference_sidecar.config import (
-    DEFAULT_HOST,
-    DEFAULT_MAX_CONCURRENT_REQUESTS,
-    DEFAULT_PORT,
+    ADMIN_HOST,
     RouterConfig,
+    Secret,
     redact_url,
 )
 from inference_sidecar.exceptions import ConfigError, SidecarError
-from inference_sidecar.kv_events import EventSource
-from inference_sidecar.kv_index import DEFAULT_STALE_AFTER_S
-from inference_sidecar.policies import POLICY_NAMES
-from inference_sidecar.policies.bounded_hash import (
-    DEFAULT_NEW_KEY_PLACEMENT,
-    DEFAULT_REQUEST_COST,
-    NEW_KEY_PLACEMENTS,
-)
+from inference_sidecar.kv.sources import EventSource
 from inference_sidecar.workers import ClusterConfig, WorkerProcesses, specs_summary
 
-logger = logging.getLogger("inference_sidecar")
-
-
-def _add_router_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--host", default=DEFAULT_HOST, help="address to bind (default %(default)s)")
-    p.add_argument("--port", type=int, default=DEFAULT_PORT, help="port (default %(default)s)")
-    p.add_argument("--policy", choices=POLICY_NAMES, default="bounded_hash")
-    p.add_argument(
-        "--load-factor",
-        type=float,
-        default=1.25,
-        help="bound on a worker's in-flight requests, as a multiple of the mean (default 1.25)",
-    )
-    p.add_argument(
-        "--residency-factor",
-        type=float,
-        default=1.25,
-        help="bound on a worker's resident prompt tokens (the last prompt of every shopper "
-        "homed there), as a multiple of the mean, for where a new shopper may go "
-        "(default 1.25)",
-    )
-    p.add_argument(
-        "--min-load-bound",
-        type=int,
-        default=3,
-        help="in-flight requests a worker may always take before keys spill (default 3)",
-    )
-    p.add_argument(
-        "--recompute-weight",
-        type=float,
-        default=2.0,
-        help="weight of a prompt's uncached tokens against a worker's queued ones when "
-        "bounded_hash chooses where to send it (default 2; 0 routes on queues alone)",
-    )
-    p.add_argument(
-        "--request-cost",
-        type=int,
-        default=DEFAULT_REQUEST_COST,
-        help="bounded_hash: queue cost of one request in flight on a worker, in prompt "
-        "tokens (default %(default)s)",
-    )
-    p.add_argument(
-        "--new-key-placement",
-        choices=NEW_KEY_PLACEMENTS,
-        default=DEFAULT_NEW_KEY_PLACEMENT,
-        help="bounded_hash: where a new shopper goes: least_loaded (the roomy workers with "
-        "the fewest requests in flight, by cost among them), fewest_first (the fewest "
-        "requests in flight, then the roomy ones among them) or cost (default %(default)s)",
-    )
-    p.add_argument(
-        "--kv-stale-after",
-        type=float,
-        default=DEFAULT_STALE_AFTER_S,
-        help="kv_prefix: seconds of silence after a request before a worker's KV events "
-        "are distrusted and its cache estimated by hashing (default %(default)s)",
-    )
-    p.add_argument("--max-attempts", type=int, default=3, help="workers tried per request")
-    p.add_argument(
-        "--request-timeout",
-        type=float,
-        default=120.0,
-        help="total seconds one attempt on one worker may take, streamed or not",
-    )
-    p.add_argument(
-        "--max-concurrent-requests",
-        type=int,
-        default=DEFAULT_MAX_CONCURRENT_REQUESTS,
-        help="completion requests served at once; more get a 429 with Retry-After "
-        "(default %(default)s)",
-    )
-    p.add_argument(
-        "--health-interval", type=float, default=2.0, help="seconds between probes; 0 disables"
-    )
-    p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
-    p.add_argument(
-        "--key-header",
-        action="append",
-        dest="key_headers",
-        metavar="NAME",
-        help="header carrying the routing key (repeatable; default X-Session-ID)",
-    )
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="inference-sidecar",
-        description="Shopper-sticky, load-bounded router for vLLM workers.",
-    )
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    router = sub.add_parser("router", help="serve the router in front of running workers")
-    _add_router_options(router)
-    router.add_argument("--worker", action="extend", nargs="+", default=[], metavar="URL")
-    router.add_argument("--prefill", action="extend", nargs="+", default=[], metavar="URL")
-    router.add_argument("--decode", action="extend", nargs="+", default=[], metavar="URL")
-    router.add_argument(
-        "--kv-events",
-        action="append",
-        default=[],
-        metavar="URL=ENDPOINT[,REPLAY]",
-        help="kv_prefix: where a worker publishes its KV cache events (ZMQ, e.g. "
-        "http://127.0.0.1:8100=tcp://127.0.0.1:10100,tcp://127.0.0.1:11100); repeat per worker",
-    )
-    router.add_argument(
-        "--tokenizer", metavar="DIR", help="kv_prefix: the model folder the workers serve"
-    )
-
-    cluster = sub.add_parser("cluster", help="start vLLM workers and the router in front")
-    _add_router_options(cluster)
-    cluster.add_argument("--config", type=Path, help="cluster settings (.toml or .json)")
-    cluster.add_argument("--mode", choices=["aggregated", "disaggregated"])
-    cluster.add_argument("--workers", type=int, help="workers in aggregated mode")
-    cluster.add_argument("--prefill-workers", type=int, dest="prefill")
-    cluster.add_argument("--decode-workers", type=int, dest="decode")
-    cluster.add_argument("--base-port", type=int)
-    cluster.add_argument("--model-dir", type=Path)
-    cluster.add_argument("--served-model-name")
-    cluster.add_argument("--profile", choices=["cpu", "gpu"])
-    cluster.add_argument("--kv-connector", choices=["ExampleConnector", "NixlConnector"])
-    cluster.add_argument("--max-model-len", type=int)
-    cluster.add_argument("--kv-cache-bytes", type=int)
-    cluster.add_argument("--log-dir", type=Path)
-    cluster.add_argument(
-        "--cores",
-        type=lambda v: tuple(int(c) for c in v.split(",")),
-        help="CPU cores to pin workers to, e.g. 0,1 (default: all usable cores)",
-    )
-    cluster.add_argument("--ready-timeout", type=float, default=300.0)
-    return parser
+log = logging.getLogger("inference_sidecar")
 
 
 def router_config(args: argparse.Namespace, **overrides: Any) -> RouterConfig:
@@ -182,12 +50,28 @@ def router_config(args: argparse.Namespace, **overrides: Any) -> RouterConfig:
         "max_concurrent_requests": args.max_concurrent_requests,
         "health_interval_s": args.health_interval,
         "max_body_bytes": args.max_body_bytes,
+        "body_timeout_s": args.body_timeout,
         "kv_stale_after_s": args.kv_stale_after,
+        "tokenizer_workers": args.tokenizer_workers,
+        "admin_port": args.admin_port,
+        "admin_token": admin_token(args.admin_token_file, os.environ),
     }
     if args.key_headers:
         kwargs["key_headers"] = tuple(args.key_headers)
     kwargs.update(overrides)
     return RouterConfig(**kwargs)
+
+
+def admin_token(path: Path | None, environ: Mapping[str, str]) -> Secret | None:
+    """The admin token from ``path`` (surrounding blanks dropped), else from
+    ``$SI_ROUTER_ADMIN_TOKEN``, else None (the admin routes stay off)."""
+    if path is not None:
+        try:
+            return Secret(path.read_text().strip())
+        except OSError as exc:
+            raise ConfigError("admin_token_file", f"cannot read {path}: {exc}") from exc
+    value = environ.get(ADMIN_TOKEN_ENV, "").strip()
+    return Secret(value) if value else None
 
 
 def parse_kv_events(values: Sequence[str]) -> dict[str, EventSource]:
@@ -196,7 +80,7 @@ def parse_kv_events(values: Sequence[str]) -> dict[str, EventSource]:
     for value in values:
         url, sep, rest = value.partition("=")
         endpoint, _, replay = rest.partition(",")
-        if not sep or not url or not endpoint.startswith(("tcp://", "ipc://")):
+        if not sep or not url:
             raise ConfigError("kv_events", f"expected URL=tcp://host:port[,REPLAY], got {value!r}")
         sources[url] = EventSource(endpoint, replay or None)
     return sources
@@ -218,12 +102,13 @@ def cluster_config(args: argparse.Namespace) -> ClusterConfig:
 
 
 def serve(config: RouterConfig, log_level: str) -> None:
-    """Run the router until SIGINT/SIGTERM (uvicorn handles both)."""
+    """Run the router until SIGINT/SIGTERM (uvicorn handles both). With an admin port,
+    one server listens on both sockets and the app tells them apart."""
     import uvicorn
 
     from inference_sidecar.router import create_app
 
-    logger.info(
+    log.info(
         "router on http://%s:%d (%s, policy %s) -> %s",
         config.host,
         config.port,
@@ -231,14 +116,32 @@ def serve(config: RouterConfig, log_level: str) -> None:
         config.policy,
         ", ".join(redact_url(u) for u in config.workers or (*config.prefill, *config.decode)),
     )
-    uvicorn.run(
-        create_app(config),
-        host=config.host,
-        port=config.port,
-        log_level=log_level,
-        access_log=log_level == "debug",
-        timeout_graceful_shutdown=10,
-    )
+    options: dict[str, Any] = {
+        "log_level": log_level,
+        "access_log": log_level == "debug",
+        "timeout_graceful_shutdown": 10,
+    }
+    if config.admin_port is None:
+        uvicorn.run(create_app(config), host=config.host, port=config.port, **options)
+        return
+    log.info("admin routes on http://%s:%d", ADMIN_HOST, config.admin_port)
+    sockets = [_bound(config.host, config.port), _bound(ADMIN_HOST, config.admin_port)]
+    server = uvicorn.Server(uvicorn.Config(create_app(config), **options))
+    server.run(sockets=sockets)
+
+
+def _bound(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host:port`` (IPv6 when ``host`` is an IPv6 address)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise ConfigError("port", f"cannot listen on {host}:{port}: {exc}") from exc
+    sock.set_inheritable(True)
+    return sock
 
 
 def run_router(args: argparse.Namespace) -> int:
@@ -249,6 +152,9 @@ def run_router(args: argparse.Namespace) -> int:
         decode=tuple(args.decode),
         kv_events=parse_kv_events(args.kv_events),
         tokenizer_dir=args.tokenizer,
+        max_model_len=args.max_model_len,
+        kv_block_size=args.kv_block_size,
+        kv_hash_algo=args.kv_hash_algo,
     )
     serve(config, args.log_level)
     return 0
@@ -263,7 +169,7 @@ def run_cluster(args: argparse.Namespace) -> int:
     pool = WorkerProcesses(cfg, ready_timeout_s=args.ready_timeout)
     # SIGTERM while workers start must still stop them: turn it into KeyboardInterrupt.
     signal.signal(signal.SIGTERM, _interrupt)
-    logger.info("starting %d worker(s):\n%s", len(pool.specs), specs_summary(pool.specs))
+    log.info("starting %d worker(s):\n%s", len(pool.specs), specs_summary(pool.specs))
     kv: dict[str, Any] = {}
     if cfg.kv_events:
         kv = {
@@ -272,6 +178,7 @@ def run_cluster(args: argparse.Namespace) -> int:
                 for url, (events, replay) in pool.kv_event_sources.items()
             },
             "tokenizer_dir": str(pool.config.model_dir),
+            "max_model_len": pool.config.max_model_len,
         }
     try:
         with pool:
@@ -284,7 +191,7 @@ def run_cluster(args: argparse.Namespace) -> int:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)  # uvicorn installs its own
             serve(rc, args.log_level)
     except KeyboardInterrupt:
-        logger.info("interrupted; workers stopped")
+        log.info("interrupted; workers stopped")
     return 0
 
 

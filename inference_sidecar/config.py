@@ -1,7 +1,14 @@
-"""Router configuration: one frozen, validated value built once at start-up."""
+"""Router configuration: one frozen, validated value built once at start-up.
+
+Every number is checked at start (finite, and within the range the router can work
+with), so a typo or a NaN stops the router with a ``ConfigError`` naming the key instead
+of a router that times out every call or never checks its workers.
+"""
 
 from __future__ import annotations
 
+import hmac
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -10,8 +17,9 @@ from urllib.parse import urlsplit
 
 from inference_sidecar.exceptions import ConfigError
 from inference_sidecar.health import HealthConfig
-from inference_sidecar.kv_events import EventSource
-from inference_sidecar.kv_index import DEFAULT_STALE_AFTER_S
+from inference_sidecar.kv.blocks import SUPPORTED_ALGOS
+from inference_sidecar.kv.index import DEFAULT_STALE_AFTER_S
+from inference_sidecar.kv.sources import EventSource
 from inference_sidecar.policies import POLICY_NAMES
 from inference_sidecar.policies.bounded_hash import (
     DEFAULT_NEW_KEY_PLACEMENT,
@@ -25,8 +33,40 @@ DEFAULT_PORT = 8000
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 DEFAULT_REQUEST_TIMEOUT_S = 120.0
 DEFAULT_MAX_CONCURRENT_REQUESTS = 256
-"""Far above what the job sends (8 calls in flight per operator instance), and with
-``DEFAULT_MAX_BODY_BYTES`` at most 1 GiB of request bodies held at once."""
+"""Far above what the job sends (8 calls in flight per operator instance); with
+``DEFAULT_MAX_BODY_BYTES`` it also bounds the request bodies held at once (1 GiB)."""
+DEFAULT_BODY_TIMEOUT_S = 30.0
+"""A 4 MiB body at about 1 Mbit/s; the job's prompts take milliseconds on a LAN."""
+DEFAULT_TOKENIZER_WORKERS = 1
+MIN_ADMIN_TOKEN_CHARS = 16
+ADMIN_HOST = "127.0.0.1"
+"""The admin port listens on the loopback interface only."""
+
+
+class Secret:
+    """A secret string: never shown in ``repr`` or logs, compared in constant time."""
+
+    __slots__ = ("_value",)
+
+    def __init__(self, value: str) -> None:
+        self._value = value
+
+    def __repr__(self) -> str:
+        return "Secret('***')"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Secret) and self.matches(other._value)
+
+    def __hash__(self) -> int:
+        return hash(Secret)
+
+    def matches(self, given: str) -> bool:
+        """Whether ``given`` is the secret, in time that does not depend on where they
+        differ (``hmac.compare_digest``)."""
+        return hmac.compare_digest(given.encode(), self._value.encode())
+
+    def reveal(self) -> str:
+        return self._value
 
 
 def redact_url(url: str) -> str:
@@ -78,6 +118,8 @@ class RouterConfig:
     the fewest requests in flight, then cost) or "cost" (cost alone)."""
     key_headers: tuple[str, ...] = DEFAULT_KEY_HEADERS
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
+    """Seconds a client may take to send a request's body; past it the request is a 408."""
     connect_timeout_s: float = 2.0
     request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S
     """Total seconds one attempt on one worker may take, streamed or not (httpx's own
@@ -99,6 +141,24 @@ class RouterConfig:
     kv_stale_after_s: float = DEFAULT_STALE_AFTER_S
     """kv_prefix: silence after a request, in seconds, after which a worker's events are
     no longer trusted and its cache is estimated by hashing."""
+    kv_block_size: int | None = None
+    """kv_prefix: the workers' KV block size; None reads it (and the hash algorithm) from
+    a worker's ``/metrics``."""
+    kv_hash_algo: str = "sha256"
+    """kv_prefix, with ``kv_block_size``: the workers' ``prefix_caching_hash_algo``."""
+    max_model_len: int | None = None
+    """kv_prefix: the workers' context in tokens; None reads it from a worker's
+    ``/v1/models``. A prompt that cannot fit is never tokenized."""
+    tokenizer_workers: int = DEFAULT_TOKENIZER_WORKERS
+    """kv_prefix: processes that tokenize and hash prompts, off the event loop; 0 does it
+    in a thread of the router's process (the tokenizer holds the interpreter's lock, so
+    the event loop then waits for it: for tests and tiny prompts)."""
+    admin_token: Secret | None = None
+    """Enables the admin routes (``POST``/``DELETE /workers``): a request must carry
+    ``Authorization: Bearer <token>``."""
+    admin_port: int | None = None
+    """Serves the admin routes on this port of the loopback interface only (and not on
+    ``port``); with ``admin_token`` too, the token is required there as well."""
 
     def __post_init__(self) -> None:
         shown_as: dict[str, str] = {}
@@ -119,30 +179,65 @@ class RouterConfig:
         if self.policy not in POLICY_NAMES:
             raise ConfigError("policy", f"unknown policy {self.policy!r}; one of {POLICY_NAMES}")
         self._check_kv_events()
-        if not self.load_factor >= 1.0:
-            raise ConfigError("load_factor", f"must be >= 1.0, got {self.load_factor}")
-        if not self.residency_factor >= 1.0:
-            raise ConfigError("residency_factor", f"must be >= 1.0, got {self.residency_factor}")
-        if not self.recompute_weight >= 0:
-            raise ConfigError("recompute_weight", f"must be >= 0, got {self.recompute_weight}")
         if self.new_key_placement not in NEW_KEY_PLACEMENTS:
             raise ConfigError(
                 "new_key_placement",
                 f"must be one of {NEW_KEY_PLACEMENTS}, got {self.new_key_placement!r}",
             )
-        if self.request_cost < 0:
-            raise ConfigError("request_cost", f"must be >= 0, got {self.request_cost}")
-        if not 0 < self.port < 65536:
-            raise ConfigError("port", f"must be in 1..65535, got {self.port}")
-        if self.max_body_bytes < 1024:
-            raise ConfigError("max_body_bytes", "must be at least 1024")
-        if self.max_attempts < 1:
-            raise ConfigError("max_attempts", "must be >= 1")
-        if self.max_concurrent_requests < 1:
-            raise ConfigError("max_concurrent_requests", "must be >= 1")
-        if self.request_timeout_s <= 0 or self.connect_timeout_s <= 0:
-            raise ConfigError("request_timeout_s", "timeouts must be > 0")
+        self._check_numbers()
+        self._check_admin()
         object.__setattr__(self, "key_headers", tuple(h.lower() for h in self.key_headers))
+
+    def _check_numbers(self) -> None:
+        for key in ("load_factor", "residency_factor"):
+            _check_number(self, key, minimum=1.0)
+        _check_number(self, "recompute_weight", minimum=0.0)
+        for key in ("connect_timeout_s", "request_timeout_s", "body_timeout_s"):
+            _check_number(self, key, minimum=0.0, exclusive=True)
+        for key in ("health_timeout_s", "kv_stale_after_s"):
+            _check_number(self, key, minimum=0.0, exclusive=True)
+        _check_number(self, "health_interval_s", minimum=0.0)  # 0 turns the checks off
+        _check_int(self, "port", 1, 65535)
+        _check_int(self, "request_cost", 0)
+        _check_int(self, "min_load_bound", 1)
+        _check_int(self, "max_body_bytes", 1024)
+        _check_int(self, "max_attempts", 1)
+        _check_int(self, "max_concurrent_requests", 1)
+        _check_int(self, "max_connections", 1)
+        _check_int(self, "tokenizer_workers", 0)
+        for key in ("max_model_len", "kv_block_size"):
+            if getattr(self, key) is not None:
+                _check_int(self, key, 1)
+        if self.kv_hash_algo not in SUPPORTED_ALGOS:
+            raise ConfigError(
+                "kv_hash_algo", f"must be one of {SUPPORTED_ALGOS}, got {self.kv_hash_algo!r}"
+            )
+
+    def _check_admin(self) -> None:
+        if self.admin_port is not None:
+            _check_int(self, "admin_port", 1, 65535)
+            if self.admin_port == self.port:
+                raise ConfigError("admin_port", "must differ from the router's own port")
+        token = self.admin_token
+        if token is None:
+            return
+        if isinstance(token, str):
+            token = Secret(token)
+            object.__setattr__(self, "admin_token", token)
+        if not isinstance(token, Secret):
+            raise ConfigError("admin_token", "give the token as a string")
+        value = token.reveal()
+        if len(value) < MIN_ADMIN_TOKEN_CHARS or not value.isascii() or not value.isprintable():
+            raise ConfigError(
+                "admin_token",
+                f"use at least {MIN_ADMIN_TOKEN_CHARS} printable ASCII characters "
+                "(e.g. the output of `openssl rand -hex 24`)",
+            )
+
+    @property
+    def admin_enabled(self) -> bool:
+        """Whether the admin routes are served at all (off unless configured)."""
+        return self.admin_token is not None or self.admin_port is not None
 
     def _check_kv_events(self) -> None:
         sources = {
@@ -163,9 +258,27 @@ class RouterConfig:
             raise ConfigError("kv_events", f"kv_prefix needs every worker's events: {missing}")
         if not self.tokenizer_dir:
             raise ConfigError("tokenizer_dir", "kv_prefix needs the model folder's tokenizer")
-        if not self.kv_stale_after_s > 0:
-            raise ConfigError("kv_stale_after_s", f"must be > 0, got {self.kv_stale_after_s}")
 
     @property
     def mode(self) -> Literal["aggregated", "disaggregated"]:
         return "disaggregated" if self.prefill else "aggregated"
+
+
+def _check_number(
+    config: RouterConfig, key: str, *, minimum: float, exclusive: bool = False
+) -> None:
+    """``config.<key>`` must be a finite number at least (or, exclusive, above) minimum."""
+    value = getattr(config, key)
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or value < minimum or (exclusive and value == minimum):
+        bound = f"> {minimum:g}" if exclusive else f">= {minimum:g}"
+        raise ConfigError(key, f"must be a finite number {bound}, got {value!r}")
+
+
+def _check_int(config: RouterConfig, key: str, minimum: int, maximum: int | None = None) -> None:
+    """``config.<key>`` must be an integer in ``minimum..maximum``."""
+    value = getattr(config, key)
+    ok = isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+    if not ok or (maximum is not None and value > maximum):
+        span = f"in {minimum}..{maximum}" if maximum is not None else f">= {minimum}"
+        raise ConfigError(key, f"must be an integer {span}, got {value!r}")

@@ -119,6 +119,9 @@ class PoolHealth:
     def with_worker(self, worker: str, health: WorkerHealth) -> PoolHealth:
         return PoolHealth({**self.workers, worker: health})
 
+    def without_worker(self, worker: str) -> PoolHealth:
+        return PoolHealth({w: h for w, h in self.workers.items() if w != worker})
+
 
 def new_pool_health(workers: Iterable[str]) -> PoolHealth:
     return PoolHealth({w: WorkerHealth() for w in workers})

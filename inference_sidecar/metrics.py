@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from inference_sidecar.kv_index import KVIndex
+from inference_sidecar.kv.index import KVIndex
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128)
 
@@ -99,7 +99,9 @@ class RouterMetrics:
             "inference_sidecar_kv_unhashed_requests",
             "kv_prefix: requests routed without block hashes, by reason: unreproducible "
             "(a prompt the router cannot tokenize as the worker does), no_hashing (the "
-            "workers' block size and hash algorithm not read yet).",
+            "workers' block size and hash algorithm not read yet), over_context (more "
+            "tokens than the model's context: not tokenized), unknown_model (a model no "
+            "worker lists), tokenizer_failed (a tokenizer process died).",
             ["reason"],
             registry=r,
         )
@@ -131,12 +133,19 @@ class _KVIndexCollector(Collector):
             prefix + "resyncs",
             "Times a worker's index entries were cleared, by reason: gap (missed batches not "
             "replayed), restart (its sequence went back), cleared (AllBlocksCleared), down "
-            "(health checks), overflow (more blocks than max_blocks).",
+            "(health checks), overflow (more blocks than max_blocks), stream_lost (its event "
+            "stream cannot be subscribed to).",
             labels=["worker", "reason"],
         )
         mismatches = CounterMetricFamily(
             prefix + "hash_mismatches",
             "Published block chains whose hashes differ from the router's computation.",
+            labels=["worker"],
+        )
+        unverifiable = CounterMetricFamily(
+            prefix + "unverifiable_chains",
+            "Published block chains with extra keys the router cannot rebuild (a LoRA "
+            "adapter whose path it does not know): neither trusted nor distrusted.",
             labels=["worker"],
         )
         fallbacks = CounterMetricFamily(
@@ -161,7 +170,8 @@ class _KVIndexCollector(Collector):
             for reason, n in sorted(c.resyncs.items()):
                 resyncs.add_metric([worker, reason], n)
             mismatches.add_metric([worker], c.mismatches)
+            unverifiable.add_metric([worker], c.unverifiable)
             fallbacks.add_metric([worker], fallback_counts.get(worker, 0))
             blocks.add_metric([worker], self.index.block_count(worker))
             fresh.add_metric([worker], int(self.index.is_fresh(worker)))
-        yield from (batches, events, resyncs, mismatches, fallbacks, blocks, fresh)
+        yield from (batches, events, resyncs, mismatches, unverifiable, fallbacks, blocks, fresh)

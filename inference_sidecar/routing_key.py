@@ -39,7 +39,7 @@ class RoutingKey:
     """Estimated prompt tokens of the request carrying the key (0: unknown); the router
     sets it from the body (``estimate_prompt_tokens``) for the routing policy."""
     blocks: tuple[int, ...] = ()
-    """The prompt's KV block hashes (``kv_blocks``) when the policy asks for them and the
+    """The prompt's KV block hashes (``kv.blocks``) when the policy asks for them and the
     router could tokenize the prompt; ``size`` is then the exact token count."""
 
 

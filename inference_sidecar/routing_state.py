@@ -1,5 +1,5 @@
 """The routing state of one pool of interchangeable workers: its policy, in-flight
-counts and health (the worker processes themselves are ``workers.py``'s).
+counts and health (the worker processes themselves are ``workers``').
 
 Synchronous and free of I/O on purpose: the router's asyncio code calls ``choose``,
 ``start`` and ``finish`` between awaits, so no lock is needed, and tests drive a pool
@@ -91,13 +91,32 @@ class RoutingState:
         history; False if it is already a member. The policies take the candidates at each
         call, so a new worker draws new keys (and a hashing policy's share of unseen keys)
         from the next request on, while keys with history stay where their prefix is."""
-        if worker in self.in_flight:
+        if worker in self.workers:
             return False
         self.workers = (*self.workers, worker)
         self.health = self.health.with_worker(worker, h.WorkerHealth())
-        self.in_flight[worker] = 0
-        self._open[worker] = []
+        self.in_flight.setdefault(worker, 0)  # requests from before a removal still count
+        self._open.setdefault(worker, [])
         return True
+
+    def remove_worker(self, worker: str) -> bool:
+        """Take ``worker`` out of the pool (an operator's removal); False if it is not a
+        member. It is no candidate from now on; its requests in flight end normally and
+        are accounted for, their outcomes no longer judged. Raises ``ValueError`` rather
+        than leave the pool without a worker."""
+        if worker not in self.workers:
+            return False
+        if len(self.workers) == 1:
+            raise ValueError(f"{worker} is the last worker of the {self.name} pool")
+        self.workers = tuple(w for w in self.workers if w != worker)
+        self.health = self.health.without_worker(worker)
+        self._forget_if_idle(worker)
+        return True
+
+    def _forget_if_idle(self, worker: str) -> None:
+        if worker not in self.workers and self.in_flight.get(worker, 0) == 0:
+            self.in_flight.pop(worker, None)
+            self._open.pop(worker, None)
 
     def candidates(self, exclude: Iterable[str] = ()) -> list[str]:
         excluded = set(exclude)
@@ -165,14 +184,16 @@ class RoutingState:
         """End one request; ``ok=None`` means "not the worker's fault" (client error,
         client gone) and feeds nothing to outlier detection. Its latency is judged against
         the work the worker had in hand while it was in flight (``Ticket.work``)."""
-        if ticket in self._open[worker]:
-            self._open[worker].remove(ticket)
-        self.in_flight[worker] = max(0, self.in_flight[worker] - 1)
+        open_ = self._open.get(worker, [])
+        if ticket in open_:
+            open_.remove(ticket)
+        self.in_flight[worker] = max(0, self.in_flight.get(worker, 0) - 1)
         self.policy.on_finish(worker, ticket.policy_ticket, ok)
         if ok is not None:
             self._apply(
                 h.record(self.health, worker, ok, latency_s, now, self.health_config, ticket.work)
             )
+        self._forget_if_idle(worker)
 
     def probed(self, worker: str, ok: bool, now: float) -> None:
         self._apply(h.probe(self.health, worker, ok, now, self.health_config))

@@ -1,9 +1,9 @@
 """KV-event-aware routing: send a prompt where its longest prefix is cached, under the bound.
 
 ``bounded_hash`` guesses what each worker caches from where it sent each key. This policy
-knows: the workers publish their KV cache events, ``kv_index.KVIndex`` keeps which blocks
+knows: the workers publish their KV cache events, ``kv.index.KVIndex`` keeps which blocks
 each one holds, and the router gives the policy the request's block hashes (computed as
-the workers compute them, ``kv_blocks``). A worker's uncached tokens are then the prompt's
+the workers compute them, ``kv.blocks``). A worker's uncached tokens are then the prompt's
 tokens beyond the longest run of leading blocks the worker holds, exact up to events in
 flight, and independent of who sent the prefix there (another shopper sharing a template,
 a spill, a router restart) or whether the worker evicted it since.
@@ -34,7 +34,7 @@ from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from inference_sidecar.kv_index import KVIndex
+from inference_sidecar.kv.index import KVIndex
 from inference_sidecar.policies.bounded_hash import (
     SAME_PROMPT_SHARE,
     BoundedHashPolicy,

@@ -25,10 +25,10 @@ import msgspec
 import pytest
 import zmq
 
-from inference_sidecar.kv_blocks import hashing_from_metrics
-from inference_sidecar.kv_index import EventBatch, Stored, decode_batch
+from inference_sidecar.kv import EventBatch, Stored, decode_batch
+from inference_sidecar.kv.blocks import hashing_from_metrics
+from inference_sidecar.kv.prompt_tokens import PromptTokenizer
 from inference_sidecar.policies.bounded_hash import preference_order
-from inference_sidecar.prompt_tokens import PromptTokenizer
 from inference_sidecar.workers import WorkerProcesses
 from tests.model.clusters import (
     MODEL,

@@ -21,6 +21,11 @@ BODY: dict[str, Any] = {
 }
 
 
+ADMIN_TOKEN = "admin-token-for-the-router-tests"
+ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+"""What an operator's admin request carries (``RouterConfig.admin_token``)."""
+
+
 def make_router(fake: FakeWorkers, **kw: Any) -> Router:
     kw.setdefault("workers", (A, B))
     kw.setdefault("health_interval_s", 0)

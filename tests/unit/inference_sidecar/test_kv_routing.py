@@ -9,13 +9,7 @@ from typing import Any
 
 import pytest
 
-from inference_sidecar.kv_blocks import (
-    BlockHashing,
-    cache_config_from_metrics,
-    external_hash,
-    hashing_from_metrics,
-)
-from inference_sidecar.kv_index import (
+from inference_sidecar.kv import (
     Cleared,
     EventBatch,
     KVEventFormatError,
@@ -24,9 +18,15 @@ from inference_sidecar.kv_index import (
     Stored,
     decode_batch,
 )
+from inference_sidecar.kv.blocks import (
+    BlockHashing,
+    cache_config_from_metrics,
+    external_hash,
+    hashing_from_metrics,
+)
+from inference_sidecar.kv.prompt_tokens import PromptTokenizer, message_text
 from inference_sidecar.policies import BoundedHashPolicy, KVPrefixPolicy, make_policy
 from inference_sidecar.policies.bounded_hash import load_bound
-from inference_sidecar.prompt_tokens import PromptTokenizer, message_text
 
 A, B, C = "http://a:1", "http://b:1", "http://c:1"
 HASHING = BlockHashing(block_size=4)

@@ -4,37 +4,33 @@ Unix-domain ``ipc://`` sockets, no network) and the router in front of fake work
 from __future__ import annotations
 
 import json
-import threading
 import time
 from pathlib import Path
-from typing import Any
 
 import httpx
-import msgspec
 import pytest
-import zmq
 from fake_workers import FakeWorkers
+from kv_harness import (
+    EVENTS,
+    HASHING,
+    FakePublisher,
+    char_tokenizer,
+    kv_prefix_router,
+    prompt_tokens,
+    stored_batch,
+    wait_for,
+)
 from router_harness import BODY, CHAT, A, B, C, metric, session
 
 from inference_sidecar.cli import build_parser, cluster_config, parse_kv_events
 from inference_sidecar.config import RouterConfig
 from inference_sidecar.exceptions import ConfigError
 from inference_sidecar.health import HealthEvent
-from inference_sidecar.kv_blocks import BlockHashing
-from inference_sidecar.kv_events import EventSource, KVEventSubscriber
-from inference_sidecar.kv_index import EventBatch, Stored
-from inference_sidecar.prompt_tokens import PromptTokenizer
+from inference_sidecar.kv import EventBatch, Stored
+from inference_sidecar.kv.sources import EventSource
+from inference_sidecar.kv.subscriber import KVEventSubscriber
 from inference_sidecar.router import Router, build_app
 from inference_sidecar.workers import KV_EVENTS_OFFSET, ClusterConfig, plan_workers
-
-HASHING = BlockHashing(block_size=4)
-EVENTS = {A: EventSource("tcp://127.0.0.1:10001"), B: EventSource("tcp://127.0.0.1:10002")}
-
-
-def char_tokenizer() -> PromptTokenizer:
-    """One token per character of the concatenated message contents."""
-    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
-    return PromptTokenizer(lambda text, special: [ord(c) for c in text], template)
 
 
 class TestConfig:
@@ -96,71 +92,6 @@ class TestWorkerLaunch:
         assert all("--kv-events-config" not in s.argv for s in plan_workers(cfg))
 
 
-class FakePublisher:
-    """vLLM's ZmqEventPublisher's wire format, on ipc:// sockets, with a replay buffer."""
-
-    def __init__(self, tmp_path: Path) -> None:
-        self.ctx = zmq.Context()
-        self.endpoint = f"ipc://{tmp_path}/events"
-        self.replay_endpoint = f"ipc://{tmp_path}/replay"
-        self.pub = self.ctx.socket(zmq.PUB)
-        self.pub.bind(self.endpoint)
-        self.router = self.ctx.socket(zmq.ROUTER)
-        self.router.bind(self.replay_endpoint)
-        self.buffer: list[tuple[int, bytes]] = []
-        self.replays = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._serve_replays, daemon=True)
-        self._thread.start()
-
-    @staticmethod
-    def payload(tokens: list[int]) -> bytes:
-        event = {
-            "type": "BlockStored",
-            "block_hashes": list(HASHING.block_hashes(tokens)),
-            "parent_block_hash": None,
-            "token_ids": tokens,
-            "block_size": HASHING.block_size,
-            "lora_id": None,
-            "medium": "GPU",
-        }
-        return msgspec.msgpack.encode([time.time(), [event], 0])
-
-    def publish(self, seq: int, tokens: list[int], *, drop: bool = False) -> None:
-        payload = self.payload(tokens)
-        self.buffer.append((seq, payload))
-        if not drop:
-            self.pub.send_multipart([b"kv-events", seq.to_bytes(8, "big"), payload])
-
-    def _serve_replays(self) -> None:
-        while not self._stop.is_set():
-            if not self.router.poll(50):
-                continue
-            client, _, start = self.router.recv_multipart()
-            self.replays += 1
-            first = int.from_bytes(start, "big")
-            for seq, payload in self.buffer:
-                if seq >= first:
-                    frames = [client, b"", b"kv-events", seq.to_bytes(8, "big"), payload]
-                    self.router.send_multipart(frames)
-            end = (-1).to_bytes(8, "big", signed=True)
-            self.router.send_multipart([client, b"", b"", end, b""])
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.pub.close(0)
-        self.router.close(0)
-        self.ctx.term()
-
-
-def wait_for(condition: Any, timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
-
-
 class TestSubscriber:
     def test_batches_arrive_decoded_and_a_hole_is_filled_from_the_replay_buffer(
         self, tmp_path: Path
@@ -202,32 +133,9 @@ class TestSubscriber:
             publisher.close()
 
 
-def kv_prefix_router(fake: FakeWorkers) -> Router:
-    """A kv_prefix router over workers A and B, with their events fed by hand."""
-    config = RouterConfig(
-        workers=(A, B),
-        policy="kv_prefix",
-        kv_events=EVENTS,
-        tokenizer_dir="unused",
-        health_interval_s=0,
-    )
-    return Router(
-        config, transport=fake.transport(), tokenizer=char_tokenizer(), kv_hashing=HASHING
-    )
-
-
 @pytest.fixture
 def kv_router(fake: FakeWorkers) -> Router:
     return kv_prefix_router(fake)
-
-
-def prompt_tokens(body: dict[str, Any]) -> list[int]:
-    return [ord(c) for c in body["messages"][0]["content"]]
-
-
-def stored_batch(seq: int, tokens: list[int]) -> list[tuple[EventBatch, bool]]:
-    event = Stored(HASHING.block_hashes(tokens), None, tuple(tokens), HASHING.block_size)
-    return [(EventBatch(seq, (event,)), False)]
 
 
 @pytest.mark.anyio

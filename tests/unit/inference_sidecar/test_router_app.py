@@ -407,7 +407,7 @@ class TestClientGone:
     async def test_a_cancelled_handler_leaves_no_request_running(self) -> None:
         from starlette.requests import Request
 
-        from inference_sidecar.router import _unless_disconnected
+        from inference_sidecar.router.app import _unless_disconnected
 
         async def receive() -> dict[str, Any]:
             await asyncio.sleep(60)  # the client stays

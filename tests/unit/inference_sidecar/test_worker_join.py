@@ -10,18 +10,30 @@ from pathlib import Path
 import httpx
 import pytest
 from fake_workers import FakeWorkers
-from router_harness import BODY, CHAT, A, B, C, assert_openai_error, metric, session
-from test_kv_wiring import (
+from kv_harness import (
     FakePublisher,
     kv_prefix_router,
     prompt_tokens,
     stored_batch,
     wait_for,
 )
+from router_harness import (
+    ADMIN,
+    ADMIN_TOKEN,
+    BODY,
+    CHAT,
+    A,
+    B,
+    C,
+    assert_openai_error,
+    metric,
+    session,
+)
 
 from inference_sidecar.exceptions import ConfigError
-from inference_sidecar.kv_events import EventSource, KVEventSubscriber
-from inference_sidecar.kv_index import EventBatch
+from inference_sidecar.kv import EventBatch
+from inference_sidecar.kv.sources import EventSource
+from inference_sidecar.kv.subscriber import KVEventSubscriber
 from inference_sidecar.policies import make_policy
 from inference_sidecar.router import build_app
 from inference_sidecar.routing_state import RoutingState
@@ -67,8 +79,8 @@ def test_a_key_with_history_stays_on_its_worker_when_one_joins() -> None:
 
 
 async def test_a_worker_added_over_http_takes_requests(client_for, fake: FakeWorkers) -> None:
-    client, router = client_for(workers=(A, B), policy="round_robin")
-    reply = await client.post("/workers", json={"url": C + "/"})
+    client, router = client_for(workers=(A, B), policy="round_robin", admin_token=ADMIN_TOKEN)
+    reply = await client.post("/workers", json={"url": C + "/"}, headers=ADMIN)
     assert reply.status_code == 201, reply.text
     assert set(reply.json()["pools"]["worker"]) == {A, B, C}
     for i in range(6):
@@ -78,8 +90,8 @@ async def test_a_worker_added_over_http_takes_requests(client_for, fake: FakeWor
 
 
 async def test_adding_a_member_again_answers_200(client_for) -> None:
-    client, _ = client_for(workers=(A, B))
-    reply = await client.post("/workers", json={"url": A})
+    client, _ = client_for(workers=(A, B), admin_token=ADMIN_TOKEN)
+    reply = await client.post("/workers", json={"url": A}, headers=ADMIN)
     assert reply.status_code == 200
     assert list(reply.json()["pools"]["worker"]) == [A, B]
 
@@ -95,8 +107,8 @@ async def test_adding_a_member_again_answers_200(client_for) -> None:
     ],
 )
 async def test_a_bad_join_request_says_what_to_fix(client_for, body: bytes, says: str) -> None:
-    client, router = client_for(workers=(A, B))
-    reply = await client.post("/workers", content=body)
+    client, router = client_for(workers=(A, B), admin_token=ADMIN_TOKEN)
+    reply = await client.post("/workers", content=body, headers=ADMIN)
     assert says in assert_openai_error(reply, 400)["message"]
     assert router.serving_pool.workers == (A, B)
 

@@ -12,6 +12,11 @@ The tokenizer and template are the model folder's own (``tokenizer.json``, and
 worker loads. Requests this cannot reproduce faithfully (images, tools, a client-chosen
 template or template arguments, message content that is not text) yield ``None``: the
 policy then routes them by hashing, and the router counts them.
+
+A prompt that cannot fit the model's context (``max_tokens``) cannot be served anyway,
+so it is never tokenized in full (``OverContext``): a text longer than ``max_tokens``
+times the longest token of the vocabulary (``max_token_bytes``) is refused before
+tokenizing, and what is tokenized is at most that long.
 """
 
 from __future__ import annotations
@@ -29,9 +34,12 @@ _UNREPRODUCIBLE_FIELDS = (
     "documents",
     "mm_processor_kwargs",
     "prompt_embeds",
-    "cache_salt",
 )
 _SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
+
+
+class OverContext(ValueError):
+    """The prompt has more tokens than the model's context: not worth tokenizing."""
 
 
 def message_text(content: Any) -> str | None:
@@ -64,7 +72,9 @@ class PromptTokenizer:
     """Renders and tokenizes chat and completion prompts like the worker does.
 
     ``encode(text, add_special_tokens)`` and the template are injectable so the logic is
-    tested without a model; ``from_model_dir`` loads the real ones.
+    tested without a model; ``from_model_dir`` loads the real ones. ``max_token_bytes``:
+    the most UTF-8 bytes one token stands for (None: unknown, so only the token count
+    is checked, after tokenizing).
     """
 
     def __init__(
@@ -72,9 +82,11 @@ class PromptTokenizer:
         encode: Callable[[str, bool], Sequence[int]],
         chat_template: str | None,
         special_tokens: Mapping[str, str] | None = None,
+        max_token_bytes: int | None = None,
     ) -> None:
         self._encode = encode
         self.special_tokens = dict(special_tokens or {})
+        self.max_token_bytes = max_token_bytes
         self._template = None
         if chat_template is not None:
             from jinja2.ext import loopcontrols
@@ -108,7 +120,7 @@ class PromptTokenizer:
         def encode(text: str, add_special_tokens: bool) -> list[int]:
             return tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
-        return cls(encode, template, specials)
+        return cls(encode, template, specials, longest_token_bytes(tokenizer))
 
     def chat_prompt(self, body: Mapping[str, Any]) -> str | None:
         """The rendered chat prompt of a ``/v1/chat/completions`` body, or None."""
@@ -141,28 +153,56 @@ class PromptTokenizer:
         except Exception:  # a template error is the worker's to report; route by hashing
             return None
 
-    def token_ids(self, endpoint: str, body: Mapping[str, Any]) -> list[int] | None:
+    def token_ids(
+        self, endpoint: str, body: Mapping[str, Any], max_tokens: int | None = None
+    ) -> list[int] | None:
         """The prompt's token ids for ``endpoint`` (``chat/completions`` or
-        ``completions``), or None when they cannot be reproduced here."""
+        ``completions``), or None when they cannot be reproduced here. Raises
+        ``OverContext`` when the prompt has more than ``max_tokens`` tokens."""
         if endpoint == "chat/completions":
             prompt = self.chat_prompt(body)
             if prompt is None:
                 return None
             add_special = body.get("add_special_tokens", False)
-            return list(self._encode(prompt, add_special is True))
+            return self._tokens(prompt, add_special is True, max_tokens)
         if any(body.get(f) is not None for f in _UNREPRODUCIBLE_FIELDS):
             return None
         prompt = body.get("prompt")
         if isinstance(prompt, str):
             add_special = body.get("add_special_tokens", True)
-            return list(self._encode(prompt, add_special is True))
+            return self._tokens(prompt, add_special is True, max_tokens)
         if (
             isinstance(prompt, list)
             and prompt
             and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
         ):
-            return list(prompt)
+            return _within(list(prompt), max_tokens)
         return None
+
+    def _tokens(self, text: str, add_special: bool, max_tokens: int | None) -> list[int]:
+        # Every token stands for at most max_token_bytes bytes: a longer text has more
+        # tokens than the context holds, whatever they are (characters first: cheaper).
+        most = self.max_token_bytes
+        bound = max_tokens * most if max_tokens is not None and most is not None else None
+        if bound is not None and (len(text) > bound or len(text.encode()) > bound):
+            raise OverContext(f"more than {max_tokens} tokens")
+        return _within(list(self._encode(text, add_special)), max_tokens)
+
+
+def _within(tokens: list[int], max_tokens: int | None) -> list[int]:
+    if max_tokens is not None and len(tokens) > max_tokens:
+        raise OverContext(f"{len(tokens)} tokens, more than {max_tokens}")
+    return tokens
+
+
+def longest_token_bytes(tokenizer: Any) -> int:
+    """The most UTF-8 bytes any token of ``tokenizer`` (a ``tokenizers.Tokenizer``)
+    stands for, plus one for a leading space a decoder may drop."""
+    longest = 1
+    for token_id in tokenizer.get_vocab(with_added_tokens=True).values():
+        text = tokenizer.decode([token_id], skip_special_tokens=False)
+        longest = max(longest, len(text.encode()))
+    return longest + 1
 
 
 def _raise_template_error(message: str) -> None:

@@ -8,9 +8,15 @@ first block's parent being ``NONE_HASH = H(seed)``. ``H`` is the worker's
 the highest protocol, 5 on Python 3.8-3.13) or ``sha256_cbor`` (SHA-256 of canonical
 CBOR). The seed is ``"vllm-none-hash"`` unless the worker's ``PYTHONHASHSEED`` is set;
 the ``xxhash`` algorithms use a random per-process seed, so nobody outside the worker can
-reproduce them. ``extra_keys`` stay ``None`` for plain-text prompts (they carry LoRA
-names, multimodal inputs, ``cache_salt`` and prompt embeddings, none of which this router
-forwards differently).
+reproduce them. ``extra_keys`` (``generate_block_hash_extra_keys``) are ``None`` for a
+plain-text prompt of the base model; otherwise a tuple, in this order, of
+``("lora", name, path)`` on every block of a LoRA adapter's request, ``("mm", id,
+offset)`` per multimodal input in the block, ``("cache_salt", salt)`` on the first block
+of a request with a ``cache_salt``, and ``("prompt_embeds", digest)``. ``BlockExtras``
+gives a request's (LoRA and salt: the router does not hash multimodal or embedding
+prompts). KV events publish these keys untagged (``to_event_extra_keys``: the name, the
+salt, ``(id, offset)``, the digest); ``event_extra_keys`` tags them again to verify a
+published chain, which needs the adapter's path (from the worker's ``/v1/models``).
 
 KV events publish each hash as an "external" hash: by default
 (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``) the digest's low 64 bits as an int, else the
@@ -28,7 +34,7 @@ from __future__ import annotations
 import hashlib
 import pickle
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -52,6 +58,68 @@ def _sha256_cbor(value: Any) -> bytes:
 
 
 _ALGOS = {"sha256": _sha256_pickle, "sha256_cbor": _sha256_cbor}
+
+ExtraKeys = Callable[[int], "tuple[Any, ...] | None"]
+"""A block's index -> the extra keys hashed with its tokens."""
+
+
+class Unverifiable(ValueError):
+    """Published extra keys this router cannot tag again (an adapter whose path it does
+    not know, a shape vLLM does not publish)."""
+
+
+@dataclass(frozen=True, slots=True)
+class BlockExtras:
+    """A request's extra keys, as vLLM's ``generate_block_hash_extra_keys`` makes them for
+    a text prompt: its LoRA adapter on every block, its ``cache_salt`` on the first."""
+
+    lora: tuple[str, str] | None = None
+    """The adapter's name and path, when the request's model is a LoRA adapter."""
+    cache_salt: str | None = None
+
+    def __call__(self, block: int) -> tuple[Any, ...] | None:
+        keys: list[tuple[str, ...]] = []
+        if self.lora is not None:
+            keys.append(("lora", *self.lora))
+        if block == 0 and self.cache_salt:
+            keys.append(("cache_salt", self.cache_salt))
+        return tuple(keys) or None
+
+
+def event_extra_keys(
+    published: Sequence[Any] | None, lora_name: str | None, lora_paths: Mapping[str, str]
+) -> ExtraKeys | None:
+    """The extra keys a ``BlockStored`` event's chain was hashed with, tagged again from
+    the untagged ones it publishes (one entry per block: None, or the LoRA name, ``[id,
+    offset]`` pairs, the salt, embedding digests); None when it has none. Raises
+    ``Unverifiable`` when they cannot be rebuilt."""
+    if not published or all(entry is None for entry in published):
+        if lora_name is not None:
+            raise Unverifiable("a LoRA event without its extra keys")
+        return None
+    tagged: list[tuple[Any, ...] | None] = []
+    for entry in published:
+        if entry is None:
+            tagged.append(None)
+            continue
+        if not isinstance(entry, list | tuple):
+            raise Unverifiable(f"extra keys {entry!r:.80}")
+        keys: list[tuple[Any, ...]] = []
+        for position, key in enumerate(entry):
+            if isinstance(key, str) and position == 0 and key == lora_name:
+                if key not in lora_paths:
+                    raise Unverifiable(f"the path of LoRA adapter {key!r} is not known")
+                keys.append(("lora", key, lora_paths[key]))
+            elif isinstance(key, str):
+                keys.append(("cache_salt", key))
+            elif isinstance(key, list | tuple) and len(key) == 2:
+                keys.append(("mm", *key))
+            elif isinstance(key, bytes):
+                keys.append(("prompt_embeds", key))
+            else:
+                raise Unverifiable(f"extra key {key!r:.80}")
+        tagged.append(tuple(keys))
+    return lambda block: tagged[block] if block < len(tagged) else None
 
 
 @lru_cache(maxsize=8)
@@ -85,21 +153,29 @@ class BlockHashing:
                 f"the worker; supported: {', '.join(SUPPORTED_ALGOS)}"
             )
 
-    def chain(self, token_ids: Sequence[int], parent: bytes | None = None) -> tuple[bytes, ...]:
+    def chain(
+        self,
+        token_ids: Sequence[int],
+        parent: bytes | None = None,
+        extra_keys: ExtraKeys | None = None,
+    ) -> tuple[bytes, ...]:
         """The full digests of the full blocks of ``token_ids``, chained from ``parent``
-        (the root when None)."""
+        (the root when None), block ``i`` hashed with ``extra_keys(i)``."""
         digest = _ALGOS[self.algo]
         previous = parent if parent is not None else self.none_hash
         out: list[bytes] = []
         size = self.block_size
-        for start in range(0, len(token_ids) - size + 1, size):
-            previous = digest((previous, tuple(token_ids[start : start + size]), None))
+        for i, start in enumerate(range(0, len(token_ids) - size + 1, size)):
+            keys = extra_keys(i) if extra_keys is not None else None
+            previous = digest((previous, tuple(token_ids[start : start + size]), keys))
             out.append(previous)
         return tuple(out)
 
-    def block_hashes(self, token_ids: Sequence[int]) -> tuple[int, ...]:
+    def block_hashes(
+        self, token_ids: Sequence[int], extra_keys: ExtraKeys | None = None
+    ) -> tuple[int, ...]:
         """The external (64-bit) hashes of the prompt's full blocks, first block first."""
-        return tuple(external_hash(d) for d in self.chain(token_ids))
+        return tuple(external_hash(d) for d in self.chain(token_ids, extra_keys=extra_keys))
 
     @property
     def none_hash(self) -> bytes:

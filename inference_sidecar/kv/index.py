@@ -1,13 +1,9 @@
 """Which worker holds which KV block, kept from the workers' KV cache events.
 
-Pure and synchronous, like ``routing_state``: the ZMQ shell (``kv_events``) decodes each
-worker's batches and the router's event loop hands them to ``KVIndex.apply`` one at a
-time, so no lock is needed and tests drive the index with plain calls and a fake clock.
-
-What vLLM publishes (``vllm/distributed/kv_events.py``): per engine step a batch
-``[timestamp, [event, ...], data_parallel_rank]`` with a sequence number counting up from
-0 when the worker starts. Events are ``BlockStored`` (new blocks, and blocks a request
-reused from the prefix cache), ``BlockRemoved`` (evicted) and ``AllBlocksCleared``.
+Pure and synchronous, like ``routing_state``: the ZMQ shell (``kv.subscriber``) decodes
+each worker's batches (``kv.batches``) and the router's event loop hands them to
+``KVIndex.apply`` one at a time, so no lock is needed and tests drive the index with plain
+calls and a fake clock.
 
 The index never trusts a worker's entries across a hole in what it heard:
 
@@ -24,7 +20,10 @@ the worker publish it again.
 
 Memory is bounded by the workers' caches, not by the number of shoppers: a worker holds at
 most its ``num_gpu_blocks`` blocks, and each worker's entries are capped at
-``max_blocks`` (oldest dropped first) in case a removal is ever missed.
+``max_blocks`` (oldest dropped first, one at a time from an ordered dict: the cost of an
+eviction does not grow with the index) in case a removal is ever missed. What one event
+can cost is bounded where it is decoded (``batches``: blocks and tokens per event) and
+here: a chain is verified on its first ``VERIFY_BLOCKS`` blocks only.
 
 Staleness: a request of at least one full block always makes its worker publish a
 ``BlockStored`` (new or reused blocks). ``expect_events`` notes such a request served
@@ -36,130 +35,39 @@ back to estimating its cache by hashing (``KVPrefixPolicy``) until a batch arriv
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
-from inference_sidecar.kv_blocks import BlockHashing, external_hash
+from inference_sidecar.kv.batches import EventBatch, Removed, Stored
+from inference_sidecar.kv.blocks import BlockHashing, Unverifiable, event_extra_keys
 
-DEFAULT_MAX_BLOCKS = 1 << 20
-"""Per worker: 64 GiB of SmolLM2-135M KV at 16 tokens a block, far above any CPU worker."""
+DEFAULT_MAX_BLOCKS = 1 << 18
+"""Per worker: more than an 80 GB GPU holds of SmolLM2-135M's KV (23 KiB a token: about
+217,000 blocks of 16 tokens), the smallest model served here; about 30 MiB of index."""
 DEFAULT_STALE_AFTER_S = 10.0
+VERIFY_BLOCKS = 4
+"""Leading blocks of a published root chain compared with our computation: enough to tell
+another seed or algorithm, at a cost that does not grow with the prompt."""
 
 Outcome = Literal["applied", "gap", "restart", "duplicate"]
-
-
-class KVEventFormatError(ValueError):
-    """A payload that is not a KV event batch as vLLM publishes it."""
-
-
-@dataclass(frozen=True, slots=True)
-class Stored:
-    hashes: tuple[int, ...]
-    parent: int | None
-    token_ids: tuple[int, ...]
-    block_size: int
-
-
-@dataclass(frozen=True, slots=True)
-class Removed:
-    hashes: tuple[int, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class Cleared:
-    pass
-
-
-Event = Stored | Removed | Cleared
-
-
-@dataclass(frozen=True, slots=True)
-class EventBatch:
-    seq: int
-    events: tuple[Event, ...]
-    ts: float = 0.0
-    ignored: int = 0
-    """Events of kinds this index does not use (another medium, an unknown tag)."""
-
-
-def _field(raw: Any, name: str, position: int) -> Any:
-    """A struct field, encoded as a map (msgspec's default) or an array (array_like)."""
-    if isinstance(raw, Mapping):
-        return raw.get(name)
-    if isinstance(raw, list | tuple) and len(raw) > position:
-        return raw[position]
-    return None
-
-
-def _decode_event(raw: Any) -> Event | None:
-    """One event: a tagged struct, ``{"type": "BlockStored", ...}`` or ``["BlockStored",
-    ...]``; None for kinds not used here (a medium other than the worker's own memory)."""
-    tag = raw.get("type") if isinstance(raw, Mapping) else (raw[0] if raw else None)
-    offset = 0 if isinstance(raw, Mapping) else 1
-    if tag == "BlockStored":
-        medium = _field(raw, "medium", 5 + offset)
-        if medium not in (None, "GPU"):
-            return None
-        hashes = _field(raw, "block_hashes", 0 + offset)
-        parent = _field(raw, "parent_block_hash", 1 + offset)
-        tokens = _field(raw, "token_ids", 2 + offset)
-        size = _field(raw, "block_size", 3 + offset)
-        if not isinstance(hashes, list) or not isinstance(tokens, list | None):
-            raise KVEventFormatError(f"BlockStored without block hashes: {raw!r:.200}")
-        return Stored(
-            tuple(external_hash(h) for h in hashes),
-            None if parent is None else external_hash(parent),
-            tuple(tokens or ()),
-            int(size or 0),
-        )
-    if tag == "BlockRemoved":
-        medium = _field(raw, "medium", 1 + offset)
-        if medium not in (None, "GPU"):
-            return None
-        hashes = _field(raw, "block_hashes", 0 + offset)
-        if not isinstance(hashes, list):
-            raise KVEventFormatError(f"BlockRemoved without block hashes: {raw!r:.200}")
-        return Removed(tuple(external_hash(h) for h in hashes))
-    if tag == "AllBlocksCleared":
-        return Cleared()
-    return None
-
-
-def decode_batch(seq: int, payload: Any) -> EventBatch:
-    """A batch from its sequence number and its msgpack-decoded payload
-    ``[ts, [event, ...], dp_rank?]``; raises ``KVEventFormatError`` naming what is wrong."""
-    if not isinstance(payload, list | tuple) or len(payload) < 2:
-        raise KVEventFormatError(f"a KV event batch is [ts, events, ...], got {payload!r:.200}")
-    ts, raw_events = payload[0], payload[1]
-    if not isinstance(raw_events, list):
-        raise KVEventFormatError(f"a batch's events must be a list, got {raw_events!r:.200}")
-    events: list[Event] = []
-    ignored = 0
-    try:
-        for raw in raw_events:
-            event = _decode_event(raw)
-            if event is None:
-                ignored += 1
-            else:
-                events.append(event)
-    except (TypeError, ValueError) as exc:
-        raise KVEventFormatError(str(exc)) from exc
-    return EventBatch(seq, tuple(events), float(ts or 0.0), ignored)
 
 
 @dataclass(slots=True)
 class WorkerBlocks:
     """What the index knows of one worker."""
 
-    blocks: dict[int, None] = field(default_factory=dict)
-    """Block hashes, oldest stored first (an insertion-ordered set)."""
+    blocks: OrderedDict[int, None] = field(default_factory=OrderedDict)
+    """Block hashes, least recently stored first (an ordered set)."""
     next_seq: int = 0
     last_batch_at: float | None = None
     awaiting_since: float | None = None
     """When a request that must make the worker publish was prefilled, unanswered yet."""
     mismatched: bool = False
     """Its published hashes do not match ours (another seed or algorithm): never trusted."""
+    heard: bool = True
+    """Its event stream is subscribed to; False when the subscriber cannot hear it."""
 
 
 @dataclass(slots=True)
@@ -171,9 +79,12 @@ class IndexCounters:
     ignored: int = 0
     duplicates: int = 0
     resyncs: dict[str, int] = field(default_factory=dict)
-    """Clears by reason: gap, restart, cleared (AllBlocksCleared), reset, overflow."""
+    """Clears by reason: gap, restart, cleared (AllBlocksCleared), reset, down, overflow,
+    stream_lost."""
     verified: int = 0
     mismatches: int = 0
+    unverifiable: int = 0
+    """Root chains with extra keys that cannot be rebuilt here: neither trusted nor not."""
 
 
 class KVIndex:
@@ -191,6 +102,8 @@ class KVIndex:
         if max_blocks < 1 or stale_after_s <= 0:
             raise ValueError("max_blocks must be >= 1 and stale_after_s > 0")
         self.hashing = hashing
+        self.lora_paths: dict[str, str] = {}
+        """LoRA adapter name -> path, as the workers list them (extra keys of its blocks)."""
         self.max_blocks = max_blocks
         self.stale_after_s = stale_after_s
         self._clock = clock
@@ -208,6 +121,7 @@ class KVIndex:
     def remove_worker(self, worker: str) -> None:
         """Forget ``worker`` altogether (it left the pool)."""
         self._workers.pop(worker, None)
+        self.counters.pop(worker, None)
 
     @property
     def workers(self) -> tuple[str, ...]:
@@ -221,6 +135,16 @@ class KVIndex:
         state.blocks.clear()
         counts = self.counters[worker].resyncs
         counts[reason] = counts.get(reason, 0) + 1
+
+    def set_stream(self, worker: str, ok: bool) -> None:
+        """The subscriber can (``ok``) or cannot hear ``worker``'s events; while it cannot,
+        the worker's entries are cleared and it is not fresh."""
+        state = self._workers.get(worker)
+        if state is None or state.heard == ok:
+            return
+        state.heard = ok
+        if not ok:
+            self.reset(worker, "stream_lost")
 
     # ----- events --------------------------------------------------------------------
 
@@ -269,23 +193,32 @@ class KVIndex:
             self._verify(worker, state, event)
         blocks = state.blocks
         for h in event.hashes:
-            blocks.pop(h, None)  # a reused block becomes the newest
-            blocks[h] = None
-        overflow = len(blocks) - self.max_blocks
-        if overflow > 0:
-            for h in list(blocks)[:overflow]:
-                del blocks[h]
+            if h in blocks:
+                blocks.move_to_end(h)  # a reused block becomes the newest
+            else:
+                blocks[h] = None
+        if len(blocks) > self.max_blocks:
+            while len(blocks) > self.max_blocks:
+                blocks.popitem(last=False)
             counts = self.counters[worker].resyncs
             counts["overflow"] = counts.get("overflow", 0) + 1
 
     def _verify(self, worker: str, state: WorkerBlocks, event: Stored) -> None:
-        """A chain published from its root must equal ours for the same tokens."""
+        """A chain published from its root must equal ours for the same tokens and extra
+        keys (its first ``VERIFY_BLOCKS`` blocks); one whose extra keys cannot be rebuilt
+        is counted and judged neither way."""
         assert self.hashing is not None
-        if event.block_size != self.hashing.block_size:
+        counters = self.counters[worker]
+        try:
+            keys = event_extra_keys(event.extra_keys, event.lora_name, self.lora_paths)
+        except Unverifiable:
+            counters.unverifiable += 1
+            return
+        size = self.hashing.block_size
+        if event.block_size != size:
             ours: tuple[int, ...] = ()
         else:
-            ours = self.hashing.block_hashes(event.token_ids)
-        counters = self.counters[worker]
+            ours = self.hashing.block_hashes(event.token_ids[: VERIFY_BLOCKS * size], keys)
         if ours and ours == event.hashes[: len(ours)]:
             counters.verified += 1
             state.mismatched = False
@@ -308,10 +241,11 @@ class KVIndex:
         state.awaiting_since = now
 
     def is_fresh(self, worker: str) -> bool:
-        """True when ``worker``'s entries can be trusted: its hashes match ours and it has
-        not kept silent past ``stale_after_s`` after a request that must make it publish."""
+        """True when ``worker``'s entries can be trusted: its stream is heard, its hashes
+        match ours and it has not kept silent past ``stale_after_s`` after a request that
+        must make it publish."""
         state = self._workers.get(worker)
-        if state is None or state.mismatched:
+        if state is None or state.mismatched or not state.heard:
             return False
         waiting = state.awaiting_since
         return waiting is None or self._clock() - waiting <= self.stale_after_s
