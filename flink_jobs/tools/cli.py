@@ -15,6 +15,10 @@
 ``shopper-intents eval``
     Runs the job bounded with the real model once per template arm over the same events
     and scores every intent against what the shopper did next (``eval_runner``).
+
+``shopper-intents distill data|train``
+    Builds training examples from recorded events (trigger points, compact prompts,
+    hindsight targets) and trains a LoRA adapter on them (``distill``).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import redis
 from flink_jobs.config import ConfigError, load_config
 from flink_jobs.paths import cache_dir, resource_dir
 from flink_jobs.tools import eval_runner
+from flink_jobs.tools.distill import commands as distill_commands
 from flink_jobs.tools.embedded_stack import LLM_NICENESS
 from flink_jobs.tools.local_services import stop_on_sigterm
 from flink_jobs.tools.run_summary import (
@@ -103,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     sub.add_parser("run", help="run the job against the configured endpoints")
     eval_runner.add_parser(sub)
+    distill_commands.add_parser(sub)
     args = parser.parse_args(argv)
     stop_on_sigterm()
     logging.basicConfig(
@@ -118,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.command == "eval":
             return eval_runner.run_eval(args)
+        if args.command == "distill":
+            return distill_commands.run(args)
         return run_demo(args)
     except ConfigError as exc:
         log.error("configuration error: %s", exc)
