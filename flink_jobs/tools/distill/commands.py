@@ -85,10 +85,18 @@ def add_parser(sub: Any) -> None:
     t.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
     t.add_argument("--no-card", action="store_true", help="skip the model card")
 
+    c = dsub.add_parser("card", help="write the adapter's model card again (after an eval)")
+    c.add_argument("--adapter", type=Path, default=ADAPTER_DIR)
+
 
 def run(args: argparse.Namespace) -> int:
     if args.distill_command == "data":
         return run_data(args)
+    if args.distill_command == "card":
+        from flink_jobs.tools.distill import card
+
+        print(f"model card: {card.write_card(args.adapter)}")
+        return 0
     return run_train(args)
 
 
