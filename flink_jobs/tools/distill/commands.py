@@ -88,10 +88,23 @@ def add_parser(sub: Any) -> None:
     c = dsub.add_parser("card", help="write the adapter's model card again (after an eval)")
     c.add_argument("--adapter", type=Path, default=ADAPTER_DIR)
 
+    s = dsub.add_parser("serving", help="LoRA module or merged folder: which serves faster")
+    s.add_argument("--adapter", type=Path, default=ADAPTER_DIR)
+    s.add_argument("--data", type=Path, default=DATA_DIR / "examples.jsonl")
+    s.add_argument("--calls", type=int, default=24, help="test-split prompts per way")
+
 
 def run(args: argparse.Namespace) -> int:
     if args.distill_command == "data":
         return run_data(args)
+    if args.distill_command == "serving":
+        from flink_jobs.tools.distill import serving
+
+        result = serving.run_serving(
+            args.adapter, args.data, args.calls, cache_dir() / "distill-serving"
+        )
+        print(orjson.dumps(result, option=orjson.OPT_INDENT_2).decode())
+        return 0
     if args.distill_command == "card":
         from flink_jobs.tools.distill import card
 
