@@ -54,6 +54,8 @@ from flink_jobs.tools.run_summary import (
 log = logging.getLogger("shopper-intents")
 
 DEFAULT_SAMPLE = resource_dir("sample") / "sample_sessions.jsonl"
+#: The template the distilled adapter was trained on (flink_jobs/tools/distill/).
+ADAPTER_TEMPLATE = "shopper_intent_compact.j2"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -105,6 +107,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     demo.add_argument(
         "--timeout", type=float, default=1200.0, help="give up after this many seconds"
+    )
+    demo.add_argument(
+        "--adapter",
+        type=Path,
+        default=None,
+        help="serve this LoRA adapter (a distill train folder) and prompt every shopper with"
+        f" {ADAPTER_TEMPLATE} through it (default: v3 with the base model)",
     )
     sub.add_parser("run", help="run the job against the configured endpoints")
     eval_runner.add_parser(sub)
@@ -176,10 +185,15 @@ def run_demo(args: argparse.Namespace) -> int:
                     llm_niceness=args.llm_niceness,
                     llm_cores=args.llm_cores,
                     partitions=max(EVENTS_PARTITIONS, args.parallelism or 0, args.taskmanagers),
+                    llm_model=_served_adapter(args.adapter),
                 )
             )
             overrides = stack.config_overrides()
             overrides["kafka"]["starting_offsets"] = "earliest"
+            if args.adapter is not None:
+                # The adapter's arm for every shopper: its compact template, its model.
+                overrides["prompt"] = {"template": ADAPTER_TEMPLATE}
+                overrides["llm"]["model"] = args.adapter.name
             config = load_config(overrides=overrides)
             worker_urls = stack.llm.worker_urls
         if args.taskmanagers > 0:
@@ -195,6 +209,18 @@ def run_demo(args: argparse.Namespace) -> int:
             job = create_job(config).execute_async(config.job.name)
             resources.callback(_cancel, job)
         return _watch(args, config, worker_urls, records, workdir)
+
+
+def _served_adapter(adapter: Path | None):
+    """The workers' model: the base alone, or with ``adapter`` as a LoRA module named
+    after its folder."""
+    from flink_jobs.tools.embedded_stack import ServedModel
+
+    if adapter is None:
+        return None
+    if not (adapter / "adapter_config.json").exists():
+        raise SystemExit(f"--adapter {adapter}: no adapter_config.json (distill train writes one)")
+    return ServedModel(lora=((adapter.name, adapter.resolve()),), max_lora_rank=16)
 
 
 def _overrides_of(config) -> dict:

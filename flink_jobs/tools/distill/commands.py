@@ -93,6 +93,19 @@ def add_parser(sub: Any) -> None:
     s.add_argument("--data", type=Path, default=DATA_DIR / "examples.jsonl")
     s.add_argument("--calls", type=int, default=24, help="test-split prompts per way")
 
+    k = dsub.add_parser("curve", help="test metrics against the number of training examples")
+    k.add_argument(
+        "--adapter",
+        type=Path,
+        action="append",
+        required=True,
+        help="an adapter folder (repeatable), e.g. one per --max-examples",
+    )
+    k.add_argument("--data", type=Path, default=DATA_DIR / "examples.jsonl")
+    k.add_argument("--events", type=Path, default=DATA_DIR / "sample_events.jsonl")
+    k.add_argument("--source", default="sample")
+    k.add_argument("--points", type=int, default=200, help="test-split trigger points")
+
 
 def run(args: argparse.Namespace) -> int:
     if args.distill_command == "data":
@@ -102,6 +115,20 @@ def run(args: argparse.Namespace) -> int:
 
         result = serving.run_serving(
             args.adapter, args.data, args.calls, cache_dir() / "distill-serving"
+        )
+        print(orjson.dumps(result, option=orjson.OPT_INDENT_2).decode())
+        return 0
+    if args.distill_command == "curve":
+        from flink_jobs.tools.distill import curve
+
+        adapters = {path.name: path for path in args.adapter}
+        result = curve.run_curve(
+            adapters,
+            args.data,
+            args.events,
+            args.source,
+            args.points,
+            cache_dir() / "distill-curve",
         )
         print(orjson.dumps(result, option=orjson.OPT_INDENT_2).decode())
         return 0
