@@ -662,7 +662,7 @@ def rescore(dataset: str, out_dir: Path) -> int:
 def run_eval(args: argparse.Namespace) -> int:
     import platform
 
-    from flink_jobs.tools.embedded_stack import start_embedded_stack
+    from flink_jobs.tools.embedded_stack import start_embedded_stack, start_llm_tier
     from flink_jobs.tools.replay import replay_records
 
     if args.rescore:
@@ -675,9 +675,10 @@ def run_eval(args: argparse.Namespace) -> int:
     workdir = args.workdir or cache_dir() / "eval"
     topic = "eval-events"
     started = time.monotonic()
-    served = served_model(args.templates, args.adapter)
+    served = served_model(args.templates, args.adapter, args.serve)
+    base_first = served if args.serve == "lora" else None
     with start_embedded_stack(
-        workdir, [topic], llm_workers=args.llm_workers, llm_model=served
+        workdir, [topic], llm_workers=args.llm_workers, llm_model=base_first
     ) as stack:
         # One record per batch: the embedded broker (Tansu) reports a partition's end as its
         # last batch's first offset + 1, and a bounded job stops there (docs/event_time.md).
@@ -685,19 +686,31 @@ def run_eval(args: argparse.Namespace) -> int:
         summary = replay_records(stack.bootstrap, topic, records, extra_config=one_per_batch)
         if not summary.ok:
             raise RuntimeError(summary.describe(topic))
-        overrides = stack.config_overrides()
-        arms = [
-            run_arm(t, i, topic, len(records), overrides, stack.llm.worker_urls)
-            for i, t in enumerate(args.templates)
-        ]
+        arms = []
+        tier = stack.llm
+        for i, name in enumerate(args.templates):
+            if args.serve == "merged" and "@" in name and tier is stack.llm:
+                # The merged model is its own model folder: the same number of workers on
+                # the same cores serve it, once the base model's are stopped.
+                stack.llm.stop()
+                tier = start_llm_tier(workdir / "llm-merged", args.llm_workers, model=served)
+            overrides = {**stack.config_overrides(), "llm": tier.job_settings()}
+            arms.append(run_arm(name, i, topic, len(records), overrides, tier.worker_urls))
+        if tier is not stack.llm:
+            tier.stop()
     config = load_config(environ={})
     document = {
         "dataset": args.dataset,
         "events_file": str(args.events),
         "split": args.split or None,
         "served": {
-            "lora": {name: _from_repo(path) for name, path in served.lora},
-            "how": "one vLLM tier for every arm; adapters as LoRA modules of the base model",
+            "adapter": _from_repo(args.adapter) if any("@" in a for a in args.templates) else None,
+            "how": (
+                "the adapter as a LoRA module of the base model, one vLLM tier for every arm"
+                if args.serve == "lora"
+                else "the adapter merged into a model folder (merge_worker), served by the same"
+                " number of workers on the same cores after the base model's arms"
+            ),
         },
         "events": len(events),
         "shoppers": shoppers,
@@ -726,9 +739,11 @@ def run_eval(args: argparse.Namespace) -> int:
     return 0
 
 
-def served_model(arms: Sequence[str], adapter: Path) -> ServedModel:
-    """The base model, with ``adapter`` as a LoRA module named after any ``template@model``
-    arm's model (the arms' models must all be that adapter)."""
+def served_model(arms: Sequence[str], adapter: Path, serve: str = "merged") -> ServedModel:
+    """What serves the ``template@model`` arms: ``adapter`` merged into a model folder under
+    the arm's model name (made in the cache by ``distill.merge_worker`` when missing), or
+    ``lora``: the base model with ``adapter`` as a LoRA module of that name. The arms'
+    models must all be that adapter."""
     from flink_jobs.core.arms import parse_arms
 
     models = {a.model for name in arms for a in parse_arms(f"{name}:1", name) if a.model}
@@ -742,8 +757,13 @@ def served_model(arms: Sequence[str], adapter: Path) -> ServedModel:
         raise SystemExit(
             f"{adapter}: no adapter_config.json (shopper-intents distill train writes one)"
         )
+    name = models.pop()
+    if serve == "merged":
+        from flink_jobs.tools.distill.serving import merged_model
+
+        return ServedModel(name=name, model_dir=merged_model(adapter))
     rank = orjson.loads((adapter / "adapter_config.json").read_bytes()).get("r", 16)
-    return ServedModel(lora=((models.pop(), adapter.resolve()),), max_lora_rank=max(8, int(rank)))
+    return ServedModel(lora=((name, adapter.resolve()),), max_lora_rank=max(8, int(rank)))
 
 
 def add_parser(sub: Any) -> None:
@@ -779,6 +799,13 @@ def add_parser(sub: Any) -> None:
         type=Path,
         default=Path(__file__).resolve().parents[2] / "adapters" / "si-compact-lora",
         help="LoRA adapter served for a template@model arm (default %(default)s)",
+    )
+    p.add_argument(
+        "--serve",
+        choices=("merged", "lora"),
+        default="merged",
+        help="how the adapter is served: merged into a model folder (faster on a CPU:"
+        " bench/results/distill_serving.json) or as a LoRA module (default %(default)s)",
     )
     p.add_argument("--llm-workers", type=int, default=2, help="vLLM workers (one core each)")
     p.add_argument("--workdir", type=Path, default=None, help="logs (default: <cache>/eval)")

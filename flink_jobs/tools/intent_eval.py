@@ -613,8 +613,8 @@ class Difference:
     """``a - b`` of one metric over the same writes, with a 95 % bootstrap interval."""
 
     metric: str
-    a: float | None
-    b: float | None
+    a_value: float | None
+    b_value: float | None
     difference: float | None
     low: float | None
     high: float | None

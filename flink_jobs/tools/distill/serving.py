@@ -55,6 +55,20 @@ def merge(adapter: Path, out: Path) -> Path:
     return out
 
 
+def merged_model(adapter: Path) -> Path:
+    """The cache's merged model folder of ``adapter`` (``<cache>/models/<name>-merged``,
+    what ``scripts/setup.sh`` makes), merged now when it is missing or older than the
+    adapter's weights."""
+    from flink_jobs.paths import cache_dir
+
+    out = cache_dir() / "models" / f"{adapter.name}-merged"
+    weights = adapter / "adapter_model.safetensors"
+    done = out / "model.safetensors"
+    if not done.exists() or done.stat().st_mtime < weights.stat().st_mtime:
+        merge(adapter, out)
+    return out
+
+
 def task_of(x: Example, model: str) -> PromptTask:
     prompt = RenderedPrompt(
         messages=x.messages,
@@ -105,7 +119,7 @@ def measure(workdir: Path, served: ServedModel, model: str, examples: list[Examp
 def run_serving(adapter: Path, data: Path, calls: int, workdir: Path) -> dict[str, Any]:
     examples = [x for x in read_examples(data, ["test"]) if x.source == "sample"][:calls]
     name = adapter.name
-    merged = merge(adapter, workdir / "merged" / name)
+    merged = merged_model(adapter)
     result = {
         "adapter": str(adapter.relative_to(REPO)) if adapter.is_relative_to(REPO) else str(adapter),
         "prompts": len(examples),
