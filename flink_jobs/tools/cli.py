@@ -112,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
         "--adapter",
         type=Path,
         default=None,
-        help="serve this LoRA adapter (a distill train folder) and prompt every shopper with"
+        help="serve this adapter (a distill train folder, merged into a model folder) and"
+        " prompt every shopper with"
         f" {ADAPTER_TEMPLATE} through it (default: v3 with the base model)",
     )
     sub.add_parser("run", help="run the job against the configured endpoints")
@@ -212,15 +213,17 @@ def run_demo(args: argparse.Namespace) -> int:
 
 
 def _served_adapter(adapter: Path | None):
-    """The workers' model: the base alone, or with ``adapter`` as a LoRA module named
-    after its folder."""
+    """The workers' model: the base (None), or ``adapter`` merged into a model folder and
+    served under the adapter folder's name (on a CPU twice as fast as a LoRA module:
+    docs/distillation.md)."""
+    from flink_jobs.tools.distill.serving import merged_model
     from flink_jobs.tools.embedded_stack import ServedModel
 
     if adapter is None:
         return None
     if not (adapter / "adapter_config.json").exists():
         raise SystemExit(f"--adapter {adapter}: no adapter_config.json (distill train writes one)")
-    return ServedModel(lora=((adapter.name, adapter.resolve()),), max_lora_rank=16)
+    return ServedModel(name=adapter.name, model_dir=merged_model(adapter))
 
 
 def _overrides_of(config) -> dict:

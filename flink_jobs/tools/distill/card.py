@@ -94,22 +94,27 @@ def _card_lines(name, training, summary, results, plotted) -> list[str]:
         "",
         "What it does: answers the compact prompt (`prompts/shopper_intent_compact.j2`) with an",
         "intent learned from what shoppers did next (`flink_jobs/tools/distill/hindsight.py`).",
-        f"Served by vLLM as a LoRA module named `{name}` (`shopper-intents eval --templates",
-        f"shopper_intent_compact.j2@{name}`, or `prompt.arms` in the job).",
+        f"Served by vLLM under the name `{name}`: merged into a model folder by",
+        "`scripts/setup.sh` (`<cache>/models/<name>-merged`; on a CPU twice as fast as a LoRA",
+        "module, `bench/results/distill_serving.json`), or as a LoRA module (`eval --serve lora`).",
+        f"Arms: `shopper-intents eval --templates shopper_intent_compact.j2@{name}`,",
+        f"`demo --adapter adapters/{name}`, or `prompt.arms` in the job.",
         "",
         "## Training",
         "",
         f"- Command: `{training.get('command', 'shopper-intents distill train')}`",
         f"- LoRA rank {lora['rank']}, alpha {lora['alpha']}, on {', '.join(lora['target_modules'])}"
         f" of layers {lora.get('layers_from', 0)} and up; weights stored in bf16.",
-        f"- Examples: {training['train_examples']} train ({_by(training['train_by_source'])}),"
+        f"- Examples: {training['train_examples']} train"
+        f" (drawn: {_by(training['train_by_source'])}),"
         f" {training['val_examples']} validation ({_by(training['val_by_source'])});"
         f" {training.get('train_examples_too_long', 0)} train examples over"
         f" {settings.get('max_tokens', '?')} tokens left out. The test split is never read.",
         f"- Steps: {training['steps']} of {training['total_steps_planned']} planned"
         f" ({training['steps_per_epoch']} per epoch), batch up to {settings['batch_size']}"
         f" examples / {settings.get('batch_tokens', '?')} tokens, AdamW at {settings['lr']},"
-        f" seed {settings['seed']}; stopped by: {training['stopped_by']}.",
+        f" seed {settings['seed']}; {training.get('examples_seen', '?')} examples seen;"
+        f" stopped by: {training['stopped_by']}.",
         f"- Validation loss: {_num(first_val)} at the first evaluation, best"
         f" {_num(training['best_val_loss'])} at step {training['best_step']} (the adapter kept).",
         f"- Time: {training['train_seconds'] / 60:.1f} min of training steps,"
