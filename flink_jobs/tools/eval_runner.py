@@ -28,9 +28,10 @@ host give the same figures, up to the order in which a worker batches requests.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -192,7 +193,9 @@ def run_arm(
     client = redis.Redis.from_url(config.redis.url)
     try:
         stats = read_stats(client, prefix)
-        writes = [w for w in read_writes(client, config.redis.notify_stream) if w.source == "model"]
+        writes = one_write_per_point(
+            w for w in read_writes(client, config.redis.notify_stream) if w.source == "model"
+        )
         latency = latency_summary(read_samples(client, prefix, "llm_latency_ms"))
     finally:
         client.close()
@@ -221,6 +224,18 @@ def run_arm(
     refused = refused_answers(config, stats)
     log.info("arm %s: %d model writes in %.0f s", arm_name, len(writes), elapsed)
     return ArmRun(arm_name, prefix, writes, stats, cost, elapsed, dead, refused)
+
+
+def one_write_per_point(
+    writes: Iterable[intent_eval.IntentWrite],
+) -> list[intent_eval.IntentWrite]:
+    """The newest write of each trigger point (shopper, version): a bounded job whose task
+    restarts reads the topic again and answers some prompts twice, and a point is scored
+    once."""
+    latest: dict[tuple[str, int], intent_eval.IntentWrite] = {}
+    for w in writes:
+        latest[(w.shopper_id, w.version_ts)] = w
+    return list(latest.values())
 
 
 def refused_answers(config: Any, stats: dict[str, int]) -> list[dict[str, Any]]:
@@ -257,6 +272,7 @@ def common_points(arms: Sequence[ArmRun]) -> set[tuple[str, int]]:
 def score(
     events: Sequence[ShopperEvent], arms: Sequence[ArmRun], session_gap_s: float
 ) -> dict[str, Any]:
+    arms = [dataclasses.replace(a, writes=one_write_per_point(a.writes)) for a in arms]
     common = common_points(arms)
     every = [w for arm in arms for w in arm.writes]
     shared = [w for w in every if (w.shopper_id, w.version_ts) in common]
@@ -651,6 +667,7 @@ def rescore(dataset: str, out_dir: Path) -> int:
         for a in document["arms"]
     ]
     document["scores"] = score(events, arms, load_config(environ={}).session.gap_s)
+    document["targets"] = judge_targets(document)
     write_results(dataset, document, out_dir)
     print(document["scores"]["table_same"])
     return 0

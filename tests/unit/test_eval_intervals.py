@@ -116,3 +116,15 @@ def test_a_purchase_auc_gain_under_the_limit_is_missed():
 
     assert targets["adapter answer - rules, purchase_auc gain"]["met"] is False
     assert targets["adapter answer - rules, purchase_auc: 95 % interval's low end"]["met"] is False
+
+
+def test_a_trigger_point_answered_twice_is_scored_once_with_its_newest_answer():
+    from flink_jobs.tools.eval_runner import one_write_per_point
+    from flink_jobs.tools.intent_eval import IntentWrite
+    from intent_reader.client import IntentLabel
+
+    first = IntentWrite("s1", 10, (IntentLabel("browsing", 0.5),))
+    again = IntentWrite("s1", 10, (IntentLabel("comparing_options", 0.6),))
+    other = IntentWrite("s1", 20, (IntentLabel("browsing", 0.5),))
+
+    assert one_write_per_point([first, other, again]) == [again, other]
