@@ -56,6 +56,8 @@ log = logging.getLogger(__name__)
 RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
 DEFAULT_TEMPLATES = ("shopper_intent_v1.j2", "shopper_intent_v2.j2", "shopper_intent_v3.j2")
 DEFAULT_SHOPPERS = 24
+#: Prompts queued or in flight per arm (``llm.capacity``): above any run's trigger points.
+EVAL_LLM_CAPACITY = 4096
 #: vLLM's counters read per arm (their deltas are the arm's cost).
 VLLM_COUNTERS = (
     "vllm:prompt_tokens",
@@ -180,6 +182,11 @@ def run_arm(
             **overrides["llm"],
             "latest_wins": False,
             "rules_first": False,
+            # Room for every trigger point's prompt: with every prompt answered and a slow
+            # model, a full outbox back-pressures the operator, its checkpoint barrier waits
+            # behind the model, and expired checkpoints fail the bounded job, which then
+            # reads the topic again (seen on a loaded 2-core host).
+            "capacity": max(overrides["llm"].get("capacity", 0), EVAL_LLM_CAPACITY),
             **({"model": arm.model} if arm.model else {}),
         },
     }
