@@ -201,9 +201,10 @@ def main(argv: list[str] | None = None) -> int:
     val_rows = choose(read_split(args.data, "val"), {}, args.val_examples, args.seed + 1)
     if not train_rows or not val_rows:
         raise SystemExit(f"{args.data}: no train or no validation examples")
-    train = [encode(tokenizer, r) for r in train_rows]
-    too_long = sum(1 for x in train if len(x[0]) > args.max_tokens)
-    train = [x for x in train if len(x[0]) <= args.max_tokens]
+    encoded = [(r, encode(tokenizer, r)) for r in train_rows]
+    too_long = sum(1 for _, x in encoded if len(x[0]) > args.max_tokens)
+    train_rows = [r for r, x in encoded if len(x[0]) <= args.max_tokens]
+    train = [x for _, x in encoded if len(x[0]) <= args.max_tokens]
     val = [x for x in (encode(tokenizer, r) for r in val_rows) if len(x[0]) <= args.max_tokens]
     plan = batches(train, args.batch_size, args.batch_tokens, args.seed)
     steps_per_epoch = len(plan)
