@@ -142,6 +142,12 @@ class LlmConfig:
     # The HTTP proxy the calls go through; empty: the one the environment names, as
     # other HTTP clients read it (llm_client.proxy_for). May carry credentials.
     proxy_url: str = field(default="", repr=False)
+    # Ask for the answer's token log-probabilities and make each label's confidence the
+    # model's probability of it (core.intents.with_label_scores): a ranking score from the
+    # model, not the digits it wrote. top_logprobs: alternatives read per token (vLLM's
+    # default allows up to 20).
+    label_scores: bool = True
+    top_logprobs: int = 20
 
     def validate(self) -> None:
         _http_url(self.base_url, "llm", "base_url")
@@ -157,6 +163,11 @@ class LlmConfig:
             "poll_interval_s",
         ):
             _positive(getattr(self, name), "llm", name)
+        if self.label_scores and not 1 <= self.top_logprobs <= 20:
+            raise ConfigError(
+                f"llm.top_logprobs: {self.top_logprobs} is outside 1-20 (what vLLM serves by"
+                " default); lower it or set llm.label_scores=false"
+            )
 
 
 @dataclass(frozen=True)

@@ -144,6 +144,29 @@ if ! stamp_ok model "$MODEL_KEY" || [[ ! -f "$MODEL_DIR/config.json" ]]; then
   stamp_set model "$MODEL_KEY"
 fi
 
+# --- peft, for the distilled adapter: training (distill train) and merging ---
+PEFT_SPEC="peft>=0.13,<1"
+if ! stamp_ok peft "$PEFT_SPEC"; then
+  log "installing $PEFT_SPEC into the vLLM venv"
+  "$CACHE/vllm-venv/bin/pip" install -q "$PEFT_SPEC"
+  stamp_set peft "$PEFT_SPEC"
+fi
+
+# --- the distilled adapter merged into a model folder: on a CPU it serves about twice as
+# fast as the same adapter as a LoRA module (docs/distillation.md, "Serving") ---
+ADAPTER_DIR="$ROOT/adapters/si-compact-lora"
+MERGED_DIR="$CACHE/models/si-compact-lora-merged"
+if [[ -f "$ADAPTER_DIR/adapter_model.safetensors" ]]; then
+  MERGED_KEY="$(hash_of "$ADAPTER_DIR"/adapter_model.safetensors "$ADAPTER_DIR"/adapter_config.json \
+    "$ROOT/flink_jobs/tools/distill/merge_worker.py")"
+  if ! stamp_ok merged-adapter "$MERGED_KEY" || [[ ! -f "$MERGED_DIR/model.safetensors" ]]; then
+    log "merging the adapter si-compact-lora into $MERGED_DIR"
+    HF_HUB_OFFLINE=1 PYTHONPATH="$ROOT" "$CACHE/vllm-venv/bin/python" -m flink_jobs.tools.distill.merge_worker \
+      --base "$MODEL_DIR" --adapter "$ADAPTER_DIR" --out "$MERGED_DIR"
+    stamp_set merged-adapter "$MERGED_KEY"
+  fi
+fi
+
 # --- optional: vllm-router (Rust), the peer the routing benchmark measures against ---
 if [[ "${SI_WITH_BENCH:-0}" == "1" ]]; then
   if ! stamp_ok vllm-router-venv "$VLLM_ROUTER_SPEC" || [[ ! -x "$CACHE/vllm-router-venv/bin/vllm-router" ]]; then

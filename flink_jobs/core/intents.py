@@ -7,7 +7,10 @@ server was asked to follow. Only a valid intent ever reaches Redis.
 
 from __future__ import annotations
 
+import bisect
 import copy
+import math
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cache
@@ -99,3 +102,92 @@ def _strip_fences(text: str) -> str:
         if text.rstrip().endswith("```"):
             text = text.rstrip()[:-3]
     return text.strip()
+
+
+# --- the model's own ranking score: its label probabilities -----------------------------------
+
+#: The label that says a purchase is coming (the eval's purchase foresight reads it).
+PURCHASE_OUTLOOK = "ready_to_buy"
+_LABEL_KEY = re.compile(r'"label"\s*:\s*"')
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """One generated token with its log-probability and the top alternatives' (as the
+    OpenAI-compatible ``logprobs.content`` lists them)."""
+
+    token: str
+    logprob: float
+    top: tuple[tuple[str, float], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class LabelChoice:
+    """Where the answer chose a label: the label written, and the probability the model gave
+    every label there (its alternatives' tokens, renormalised over the labels)."""
+
+    chosen: str
+    probabilities: dict[str, float]
+
+
+def label_choices(tokens: Sequence[TokenLogprob], labels: Sequence[str]) -> list[LabelChoice]:
+    """The answer's label choices in the order written. A label's probability at a choice is
+    the summed probability of the alternative tokens that start it and no other label (a
+    token shared by several labels' starts says nothing about which, and is left out)."""
+    text = "".join(t.token for t in tokens)
+    starts = []
+    offset = 0
+    for t in tokens:
+        starts.append(offset)
+        offset += len(t.token)
+    choices = []
+    for match in _LABEL_KEY.finditer(text):
+        at = match.end()
+        i = bisect.bisect_right(starts, at) - 1
+        if i < 0 or i >= len(tokens):
+            continue
+        if starts[i] + len(tokens[i].token) <= at:  # the label starts with the next token
+            i += 1
+            if i >= len(tokens):
+                continue
+        prefix = text[starts[i] : at]
+        written = text[at:].split('"', 1)[0]
+        alternatives = dict(tokens[i].top)
+        alternatives.setdefault(tokens[i].token, tokens[i].logprob)
+        mass: dict[str, float] = {}
+        for token, logprob in alternatives.items():
+            if not token.startswith(prefix) or len(token) == len(prefix):
+                continue
+            rest = token[len(prefix) :]
+            owners = [x for x in labels if x.startswith(rest) or rest.startswith(x + '"')]
+            if len(owners) == 1:
+                mass[owners[0]] = mass.get(owners[0], 0.0) + math.exp(logprob)
+        total = sum(mass.values())
+        if written in labels and total > 0:
+            choices.append(LabelChoice(written, {k: v / total for k, v in mass.items()}))
+    return choices
+
+
+def with_label_scores(
+    intent: Intent, choices: Sequence[LabelChoice], max_intents: int = 3
+) -> Intent:
+    """``intent`` with each label's confidence the model's probability of that label where
+    it chose it (``label_choices``), so that intents rank by the model's own belief rather
+    than the digits it wrote. When the answer does not name ``ready_to_buy`` and has room,
+    it is added, without a category, at the probability the model gave it at the first
+    choice: every answer then carries the model's purchase outlook. No choice read: the
+    intent as it is."""
+    if not choices:
+        return intent
+    chosen = {c.chosen: c.probabilities.get(c.chosen, 0.0) for c in reversed(choices)}
+    items = [
+        {**item, "confidence": round(chosen[item["label"]], 4)} if item["label"] in chosen else item
+        for item in intent.body["intents"]
+    ]
+    outlook = choices[0].probabilities.get(PURCHASE_OUTLOOK, 0.0)
+    if len(items) < max_intents and all(i["label"] != PURCHASE_OUTLOOK for i in items):
+        items.append({"label": PURCHASE_OUTLOOK, "confidence": round(outlook, 4)})
+    items.sort(key=lambda i: -i["confidence"])
+    body = {**intent.body, "intents": items}
+    top = items[0]
+    return Intent(body, top["label"], float(top["confidence"]), intent.summary, intent.source)

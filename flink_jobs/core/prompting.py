@@ -31,7 +31,7 @@ import orjson
 from flink_jobs.config import PromptConfig
 from flink_jobs.core.arms import Arm, assign_arm, parse_arms
 from flink_jobs.core.events import load_schema, pickled_by_fields
-from flink_jobs.core.grounding import GroundedFacts, grounded_facts, rules_intent
+from flink_jobs.core.grounding import GroundedFacts, grounded_facts, leaf_category, rules_intent
 from flink_jobs.core.session import SessionState
 from flink_jobs.paths import resource_dir
 
@@ -125,6 +125,9 @@ class PromptRenderer:
             keep_trailing_newline=False,
         )
         self._env.filters["untrusted"] = lambda v: untrusted(v, config.max_text_chars)
+        # A catalogue path's last level, sanitised (grounding.leaf_category): compact
+        # templates name a category by its leaf only.
+        self._env.filters["leaf"] = leaf_category
         try:
             self._template = self._env.get_template(config.template)
         except jinja2.TemplateNotFound as exc:

@@ -28,7 +28,14 @@ import redis
 from flink_jobs.config import AppConfig
 from flink_jobs.core.events import DeadLetter
 from flink_jobs.core.grounding import category_is_grounded, reconcile
-from flink_jobs.core.intents import Intent, IntentError, parse_intent
+from flink_jobs.core.intents import (
+    Intent,
+    IntentError,
+    label_choices,
+    parse_intent,
+    with_label_scores,
+)
+from flink_jobs.core.prompting import intent_labels
 from flink_jobs.core.tasks import PromptTask, TaskResult
 from flink_jobs.runtime.intent_store import (
     AsyncIntentStore,
@@ -119,6 +126,10 @@ async def ask(
         latency_s += answer.latency_s
         prompt_tokens += answer.completion.prompt_tokens
         parsed = parse_intent(answer.text)
+        if not isinstance(parsed, IntentError) and answer.completion.logprobs:
+            parsed = with_label_scores(
+                parsed, label_choices(answer.completion.logprobs, intent_labels())
+            )
         if not isinstance(parsed, IntentError):
             if task.categories and not category_is_grounded(parsed, task.categories):
                 return TaskResult(

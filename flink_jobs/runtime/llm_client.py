@@ -37,7 +37,7 @@ import orjson
 from httpx_aiohttp import AiohttpTransport
 
 from flink_jobs.config import LlmConfig, redact_url
-from flink_jobs.core.intents import intent_response_format
+from flink_jobs.core.intents import TokenLogprob, intent_response_format
 from flink_jobs.core.prompting import RenderedPrompt
 
 log = logging.getLogger(__name__)
@@ -87,6 +87,8 @@ class Completion:
     completion_tokens: int = 0
     model: str = ""
     finish_reason: str = ""
+    # The generated tokens with their log-probabilities, when asked for (llm.label_scores).
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,6 +122,9 @@ def build_request(
     }
     if config.guided_json:
         body["response_format"] = intent_response_format(categories or None)
+    if config.label_scores:
+        body["logprobs"] = True
+        body["top_logprobs"] = config.top_logprobs
     return headers, orjson.dumps(body)
 
 
@@ -158,6 +163,23 @@ def read_answer(payload: bytes) -> Completion:
         int(usage.get("completion_tokens") or 0),
         doc.get("model", ""),
         choice.get("finish_reason") or "",
+        _token_logprobs(choice.get("logprobs")),
+    )
+
+
+def _token_logprobs(logprobs: Any) -> tuple[TokenLogprob, ...]:
+    """The ``logprobs.content`` of a chat choice (none when absent or not as expected: the
+    answer then keeps the confidences it wrote)."""
+    content = logprobs.get("content") if isinstance(logprobs, dict) else None
+    if not isinstance(content, list):
+        return ()
+    return tuple(
+        TokenLogprob(
+            str(t["token"]),
+            float(t["logprob"]),
+            tuple((str(a["token"]), float(a["logprob"])) for a in t.get("top_logprobs") or ()),
+        )
+        for t in content
     )
 
 

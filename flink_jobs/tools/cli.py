@@ -15,6 +15,10 @@
 ``shopper-intents eval``
     Runs the job bounded with the real model once per template arm over the same events
     and scores every intent against what the shopper did next (``eval_runner``).
+
+``shopper-intents distill data|train``
+    Builds training examples from recorded events (trigger points, compact prompts,
+    hindsight targets) and trains a LoRA adapter on them (``distill``).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import redis
 from flink_jobs.config import ConfigError, load_config
 from flink_jobs.paths import cache_dir, resource_dir
 from flink_jobs.tools import eval_runner
+from flink_jobs.tools.distill import commands as distill_commands
 from flink_jobs.tools.embedded_stack import LLM_NICENESS
 from flink_jobs.tools.local_services import stop_on_sigterm
 from flink_jobs.tools.run_summary import (
@@ -49,6 +54,8 @@ from flink_jobs.tools.run_summary import (
 log = logging.getLogger("shopper-intents")
 
 DEFAULT_SAMPLE = resource_dir("sample") / "sample_sessions.jsonl"
+#: The template the distilled adapter was trained on (flink_jobs/tools/distill/).
+ADAPTER_TEMPLATE = "shopper_intent_compact.j2"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -101,8 +108,17 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument(
         "--timeout", type=float, default=1200.0, help="give up after this many seconds"
     )
+    demo.add_argument(
+        "--adapter",
+        type=Path,
+        default=None,
+        help="serve this adapter (a distill train folder, merged into a model folder) and"
+        " prompt every shopper with"
+        f" {ADAPTER_TEMPLATE} through it (default: v3 with the base model)",
+    )
     sub.add_parser("run", help="run the job against the configured endpoints")
     eval_runner.add_parser(sub)
+    distill_commands.add_parser(sub)
     args = parser.parse_args(argv)
     stop_on_sigterm()
     logging.basicConfig(
@@ -118,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.command == "eval":
             return eval_runner.run_eval(args)
+        if args.command == "distill":
+            return distill_commands.run(args)
         return run_demo(args)
     except ConfigError as exc:
         log.error("configuration error: %s", exc)
@@ -168,10 +186,15 @@ def run_demo(args: argparse.Namespace) -> int:
                     llm_niceness=args.llm_niceness,
                     llm_cores=args.llm_cores,
                     partitions=max(EVENTS_PARTITIONS, args.parallelism or 0, args.taskmanagers),
+                    llm_model=_served_adapter(args.adapter),
                 )
             )
             overrides = stack.config_overrides()
             overrides["kafka"]["starting_offsets"] = "earliest"
+            if args.adapter is not None:
+                # The adapter's arm for every shopper: its compact template, its model.
+                overrides["prompt"] = {"template": ADAPTER_TEMPLATE}
+                overrides["llm"]["model"] = args.adapter.name
             config = load_config(overrides=overrides)
             worker_urls = stack.llm.worker_urls
         if args.taskmanagers > 0:
@@ -187,6 +210,20 @@ def run_demo(args: argparse.Namespace) -> int:
             job = create_job(config).execute_async(config.job.name)
             resources.callback(_cancel, job)
         return _watch(args, config, worker_urls, records, workdir)
+
+
+def _served_adapter(adapter: Path | None):
+    """The workers' model: the base (None), or ``adapter`` merged into a model folder and
+    served under the adapter folder's name (on a CPU twice as fast as a LoRA module:
+    docs/distillation.md)."""
+    from flink_jobs.tools.distill.serving import merged_model
+    from flink_jobs.tools.embedded_stack import ServedModel
+
+    if adapter is None:
+        return None
+    if not (adapter / "adapter_config.json").exists():
+        raise SystemExit(f"--adapter {adapter}: no adapter_config.json (distill train writes one)")
+    return ServedModel(name=adapter.name, model_dir=merged_model(adapter))
 
 
 def _overrides_of(config) -> dict:

@@ -60,6 +60,32 @@ EVENTS_PARTITIONS = 2
 _REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
+@dataclass(frozen=True)
+class ServedModel:
+    """What the vLLM workers serve: a model folder under a name (default: the cache's
+    SmolLM2-135M-Instruct), and LoRA adapters by name (``{name: folder}``), which a request
+    selects with ``"model": name``."""
+
+    name: str = ""
+    model_dir: Path | None = None
+    lora: tuple[tuple[str, Path], ...] = ()
+    max_lora_rank: int = 16
+
+    def worker_args(self) -> tuple[str, ...]:
+        if not self.lora:
+            return ()
+        modules = [f"{name}={path}" for name, path in self.lora]
+        return (
+            "--enable-lora",
+            "--lora-modules",
+            *modules,
+            "--max-lora-rank",
+            str(self.max_lora_rank),
+            "--max-loras",
+            str(len(self.lora)),
+        )
+
+
 @dataclass
 class LlmTier:
     """vLLM workers plus the router; ``base_url`` is what the job talks to."""
@@ -84,10 +110,19 @@ def start_llm_tier(
     ready_timeout_s: float = 300.0,
     niceness: int = LLM_NICENESS,
     cores: tuple[int, ...] = (),
+    model: ServedModel | None = None,
 ) -> LlmTier:
     """Start ``workers`` vLLM workers (at ``niceness``, pinned round-robin to ``cores``,
-    default every core we may use) and the router in front of them."""
-    from inference_sidecar.workers import ClusterConfig, WorkerProcesses, find_free_port_range
+    default every core we may use) and the router in front of them; ``model``: what they
+    serve (default: the cache's SmolLM2-135M-Instruct alone)."""
+    from inference_sidecar.workers import (
+        DEFAULT_MODEL_NAME,
+        ClusterConfig,
+        WorkerProcesses,
+        find_free_port_range,
+    )
+
+    model = model or ServedModel()
 
     workdir.mkdir(parents=True, exist_ok=True)
     exit_stack = ExitStack()
@@ -102,6 +137,9 @@ def start_llm_tier(
                 kv_cache_bytes=KV_CACHE_BYTES,
                 niceness=niceness,
                 cores=cores,
+                model_dir=model.model_dir,
+                served_model_name=model.name or DEFAULT_MODEL_NAME,
+                extra_args=model.worker_args(),
             ),
             ready_timeout_s=ready_timeout_s,
         )
@@ -255,6 +293,7 @@ def start_embedded_stack(
     partitions: int = EVENTS_PARTITIONS,
     llm_niceness: int = LLM_NICENESS,
     llm_cores: tuple[int, ...] = (),
+    llm_model: ServedModel | None = None,
 ) -> EmbeddedStack:
     exit_stack = ExitStack()
     started = time.monotonic()
@@ -267,7 +306,9 @@ def start_embedded_stack(
         log.info(
             "starting %d vLLM worker(s) and the router (about a minute on a CPU)...", llm_workers
         )
-        llm = start_llm_tier(workdir / "llm", llm_workers, niceness=llm_niceness, cores=llm_cores)
+        llm = start_llm_tier(
+            workdir / "llm", llm_workers, niceness=llm_niceness, cores=llm_cores, model=llm_model
+        )
         exit_stack.callback(llm.stop)
         log.info("LLM tier ready at %s (workers %s)", llm.base_url, ", ".join(llm.worker_urls))
     except BaseException:

@@ -28,9 +28,10 @@ host give the same figures, up to the order in which a worker batches requests.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,13 +43,21 @@ from flink_jobs.config import load_config
 from flink_jobs.core.events import ShopperEvent, decode_event
 from flink_jobs.paths import cache_dir, resource_dir
 from flink_jobs.tools import intent_eval
-from flink_jobs.tools.run_summary import read_stats, read_vllm_totals
+from flink_jobs.tools.embedded_stack import ServedModel
+from flink_jobs.tools.run_summary import (
+    latency_summary,
+    read_samples,
+    read_stats,
+    read_vllm_totals,
+)
 
 log = logging.getLogger(__name__)
 
 RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
 DEFAULT_TEMPLATES = ("shopper_intent_v1.j2", "shopper_intent_v2.j2", "shopper_intent_v3.j2")
 DEFAULT_SHOPPERS = 24
+#: Prompts queued or in flight per arm (``llm.capacity``): above any run's trigger points.
+EVAL_LLM_CAPACITY = 4096
 #: vLLM's counters read per arm (their deltas are the arm's cost).
 VLLM_COUNTERS = (
     "vllm:prompt_tokens",
@@ -61,7 +70,7 @@ VLLM_COUNTERS = (
 
 @dataclass
 class ArmRun:
-    template: str
+    template: str  # the arm: ``template[@model]`` (core.arms)
     prefix: str
     writes: list[intent_eval.IntentWrite]
     stats: dict[str, int]
@@ -75,13 +84,25 @@ class ArmRun:
 # --- the events ------------------------------------------------------------------------------
 
 
-def select_records(path: Path, shoppers: int) -> list[bytes]:
+def select_records(path: Path, shoppers: int, split: str = "") -> list[bytes]:
     """The records of the first ``shoppers`` shoppers of the file (0: all), bad ones dropped:
-    the eval scores intents, the bad records have their own tests."""
+    the eval scores intents, the bad records have their own tests. ``split``: only the
+    shoppers of that distillation split (``distill.splits``; the test split for a model
+    trained on the others)."""
     from flink_jobs.tools.cli import first_shoppers
+    from flink_jobs.tools.distill.splits import split_of
     from flink_jobs.tools.replay import read_records
 
-    kept = first_shoppers(read_records(path), shoppers)
+    records = read_records(path)
+    if split:
+        records = [
+            r
+            for r in records
+            if (doc := _parsed(r.value)) is not None
+            and isinstance(doc.get("shopper_id"), str)
+            and split_of(doc["shopper_id"]) == split
+        ]
+    kept = first_shoppers(records, shoppers)
     return [r.value for r in kept if _parsed(r.value) is not None]
 
 
@@ -130,15 +151,20 @@ def read_writes(client: redis.Redis, stream: str) -> list[intent_eval.IntentWrit
 
 
 def run_arm(
-    template: str,
+    arm_name: str,
     index: int,
     topic: str,
     expected_events: int,
     overrides: dict[str, dict[str, Any]],
     workers: list[str],
 ) -> ArmRun:
+    """One arm (``template[@model]``) run bounded over ``topic``; ``overrides["llm"]`` says
+    which LLM tier serves it."""
+    from flink_jobs.core.arms import parse_arms
     from flink_jobs.job import create_job
 
+    (arm,) = parse_arms(f"{arm_name}:1", arm_name)
+    template = arm.template
     prefix = f"eval{index}-{time.strftime('%H%M%S')}"
     arm = {
         **overrides,
@@ -152,7 +178,17 @@ def run_arm(
         },
         "redis": {**overrides["redis"], "key_prefix": prefix, "notify_stream": f"{prefix}:updates"},
         "prompt": {"template": template},
-        "llm": {**overrides["llm"], "latest_wins": False, "rules_first": False},
+        "llm": {
+            **overrides["llm"],
+            "latest_wins": False,
+            "rules_first": False,
+            # Room for every trigger point's prompt: with every prompt answered and a slow
+            # model, a full outbox back-pressures the operator, its checkpoint barrier waits
+            # behind the model, and expired checkpoints fail the bounded job, which then
+            # reads the topic again (seen on a loaded 2-core host).
+            "capacity": max(overrides["llm"].get("capacity", 0), EVAL_LLM_CAPACITY),
+            **({"model": arm.model} if arm.model else {}),
+        },
     }
     config = load_config(overrides=arm)
     before = read_vllm_counters(workers)
@@ -164,7 +200,10 @@ def run_arm(
     client = redis.Redis.from_url(config.redis.url)
     try:
         stats = read_stats(client, prefix)
-        writes = [w for w in read_writes(client, config.redis.notify_stream) if w.source == "model"]
+        writes = one_write_per_point(
+            w for w in read_writes(client, config.redis.notify_stream) if w.source == "model"
+        )
+        latency = latency_summary(read_samples(client, prefix, "llm_latency_ms"))
     finally:
         client.close()
     if stats.get("events_in", 0) < expected_events:
@@ -185,11 +224,25 @@ def run_arm(
         "prompt_tokens_per_call": delta["prompt_tokens"] / max(1.0, delta["request_success"]),
         "computed_prompt_tokens_per_call": (delta["prompt_tokens"] - delta["prefix_cache_hits"])
         / max(1.0, delta["request_success"]),
+        "output_tokens_per_call": delta["generation_tokens"] / max(1.0, delta["request_success"]),
+        "llm_latency_s": latency,
     }
     dead = {k: v for k, v in stats.items() if k.startswith("dead_letter")}
     refused = refused_answers(config, stats)
-    log.info("arm %s: %d model writes in %.0f s", template, len(writes), elapsed)
-    return ArmRun(template, prefix, writes, stats, cost, elapsed, dead, refused)
+    log.info("arm %s: %d model writes in %.0f s", arm_name, len(writes), elapsed)
+    return ArmRun(arm_name, prefix, writes, stats, cost, elapsed, dead, refused)
+
+
+def one_write_per_point(
+    writes: Iterable[intent_eval.IntentWrite],
+) -> list[intent_eval.IntentWrite]:
+    """The newest write of each trigger point (shopper, version): a bounded job whose task
+    restarts reads the topic again and answers some prompts twice, and a point is scored
+    once."""
+    latest: dict[tuple[str, int], intent_eval.IntentWrite] = {}
+    for w in writes:
+        latest[(w.shopper_id, w.version_ts)] = w
+    return list(latest.values())
 
 
 def refused_answers(config: Any, stats: dict[str, int]) -> list[dict[str, Any]]:
@@ -226,12 +279,14 @@ def common_points(arms: Sequence[ArmRun]) -> set[tuple[str, int]]:
 def score(
     events: Sequence[ShopperEvent], arms: Sequence[ArmRun], session_gap_s: float
 ) -> dict[str, Any]:
+    arms = [dataclasses.replace(a, writes=one_write_per_point(a.writes)) for a in arms]
     common = common_points(arms)
     every = [w for arm in arms for w in arm.writes]
     shared = [w for w in every if (w.shopper_id, w.version_ts) in common]
     all_writes = intent_eval.evaluate(events, every, session_gap_s=session_gap_s)
     like = intent_eval.evaluate(events, shared, session_gap_s=session_gap_s)
     return {
+        "differences": differences(events, arms, shared, session_gap_s),
         "common_points": len(common),
         "own_writes": all_writes.as_dict(),
         "same_writes": like.as_dict(),
@@ -240,6 +295,122 @@ def score(
         "grounded_categories": grounded_share(arms),
         "browsing_with_signal": {g.template: g.answer.browsing_with_signal for g in like.groups},
     }
+
+
+def arm_key(arm: ArmRun) -> tuple[str, str, str] | None:
+    """The (template, model, source) group its writes are scored under."""
+    w = next(iter(arm.writes), None)
+    return None if w is None else (w.template, w.model, w.source)
+
+
+def differences(
+    events: Sequence[ShopperEvent],
+    arms: Sequence[ArmRun],
+    shared: Sequence[intent_eval.IntentWrite],
+    session_gap_s: float,
+    resamples: int = 1000,
+) -> list[dict[str, Any]]:
+    """Over the trigger points every arm answered, each metric's difference with a 95 %
+    bootstrap interval over shoppers: every arm's answer and record against the rules-only
+    intent (and the answer against no intent, for re-ranking), and every later arm's answer
+    and record against the first arm's."""
+    per_group = intent_eval.point_scores(events, shared, session_gap_s=session_gap_s)
+    keyed = [(arm.template, arm_key(arm)) for arm in arms]
+    keyed = [(name, key) for name, key in keyed if key in per_group]
+    out: list[dict[str, Any]] = []
+
+    def add(name_a: str, arm_a: str, pa, name_b: str, arm_b: str, pb) -> None:
+        for metric in intent_eval.METRICS:
+            d = intent_eval.bootstrap_difference(pa, pb, metric, resamples=resamples)
+            if d.difference is None:
+                continue
+            out.append({"a": f"{name_a} {arm_a}", "b": f"{name_b} {arm_b}", **d.as_dict()})
+
+    for name, key in keyed:
+        scores = per_group[key]
+        for arm in ("answer", "record"):
+            add(name, arm, scores[arm], name, "rules", scores["rules"])
+        add(name, "answer", scores["answer"], name, "no_intent", scores["no_intent"])
+    if keyed:
+        first_name, first_key = keyed[0]
+        for name, key in keyed[1:]:
+            for arm in ("answer", "record"):
+                add(name, arm, per_group[key][arm], first_name, arm, per_group[first_key][arm])
+    return out
+
+
+#: The base model's v3 arm and the adapter's arm (a ``template@model`` arm) the targets
+#: compare; the issue's targets, each judged per dataset.
+V3_ARM = "shopper_intent_v3.j2"
+MIN_POINTS = 200
+MAX_PROMPT_TOKEN_RATIO = 0.3
+MAX_LATENCY_P50_RATIO = 0.5
+MIN_AUC_GAIN = 0.05
+
+
+def judge_targets(document: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each target of the adapter's arm on one dataset as name, value, limit, comparison
+    and met (empty without both a v3 arm and a ``template@model`` arm)."""
+    arms = {a["template"]: a for a in document["arms"]}
+    adapter = next((name for name in arms if "@" in name), None)
+    if V3_ARM not in arms or adapter is None:
+        return []
+    diffs = {(d["a"], d["b"], d["metric"]): d for d in document["scores"]["differences"]}
+    targets: list[dict[str, Any]] = []
+
+    def target(name: str, value: float | None, limit: float, comparison: str) -> None:
+        met = value is not None and (value >= limit if comparison == ">=" else value > limit)
+        if comparison == "<=":
+            met = value is not None and value <= limit
+        targets.append(
+            {"name": name, "value": value, "limit": limit, "comparison": comparison, "met": met}
+        )
+
+    for metric in intent_eval.METRICS:
+        d = diffs.get((f"{adapter} answer", f"{adapter} rules", metric))
+        if d is None:
+            continue
+        sign = -1 if metric in intent_eval.LOWER_IS_BETTER else 1
+        target(
+            f"adapter answer - rules, {metric} (better is positive)",
+            sign * d["difference"],
+            0.0,
+            ">=",
+        )
+    for metric in ("ndcg_at_10", "purchase_auc"):
+        d = diffs.get((f"{adapter} answer", f"{adapter} rules", metric))
+        target(f"adapter answer - rules, {metric}", d and d["difference"], 0.0, ">")
+        target(
+            f"adapter answer - rules, {metric}: 95 % interval's low end", d and d["low"], 0.0, ">"
+        )
+    d = diffs.get((f"{adapter} record", f"{V3_ARM} record", "ndcg_at_10"))
+    target("adapter record - v3 record, ndcg_at_10", d and d["difference"], 0.0, ">")
+    d = diffs.get((f"{adapter} answer", f"{adapter} rules", "purchase_auc"))
+    target("adapter answer - rules, purchase_auc gain", d and d["difference"], MIN_AUC_GAIN, ">=")
+    v3, ours = arms[V3_ARM]["cost"], arms[adapter]["cost"]
+    target(
+        "prompt tokens per call, adapter arm / v3 arm",
+        _ratio(ours["prompt_tokens_per_call"], v3["prompt_tokens_per_call"]),
+        MAX_PROMPT_TOKEN_RATIO,
+        "<=",
+    )
+    target(
+        "LLM latency p50, adapter arm / v3 arm",
+        _ratio(ours["llm_latency_s"]["p50"], v3["llm_latency_s"]["p50"]),
+        MAX_LATENCY_P50_RATIO,
+        "<=",
+    )
+    target(
+        "trigger points answered by every arm",
+        document["scores"]["common_points"],
+        MIN_POINTS,
+        ">=",
+    )
+    return targets
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or not b else a / b
 
 
 def grounded_share(arms: Sequence[ArmRun]) -> dict[str, dict[str, int]]:
@@ -284,20 +455,26 @@ def render_markdown(results: dict[str, Any]) -> str:
             "",
             doc["scores"]["table_own"],
             "",
-            "| arm | model writes | LLM calls | prompt tokens/call | computed/call | output tokens"
-            " | prefix-cache hit ratio | answers naming a category not engaged | dead letters |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+            "| arm | model writes | LLM calls | prompt tokens/call | computed/call"
+            " | output tokens/call | LLM latency p50 / p90 s | prefix-cache hit ratio"
+            " | answers naming a category not engaged | dead letters |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         ]
         for arm in doc["arms"]:
             c = arm["cost"]
             ratio = c["prefix_cache_hit_ratio"]
+            output = c.get("output_tokens_per_call", c["output_tokens"] / max(1, c["llm_calls"]))
+            latency = c.get("llm_latency_s") or {}
             lines.append(
                 f"| {arm['template']} | {arm['model_writes']} | {c['llm_calls']} "
                 f"| {c['prompt_tokens_per_call']:.0f} | {c['computed_prompt_tokens_per_call']:.0f} "
-                f"| {c['output_tokens']:.0f} | {'' if ratio is None else f'{ratio:.3f}'} "
+                f"| {output:.1f} | {_seconds(latency.get('p50'))} / {_seconds(latency.get('p90'))} "
+                f"| {'' if ratio is None else f'{ratio:.3f}'} "
                 f"| {arm['stats'].get('answers_ungrounded', 0)} | {arm['dead_letters']} |"
             )
         lines.append("")
+        lines += _difference_lines(doc["scores"].get("differences", ()))
+        lines += _target_lines(doc.get("targets", ()))
         for arm in doc["arms"]:
             for refused in arm.get("refused_answers", ()):
                 lines.append(
@@ -306,6 +483,47 @@ def render_markdown(results: dict[str, Any]) -> str:
                 )
         lines.append("")
     return "\n".join(lines)
+
+
+def _seconds(value: float | None) -> str:
+    return "" if value is None else f"{value:.2f}"
+
+
+def _difference_lines(diffs: Sequence[dict[str, Any]]) -> list[str]:
+    if not diffs:
+        return []
+    lines = [
+        "Differences over the points every arm answered, a minus b, with a 95 % bootstrap"
+        " interval (shoppers resampled with replacement, 1,000 times; for"
+        " browsing_with_signal lower is better):",
+        "",
+        "| a | b | metric | a | b | a - b | 95 % interval |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for d in diffs:
+        lines.append(
+            f"| {d['a']} | {d['b']} | {d['metric']} | {_cell3(d['a_value'])} "
+            f"| {_cell3(d['b_value'])} | {_cell3(d['difference'])} "
+            f"| [{_cell3(d['low'])}, {_cell3(d['high'])}] |"
+        )
+    return [*lines, ""]
+
+
+def _cell3(value: float | None) -> str:
+    return "" if value is None else f"{value:+.3f}" if value < 0 else f"{value:.3f}"
+
+
+def _target_lines(targets: Sequence[dict[str, Any]]) -> list[str]:
+    if not targets:
+        return []
+    lines = ["Targets (issue 44), this dataset:", "", "| target | value | limit | met |"]
+    lines.append("| --- | --- | --- | --- |")
+    for t in targets:
+        value = t["value"]
+        shown = "" if value is None else f"{value:.3f}" if isinstance(value, float) else str(value)
+        met = "yes" if t["met"] else "no"
+        lines.append(f"| {t['name']} | {shown} | {t['comparison']} {t['limit']} | {met} |")
+    return [*lines, ""]
 
 
 def _verdict_lines(groups: Sequence[dict[str, Any]]) -> list[str]:
@@ -456,6 +674,7 @@ def rescore(dataset: str, out_dir: Path) -> int:
         for a in document["arms"]
     ]
     document["scores"] = score(events, arms, load_config(environ={}).session.gap_s)
+    document["targets"] = judge_targets(document)
     write_results(dataset, document, out_dir)
     print(document["scores"]["table_same"])
     return 0
@@ -467,12 +686,12 @@ def rescore(dataset: str, out_dir: Path) -> int:
 def run_eval(args: argparse.Namespace) -> int:
     import platform
 
-    from flink_jobs.tools.embedded_stack import start_embedded_stack
+    from flink_jobs.tools.embedded_stack import start_embedded_stack, start_llm_tier
     from flink_jobs.tools.replay import replay_records
 
     if args.rescore:
         return rescore(args.dataset, args.out)
-    values = select_records(args.events, args.shoppers)
+    values = select_records(args.events, args.shoppers, args.split)
     now_ms = int(time.time() * 1000)
     records, events = moved_to_now(values, now_ms)
     shoppers = len({e.shopper_id for e in events})
@@ -480,22 +699,43 @@ def run_eval(args: argparse.Namespace) -> int:
     workdir = args.workdir or cache_dir() / "eval"
     topic = "eval-events"
     started = time.monotonic()
-    with start_embedded_stack(workdir, [topic], llm_workers=args.llm_workers) as stack:
+    served = served_model(args.templates, args.adapter, args.serve)
+    base_first = served if args.serve == "lora" else None
+    with start_embedded_stack(
+        workdir, [topic], llm_workers=args.llm_workers, llm_model=base_first
+    ) as stack:
         # One record per batch: the embedded broker (Tansu) reports a partition's end as its
         # last batch's first offset + 1, and a bounded job stops there (docs/event_time.md).
         one_per_batch = {"batch.num.messages": 1, "linger.ms": 0}
         summary = replay_records(stack.bootstrap, topic, records, extra_config=one_per_batch)
         if not summary.ok:
             raise RuntimeError(summary.describe(topic))
-        overrides = stack.config_overrides()
-        arms = [
-            run_arm(t, i, topic, len(records), overrides, stack.llm.worker_urls)
-            for i, t in enumerate(args.templates)
-        ]
+        arms = []
+        tier = stack.llm
+        for i, name in enumerate(args.templates):
+            if args.serve == "merged" and "@" in name and tier is stack.llm:
+                # The merged model is its own model folder: the same number of workers on
+                # the same cores serve it, once the base model's are stopped.
+                stack.llm.stop()
+                tier = start_llm_tier(workdir / "llm-merged", args.llm_workers, model=served)
+            overrides = {**stack.config_overrides(), "llm": tier.job_settings()}
+            arms.append(run_arm(name, i, topic, len(records), overrides, tier.worker_urls))
+        if tier is not stack.llm:
+            tier.stop()
     config = load_config(environ={})
     document = {
         "dataset": args.dataset,
         "events_file": str(args.events),
+        "split": args.split or None,
+        "served": {
+            "adapter": _from_repo(args.adapter) if any("@" in a for a in args.templates) else None,
+            "how": (
+                "the adapter as a LoRA module of the base model, one vLLM tier for every arm"
+                if args.serve == "lora"
+                else "the adapter merged into a model folder (merge_worker), served by the same"
+                " number of workers on the same cores after the base model's arms"
+            ),
+        },
         "events": len(events),
         "shoppers": shoppers,
         "when": time.strftime("%Y-%m-%d %H:%M"),
@@ -515,11 +755,39 @@ def run_eval(args: argparse.Namespace) -> int:
         ],
         "scores": score(events, arms, config.session.gap_s),
     }
+    document["targets"] = judge_targets(document)
     save_writes(args, now_ms, arms)
     path = write_results(args.dataset, document, args.out)
     print(document["scores"]["table_same"])
     print(f"\nwritten to {path} and {path.with_suffix('.md')}")
     return 0
+
+
+def served_model(arms: Sequence[str], adapter: Path, serve: str = "merged") -> ServedModel:
+    """What serves the ``template@model`` arms: ``adapter`` merged into a model folder under
+    the arm's model name (made in the cache by ``distill.merge_worker`` when missing), or
+    ``lora``: the base model with ``adapter`` as a LoRA module of that name. The arms'
+    models must all be that adapter."""
+    from flink_jobs.core.arms import parse_arms
+
+    models = {a.model for name in arms for a in parse_arms(f"{name}:1", name) if a.model}
+    if not models:
+        return ServedModel()
+    if len(models) > 1:
+        raise SystemExit(
+            f"arms name several models ({', '.join(sorted(models))}); one adapter is served"
+        )
+    if not (adapter / "adapter_config.json").exists():
+        raise SystemExit(
+            f"{adapter}: no adapter_config.json (shopper-intents distill train writes one)"
+        )
+    name = models.pop()
+    if serve == "merged":
+        from flink_jobs.tools.distill.serving import merged_model
+
+        return ServedModel(name=name, model_dir=merged_model(adapter))
+    rank = orjson.loads((adapter / "adapter_config.json").read_bytes()).get("r", 16)
+    return ServedModel(lora=((name, adapter.resolve()),), max_lora_rank=max(8, int(rank)))
 
 
 def add_parser(sub: Any) -> None:
@@ -541,7 +809,27 @@ def add_parser(sub: Any) -> None:
         "--templates",
         type=lambda s: tuple(t for t in s.split(",") if t),
         default=DEFAULT_TEMPLATES,
-        help="comma-separated template arms (default %(default)s)",
+        help="comma-separated arms, template[@model] (a model: the --adapter, served as a"
+        " LoRA module under that name; default %(default)s)",
+    )
+    p.add_argument(
+        "--split",
+        choices=("train", "val", "test"),
+        default="",
+        help="only the shoppers of this distillation split (distill.splits)",
+    )
+    p.add_argument(
+        "--adapter",
+        type=Path,
+        default=Path(__file__).resolve().parents[2] / "adapters" / "si-compact-lora",
+        help="LoRA adapter served for a template@model arm (default %(default)s)",
+    )
+    p.add_argument(
+        "--serve",
+        choices=("merged", "lora"),
+        default="merged",
+        help="how the adapter is served: merged into a model folder (faster on a CPU:"
+        " bench/results/distill_serving.json) or as a LoRA module (default %(default)s)",
     )
     p.add_argument("--llm-workers", type=int, default=2, help="vLLM workers (one core each)")
     p.add_argument("--workdir", type=Path, default=None, help="logs (default: <cache>/eval)")

@@ -446,85 +446,224 @@ def record_labels(p: _Point) -> tuple[IntentLabel, ...]:
     return labels_of(reconcile(answer, p.rules).body)
 
 
-def _score_group(key, points, catalogue, n_candidates, seed, purchase_labels) -> GroupReport:
-    template, model, source = key
-    arms = {
-        "answer": lambda p: p.write.labels,
-        "record": record_labels,
-        "rules": lambda p: labels_of(p.rules.body),
-    }
-    tallies = {arm: defaultdict(_Tally) for arm in arms}
-    means = {arm: defaultdict(_Mean) for arm in (*arms, "no_intent")}
-    auc_inputs: dict[str, tuple[list[float], list[bool]]] = {arm: ([], []) for arm in arms}
-    counts = defaultdict(int)
+@dataclass(frozen=True, slots=True)
+class PointScores:
+    """One write's figures for one arm; None where the metric does not apply to it."""
 
-    for p in points:
-        shopper = p.write.shopper_id
-        engaged = p.next_engagement
-        candidates = None
-        if engaged is not None:
-            # Seeded by the write's place in the shopper's events, not its time: the eval moves
-            # event times to the wall clock, and a rerun must draw the same candidates.
-            rng = random.Random(f"{seed}|{shopper}|{p.events_covered}")
-            candidates = draw_candidates(engaged.product_id, catalogue, n_candidates, rng)
-            rank = rank_of(engaged.product_id, candidates, None, shopper)
-            means["no_intent"]["ndcg_at_10"].values.append(ndcg_at(rank))
-            means["no_intent"]["recall_at_10"].values.append(float(rank <= TOP_K))
-        signal = bool(
-            p.facts.cart or p.facts.last_purchase or any(c.count >= 2 for c in p.facts.categories)
-        )
-        cart_left = p.session_ends and bool(p.facts.cart)
-        for arm, labels_of_point in arms.items():
-            labels = labels_of_point(p)
+    shopper_id: str
+    version_ts: int
+    purchase_after: bool
+    purchase_score: float | None = None  # None: the arm has no purchase foresight (no intent)
+    next_category_top1: float | None = None
+    next_category_any: float | None = None
+    post_purchase_consistency: float | None = None
+    abandoning_cart_consistency: float | None = None
+    ndcg_at_10: float | None = None
+    recall_at_10: float | None = None
+    browsing_with_signal: float | None = None
+
+
+def aggregate(points: Sequence[PointScores]) -> Scores:
+    """An arm's figures over ``points``: each metric's mean where it applies, and the ROC AUC
+    of the purchase scores."""
+    values: dict[str, float | None] = {}
+    for name in METRICS:
+        if name == "purchase_auc":
+            scored = [
+                (p.purchase_score, p.purchase_after) for p in points if p.purchase_score is not None
+            ]
+            values[name] = (
+                roc_auc([s for s, _ in scored], [b for _, b in scored]) if scored else None
+            )
+            continue
+        applicable = [getattr(p, name) for p in points if getattr(p, name) is not None]
+        values[name] = sum(applicable) / len(applicable) if applicable else None
+    return Scores(**values)
+
+
+ARMS = ("answer", "record", "rules", "no_intent")
+
+
+def _arm_labels(arm: str, p: _Point) -> tuple[IntentLabel, ...] | None:
+    if arm == "answer":
+        return p.write.labels
+    if arm == "record":
+        return record_labels(p)
+    if arm == "rules":
+        return labels_of(p.rules.body)
+    return None  # no intent
+
+
+def _point_scores(
+    p: _Point, catalogue, n_candidates: int, seed: int, purchase_labels
+) -> dict[str, PointScores]:
+    """Every arm's figures for one write (the same candidates for every arm)."""
+    shopper = p.write.shopper_id
+    engaged = p.next_engagement
+    candidates = None
+    if engaged is not None:
+        # Seeded by the write's place in the shopper's events, not its time: the eval moves
+        # event times to the wall clock, and a rerun must draw the same candidates.
+        rng = random.Random(f"{seed}|{shopper}|{p.events_covered}")
+        candidates = draw_candidates(engaged.product_id, catalogue, n_candidates, rng)
+    signal = bool(
+        p.facts.cart or p.facts.last_purchase or any(c.count >= 2 for c in p.facts.categories)
+    )
+    cart_left = p.session_ends and bool(p.facts.cart)
+    out = {}
+    for arm in ARMS:
+        labels = _arm_labels(arm, p)
+        figures: dict[str, Any] = {}
+        if engaged is not None and candidates is not None:
+            rank = rank_of(engaged.product_id, candidates, labels, shopper)
+            figures["ndcg_at_10"] = ndcg_at(rank)
+            figures["recall_at_10"] = float(rank <= TOP_K)
+        if labels is not None:
             top = labels[0].label if labels else ""
             categories = tuple(dict.fromkeys(x.category for x in labels if x.category))
-            t = tallies[arm]
             if engaged is not None and candidates is not None:
-                t["next_category_top1"].add(
+                figures["next_category_top1"] = float(
                     bool(categories) and category_matches(engaged.category, categories[0])
                 )
-                t["next_category_any"].add(
+                figures["next_category_any"] = float(
                     any(category_matches(engaged.category, c) for c in categories)
                 )
-                rank = rank_of(engaged.product_id, candidates, labels, shopper)
-                means[arm]["ndcg_at_10"].values.append(ndcg_at(rank))
-                means[arm]["recall_at_10"].values.append(float(rank <= TOP_K))
             if p.newest_type == "purchase":
-                t["post_purchase_consistency"].add(top == "post_purchase")
+                figures["post_purchase_consistency"] = float(top == "post_purchase")
             if cart_left:
-                t["abandoning_cart_consistency"].add(top == "abandoning_cart")
+                figures["abandoning_cart_consistency"] = float(top == "abandoning_cart")
             if signal:
-                t["browsing_with_signal"].add(top == "browsing")
-            auc_inputs[arm][0].append(purchase_score(labels, purchase_labels))
-            auc_inputs[arm][1].append(p.purchase_after)
+                figures["browsing_with_signal"] = float(top == "browsing")
+            figures["purchase_score"] = purchase_score(labels, purchase_labels)
+        out[arm] = PointScores(shopper, p.write.version_ts, p.purchase_after, **figures)
+    return out
+
+
+def _score_group(key, points, catalogue, n_candidates, seed, purchase_labels) -> GroupReport:
+    template, model, source = key
+    per_arm = _per_arm(points, catalogue, n_candidates, seed, purchase_labels)
+    counts = defaultdict(int)
+    for p in points:
+        engaged = p.next_engagement
         counts["followed_by_engagement"] += engaged is not None
         counts["next_category_offered"] += engaged is not None and any(
             category_matches(engaged.category, c) for c in session_category_enum(p.facts)
         )
         counts["purchase_after"] += p.purchase_after
         counts["just_purchased"] += p.newest_type == "purchase"
-        counts["cart_left"] += cart_left
-        counts["with_signal"] += signal
-
-    def scores(arm: str) -> Scores:
-        values: dict[str, float | None] = {
-            name: tally.share for name, tally in tallies.get(arm, {}).items()
-        }
-        values.update({name: m.mean for name, m in means[arm].items()})
-        if arm in auc_inputs:
-            values["purchase_auc"] = roc_auc(*auc_inputs[arm])
-        return Scores(**values)
-
+        counts["cart_left"] += p.session_ends and bool(p.facts.cart)
+        counts["with_signal"] += bool(
+            p.facts.cart or p.facts.last_purchase or any(c.count >= 2 for c in p.facts.categories)
+        )
     return GroupReport(
         template=template,
         model=model,
         source=source,
         counts=Counts(writes=len(points), **counts),
-        answer=scores("answer"),
-        record=scores("record"),
-        rules=scores("rules"),
-        no_intent=scores("no_intent"),
+        answer=aggregate(per_arm["answer"]),
+        record=aggregate(per_arm["record"]),
+        rules=aggregate(per_arm["rules"]),
+        no_intent=aggregate(per_arm["no_intent"]),
     )
+
+
+def _per_arm(
+    points, catalogue, n_candidates, seed, purchase_labels
+) -> dict[str, list[PointScores]]:
+    per_arm: dict[str, list[PointScores]] = {arm: [] for arm in ARMS}
+    for p in points:
+        for arm, scores in _point_scores(p, catalogue, n_candidates, seed, purchase_labels).items():
+            per_arm[arm].append(scores)
+    return per_arm
+
+
+def point_scores(
+    events: Iterable[ShopperEvent],
+    writes: Iterable[IntentWrite],
+    *,
+    candidates: int = DEFAULT_CANDIDATES,
+    seed: int = DEFAULT_SEED,
+    session_gap_s: float = SessionConfig().gap_s,
+    purchase_labels: tuple[str, ...] = PURCHASE_LABELS,
+) -> dict[tuple[str, str, str], dict[str, list[PointScores]]]:
+    """Per (template, model, source) group and arm, every write's figures (what
+    :func:`evaluate` aggregates), for intervals over shoppers (:func:`bootstrap_difference`)."""
+    by_shopper: dict[str, list[ShopperEvent]] = defaultdict(list)
+    for e in events:
+        by_shopper[e.shopper_id].append(e)
+    for shopper_events in by_shopper.values():
+        shopper_events.sort(key=lambda e: e.event_time_ms)
+    catalogue = _catalogue(by_shopper.values())
+    session = SessionConfig(gap_s=session_gap_s)
+    writes_by_shopper: dict[str, list[IntentWrite]] = defaultdict(list)
+    for w in writes:
+        writes_by_shopper[w.shopper_id].append(w)
+    groups: dict[tuple[str, str, str], list[_Point]] = defaultdict(list)
+    for shopper_id, shopper_writes in sorted(writes_by_shopper.items()):
+        for p in _points(by_shopper.get(shopper_id, []), shopper_writes, session):
+            groups[(p.write.template, p.write.model, p.write.source)].append(p)
+    return {
+        key: _per_arm(group, catalogue, candidates, seed, purchase_labels)
+        for key, group in sorted(groups.items())
+    }
+
+
+@dataclass(frozen=True, slots=True)
+class Difference:
+    """``a - b`` of one metric over the same writes, with a 95 % bootstrap interval."""
+
+    metric: str
+    a_value: float | None
+    b_value: float | None
+    difference: float | None
+    low: float | None
+    high: float | None
+    writes: int
+    resamples: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def bootstrap_difference(
+    a: Sequence[PointScores],
+    b: Sequence[PointScores],
+    metric: str,
+    *,
+    resamples: int = 1000,
+    seed: int = DEFAULT_SEED,
+) -> Difference:
+    """``metric`` of arm ``a`` minus arm ``b`` over the writes both scored (paired by
+    shopper and version), with the 2.5th and 97.5th percentiles of the difference over
+    ``resamples`` resamples of the shoppers with replacement (a shopper's writes move
+    together: they are not independent of each other)."""
+    b_by_point = {(p.shopper_id, p.version_ts): p for p in b}
+    pairs = [
+        (p, b_by_point[(p.shopper_id, p.version_ts)])
+        for p in a
+        if (p.shopper_id, p.version_ts) in b_by_point
+    ]
+
+    def value(scores: Sequence[PointScores]) -> float | None:
+        return getattr(aggregate(scores), metric)
+
+    va, vb = value([x for x, _ in pairs]), value([y for _, y in pairs])
+    diff = None if va is None or vb is None else va - vb
+    by_shopper: dict[str, list[tuple[PointScores, PointScores]]] = defaultdict(list)
+    for pair in pairs:
+        by_shopper[pair[0].shopper_id].append(pair)
+    shoppers = sorted(by_shopper)
+    rng = random.Random(f"bootstrap|{seed}|{metric}")
+    samples = []
+    for _ in range(resamples if diff is not None else 0):
+        chosen = [pair for s in rng.choices(shoppers, k=len(shoppers)) for pair in by_shopper[s]]
+        x, y = value([p for p, _ in chosen]), value([q for _, q in chosen])
+        if x is not None and y is not None:
+            samples.append(x - y)
+    samples.sort()
+    low = samples[int(0.025 * (len(samples) - 1))] if samples else None
+    high = samples[math.ceil(0.975 * (len(samples) - 1))] if samples else None
+    return Difference(metric, va, vb, diff, low, high, len(pairs), len(samples))
 
 
 # --- reporting -------------------------------------------------------------------------------
