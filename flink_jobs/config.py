@@ -33,6 +33,11 @@ from typing import Any, ClassVar
 
 MANAGED_FLINK_PROPERTIES = Path("/etc/flink/application_properties.json")
 ENV_PREFIX = "SI_"
+#: The model ``scripts/setup.sh`` installs under ``<cache>/models/`` and the job asks for
+#: by default (``llm.model``).
+BUNDLED_MODEL = "SmolLM2-135M-Instruct"
+#: ``prompt.tokenizer_path``'s default: the bundled model's folder when it is installed.
+AUTO_TOKENIZER = "auto"
 
 
 class ConfigError(ValueError):
@@ -202,9 +207,12 @@ class LlmConfig(_Section):
     group: ClassVar[str] = "llm"
 
     base_url: str = "http://127.0.0.1:8000/v1"
-    model: str = "SmolLM2-135M-Instruct"
+    model: str = BUNDLED_MODEL
     api_key: str = field(default="", repr=False)
     max_tokens: int = bounded(192, gt=0)
+    # The context of the model the workers serve (vLLM's --max-model-len): a prompt's
+    # tokens and max_tokens must fit in it together, or the server refuses the request.
+    max_model_len: int = bounded(4096, gt=0)
     temperature: float = bounded(0.0, ge=0, le=2)
     request_timeout_s: float = bounded(60.0, gt=0)
     # With full-jitter backoff (0.5 s doubling to 8 s) six attempts ride out about 8 s of
@@ -293,14 +301,32 @@ class PromptConfig(_Section):
 
     template: str = "shopper_intent_v3.j2"
     templates_dir: str = ""  # empty: the prompts/ folder shipped with the job
+    # The budget a rendered prompt is kept within (oldest events dropped first); with
+    # llm.max_tokens it must fit in llm.max_model_len.
     max_prompt_tokens: int = bounded(3500, gt=0)
     max_text_chars: int = bounded(120, gt=0)
+    # What counts the budget's tokens (core/token_budget.py): a model folder (its
+    # tokenizer.json and chat template) or a tokenizer.json, counted exactly; "auto" (the
+    # default): the bundled model's folder under the cache folder (<cache>/models/
+    # SmolLM2-135M-Instruct) when it is there, else the bound; empty: the bound, UTF-8
+    # bytes, which never undercounts but counts English about four times over. Serving
+    # another model, name its folder (or leave it empty).
+    tokenizer_path: str = AUTO_TOKENIZER
     # Template A/B (core/arms.py): "template[@model]:weight,..." splits shoppers between
     # templates (and optionally models) by a stable hash of the shopper id, e.g.
     # "shopper_intent_v1.j2:50,shopper_intent_v2.j2:50". Empty: template for everyone.
     arms: str = ""
 
     def _check(self) -> None:
+        if (
+            self.tokenizer_path not in ("", AUTO_TOKENIZER)
+            and not Path(self.tokenizer_path).exists()
+        ):
+            raise ConfigError(
+                f"prompt.tokenizer_path {self.tokenizer_path!r} does not exist: name the model "
+                f"folder (with tokenizer.json) or a tokenizer.json, or leave it empty "
+                f"({env_name('prompt', 'tokenizer_path')})"
+            )
         from flink_jobs.core.arms import ArmsError, parse_arms
 
         try:
@@ -392,6 +418,15 @@ class AppConfig:
     def validate(self) -> AppConfig:
         for section in dataclasses.fields(self):
             getattr(self, section.name).validate()
+        context = self.prompt.max_prompt_tokens + self.llm.max_tokens
+        if context > self.llm.max_model_len:
+            raise ConfigError(
+                f"prompt.max_prompt_tokens ({self.prompt.max_prompt_tokens}) + llm.max_tokens "
+                f"({self.llm.max_tokens}) = {context} must be <= llm.max_model_len "
+                f"({self.llm.max_model_len}), or the model refuses every full prompt: lower "
+                f"one of the first two, or raise {env_name('llm', 'max_model_len')} to the "
+                "context the workers serve"
+            )
         return self
 
     def with_overrides(self, groups: Mapping[str, Mapping[str, Any]]) -> AppConfig:
