@@ -14,7 +14,8 @@ Facts (:class:`GroundedFacts`):
 - categories and brands engaged, with counts, most engaged first (ties: the most recently
   engaged first). An engagement is a product event other than ``remove_from_cart``. A
   category is kept as the event's path (``"Electronics > Audio > Headphones"``) with its
-  leaf (``"Headphones"``), sanitised to the intent schema's category alphabet;
+  leaf (``"Headphones"``), sanitised to the intent schema's category alphabet (letters,
+  marks and digits of every script, spaces and ``&',.()/+-``);
 - the price band: lowest, median and highest price of the distinct products seen (the
   median of an even count is the lower middle one: always a price the shopper saw);
 - the cart: ``add_to_cart`` adds its quantity, ``remove_from_cart`` takes its quantity
@@ -70,9 +71,11 @@ MAX_CATEGORY_ENUM = 12
 #: The categories offered when the shopper has engaged with no product at all.
 FALLBACK_CATEGORIES: tuple[str, ...] = ("General",)
 
-# The intent schema's category: at most 40 characters of this alphabet.
+# The intent schema's category: at most 40 characters, none that a JSON string or the prompt
+# would have to escape (control characters, quotes, backslashes, angle brackets).
 CATEGORY_MAX_CHARS = 40
-_NOT_CATEGORY_CHAR = re.compile(r"[^A-Za-z0-9 &',.()/+-]+")
+#: Punctuation a category keeps; other punctuation and symbols become spaces.
+CATEGORY_PUNCTUATION = frozenset(" &',.()/+-")
 SUMMARY_MAX_CHARS = 120
 
 PRODUCT_EVENTS = ("view", "click", "add_to_cart", "remove_from_cart", "purchase")
@@ -215,11 +218,21 @@ class GroundedFacts:
 
 
 def sanitise_category(text: str) -> str:
-    """``text`` in the intent schema's category alphabet: accents dropped, any other
-    character a space, spaces collapsed, cut to 40 characters ("" if nothing is left)."""
-    plain = unicodedata.normalize("NFKD", text).encode("ascii", "ignore").decode("ascii")
-    plain = " ".join(_NOT_CATEGORY_CHAR.sub(" ", plain).split())
-    return plain[:CATEGORY_MAX_CHARS].strip()
+    """``text`` in the intent schema's category alphabet: NFKC-normalised (full-width and
+    compatibility forms become plain ones), letters, combining marks and digits of every
+    script kept (a Cyrillic or Japanese catalogue names its categories in its own script),
+    format characters (category Cf: invisible) dropped, any other character (symbols,
+    emoji, other punctuation, controls) a space, spaces collapsed, cut to 40 characters
+    ("" if nothing is left)."""
+    kept = "".join(_category_char(c) for c in unicodedata.normalize("NFKC", text))
+    return " ".join(kept.split())[:CATEGORY_MAX_CHARS].strip()
+
+
+def _category_char(char: str) -> str:
+    kind = unicodedata.category(char)
+    if kind[0] in "LMN" or char in CATEGORY_PUNCTUATION:
+        return char
+    return "" if kind == "Cf" else " "
 
 
 def category_levels(path: str) -> tuple[str, ...]:
