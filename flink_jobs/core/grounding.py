@@ -53,7 +53,7 @@ from __future__ import annotations
 import re
 import statistics
 import unicodedata
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -451,14 +451,22 @@ MAX_INTENTS = 3
 CART_STAGE_LABELS = frozenset({"ready_to_buy", "abandoning_cart", "post_purchase"})
 
 
-def reconcile(answer: Intent, rules: Intent | None) -> Intent:
+def reconcile(
+    answer: Intent, rules: Intent | None, facts: Mapping[str, Any] | None = None
+) -> Intent:
     """The intent the record stores for the model's ``answer`` to a prompt whose session gave
-    ``rules`` (``rules_intent``): the rules' labels first, then the model's other labels,
-    except those of the cart's stage (``CART_STAGE_LABELS``), which only the rules give.
+    ``rules`` (``rules_intent``) and ``facts`` (``GroundedFacts.as_dict``, as the task
+    carries them): the rules' labels first, then the model's other labels, except those of
+    the cart's stage (``CART_STAGE_LABELS``), which only the rules give.
 
     A label appears once (its first occurrence wins), at most ``MAX_INTENTS`` remain, and a
     follower's confidence is capped at the one before it, so the list stays most confident
-    first. The summary is the model's; the source stays ``model``.
+    first. The source stays ``model``.
+
+    The summary is held to the facts as the labels are: it is the model's, unless the model
+    named a cart stage the rules did not give (its summary tells that stage's story) or the
+    summary says the shopper bought something while the session has no purchase
+    (:func:`claims_purchase`); then it is the rules' summary, which the facts state.
 
     Why the rules lead: scored on the same writes (``make eval``, bench/README.md), records
     led by the model's labels lost to the rules alone on re-ranking NDCG@10 with every
@@ -475,6 +483,13 @@ def reconcile(answer: Intent, rules: Intent | None) -> Intent:
     """
     if rules is None:
         return answer
+    ruled = {i["label"] for i in rules.body["intents"]}
+    replaced_stage = any(
+        i["label"] in CART_STAGE_LABELS and i["label"] not in ruled for i in answer.body["intents"]
+    )
+    purchases = (facts or {}).get("event_counts", {}).get("purchase", 0)
+    unbought = facts is not None and not purchases and claims_purchase(answer.summary)
+    summary = rules.summary if replaced_stage or unbought else answer.summary
     answered = [i for i in answer.body["intents"] if i["label"] not in CART_STAGE_LABELS]
     merged: list[dict[str, Any]] = []
     for item in [*rules.body["intents"], *answered]:
@@ -485,8 +500,21 @@ def reconcile(answer: Intent, rules: Intent | None) -> Intent:
         if merged and item["confidence"] > merged[-1]["confidence"]:
             item = {**item, "confidence": merged[-1]["confidence"]}
         merged.append(item)
-    body = {**answer.body, "intents": merged}
-    return Intent(body, merged[0]["label"], merged[0]["confidence"], answer.summary, answer.source)
+    body = {**answer.body, "intents": merged, "summary": summary}
+    return Intent(body, merged[0]["label"], merged[0]["confidence"], summary, answer.source)
+
+
+_PURCHASE_CLAIM = re.compile(
+    r"\b(bought|purchased|made (a|the|their|his|her) purchase|placed (an|the|their) order|"
+    r"ordered|checked out|paid for)\b",
+    re.IGNORECASE,
+)
+
+
+def claims_purchase(summary: str) -> bool:
+    """Whether ``summary`` says the shopper bought something ("Just bought the headphones",
+    "purchased", "checked out", "ordered"). A false alarm only swaps in the rules' summary."""
+    return _PURCHASE_CLAIM.search(summary) is not None
 
 
 _MOVED_ON = {

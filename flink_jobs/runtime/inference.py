@@ -23,6 +23,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+import orjson
 import redis
 
 from flink_jobs.config import AppConfig
@@ -190,8 +191,9 @@ async def write_rules(
 def model_record(task: PromptTask, answer: Intent, model: str) -> IntentRecord:
     """The record of the model's ``answer`` to ``task``: the answer beside the session's
     rules-only intent (``grounding.reconcile``), with the answer itself kept in ``answer``."""
+    facts = orjson.loads(task.facts_json) if task.facts_json else None
     return intent_record(
-        task, reconcile(answer, task.rules), model, answer_json=answer.to_json().decode()
+        task, reconcile(answer, task.rules, facts), model, answer_json=answer.to_json().decode()
     )
 
 

@@ -26,6 +26,7 @@ from flink_jobs.core.grounding import (
     PriceBand,
     Purchase,
     category_is_grounded,
+    claims_purchase,
     grounded_facts,
     leaf_category,
     reconcile,
@@ -496,6 +497,55 @@ class TestReconcile:
         record = reconcile(answer, rules)
 
         assert parse_intent(orjson.dumps(record.body).decode()) == record
+
+    def test_a_replaced_cart_stage_takes_the_rules_summary_with_it(self) -> None:
+        rules = rules_of(event(1, "view", 0, TENT), event(2, "view", 10, HEADPHONES))
+        answer = answer_of(("abandoning_cart", 0.9, "Camping"))
+
+        record = reconcile(answer, rules)
+
+        assert record.summary == rules.summary == record.body["summary"]
+
+    def test_a_summary_claiming_a_purchase_the_session_lacks_is_the_rules(self) -> None:
+        events = (event(1, "view", 0, TENT), event(2, "view", 10, HEADPHONES))
+        rules = rules_of(*events)
+        facts = grounded_facts(session_of(*events)).as_dict()
+        answer = Intent(
+            {
+                "intents": [{"label": "browsing", "confidence": 0.6, "category": "Camping"}],
+                "summary": "Purchased a tent, now browsing headphones",
+            },
+            "browsing",
+            0.6,
+            "Purchased a tent, now browsing headphones",
+        )
+
+        assert reconcile(answer, rules, facts).summary == rules.summary
+
+    def test_a_purchase_the_session_has_keeps_the_models_summary(self) -> None:
+        events = (event(1, "add_to_cart", 0, TENT), event(2, "purchase", 40, TENT))
+        facts = grounded_facts(session_of(*events)).as_dict()
+        item = {"label": "post_purchase", "confidence": 0.9, "category": "Camping"}
+        answer = Intent(
+            {"intents": [item], "summary": "Bought a tent"}, "post_purchase", 0.9, "Bought a tent"
+        )
+
+        assert reconcile(answer, rules_of(*events), facts).summary == "Bought a tent"
+
+    @pytest.mark.parametrize(
+        ("summary", "claims"),
+        [
+            ("Just bought the headphones", True),
+            ("Purchased two tents", True),
+            ("Checked out with a tent", True),
+            ("Made a purchase of tea", True),
+            ("Ready to buy the headphones", False),
+            ("Comparing tents before buying", False),
+            ("Added headphones to the cart", False),
+        ],
+    )
+    def test_a_claimed_purchase_is_recognised(self, summary: str, claims: bool) -> None:
+        assert claims_purchase(summary) is claims
 
     def test_without_a_rules_intent_the_answer_is_the_record(self) -> None:
         answer = answer_of(("browsing", 0.5, "Camping"))
