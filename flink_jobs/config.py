@@ -195,11 +195,25 @@ class RedisConfig(_Section):
                 "redis.url must start with redis://, rediss:// or unix:// "
                 f"(got {redact_url(self.url)!r})"
             )
-        if self.notify_stream.startswith(f"{self.key_prefix}:intent:"):
-            raise ConfigError(
-                f"redis.notify_stream {self.notify_stream!r} would be a shopper's intent key; "
-                f"use e.g. {self.key_prefix}:intent-updates"
-            )
+        if self.notify_stream:
+            taken = layout_key_named(self.notify_stream, self.key_prefix)
+            if taken:
+                raise ConfigError(
+                    f"redis.notify_stream {self.notify_stream!r} would be {taken}; "
+                    f"use e.g. {self.key_prefix}:intent-updates"
+                )
+
+
+def layout_key_named(key: str, prefix: str) -> str:
+    """What ``key`` already is in the job's Redis layout under ``prefix``
+    (``docs/redis_layout.md``), or "" when it is none of its keys."""
+    if key.startswith(f"{prefix}:intent:"):
+        return "a shopper's intent key"
+    if key.startswith(f"{prefix}:samples:"):
+        return "a timing samples list"
+    return {f"{prefix}:stats": "the stats hash", f"{prefix}:stats:flushes": "the stats ledger"}.get(
+        key, ""
+    )
 
 
 @dataclass(frozen=True)

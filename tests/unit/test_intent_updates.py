@@ -8,10 +8,11 @@ from __future__ import annotations
 import pytest
 
 from flink_jobs.config import AppConfig, ConfigError, load_config
+from flink_jobs.runtime.counters import flushes_key, samples_key, stats_key
 from flink_jobs.runtime.intent_store import (
     Notify,
 )
-from intent_reader.layout import NOTIFY_FIELDS
+from intent_reader.layout import NOTIFY_FIELDS, intent_key
 from intent_reader.updates import (
     UPDATE_FIELDS,
     IntentUpdate,
@@ -51,6 +52,28 @@ class TestConfig:
     def test_a_stream_key_that_is_a_shopper_key_is_refused(self) -> None:
         with pytest.raises(ConfigError, match="notify_stream"):
             load_config(environ={"SI_REDIS_NOTIFY_STREAM": "si:intent:updates"})
+
+    @pytest.mark.parametrize(
+        ("key", "what"),
+        [
+            (stats_key("si"), "the stats hash"),
+            (flushes_key("si"), "the stats ledger"),
+            (samples_key("si", "llm_latency_ms"), "a timing samples list"),
+            (intent_key("updates", "si"), "a shopper's intent key"),
+        ],
+    )
+    def test_a_stream_key_that_is_another_key_of_the_layout_is_refused(
+        self, key: str, what: str
+    ) -> None:
+        with pytest.raises(ConfigError) as caught:
+            load_config(environ={"SI_REDIS_NOTIFY_STREAM": key})
+
+        assert str(caught.value).startswith(f"redis.notify_stream {key!r} would be {what}")
+
+    def test_the_layouts_keys_under_another_prefix_are_free(self) -> None:
+        config = load_config(environ={"SI_REDIS_NOTIFY_STREAM": stats_key("other")})
+
+        assert config.redis.notify_stream == "other:stats"
 
     def test_maxlen_must_be_positive(self) -> None:
         with pytest.raises(ConfigError, match="notify_stream_maxlen"):
