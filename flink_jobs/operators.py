@@ -248,9 +248,7 @@ class ShopperSessions(KeyedProcessFunction, _Counted):
             runner,
             self._config.llm.capacity,
             self._config.llm.max_concurrency,
-            runner.aclose,
-            runner.supersede,
-            write_rules=runner.write_rules if self._config.llm.rules_first else None,
+            rules_first=self._config.llm.rules_first,
             latest_wins=self._config.llm.latest_wins,
         ).start()
         self._retire_outbox = weakref.finalize(self, _stop_outbox, self._outbox)

@@ -7,13 +7,13 @@ reason ``ungrounded_category``) without asking again, since greedy decoding woul
 the same; the prompt's rules-only record stays. It can only happen with a server that
 ignores ``response_format`` (or ``llm.guided_json`` off).
 
-Plain asyncio, no Flink: ``outbox.Outbox`` runs :class:`PromptRunner` (:func:`run_task`
-with the job's clients) on its event loop. A failed call or an invalid answer becomes a
-dead letter saying why; so does an intent whose Redis key cannot take it (another type at
-the key: retrying would fail the same way, and a job restart would meet it again). A Redis
-that is unreachable or cannot take writes for now (READONLY, BUSY, OOM, LOADING...) is
-retried with backoff for ``redis.write_retry_budget_s`` and then raised, so the job fails
-and restarts from its last checkpoint rather than drop an intent.
+Plain asyncio, no Flink: ``outbox.Outbox`` runs prompts through :class:`PromptRunner`
+(:func:`run_task` with the job's clients), its ``Runner``, on its event loop. A failed call
+or an invalid answer becomes a dead letter saying why; so does an intent whose Redis key
+cannot take it (another type at the key: retrying would fail the same way, and a job restart
+would meet it again). A Redis that is unreachable or cannot take writes for now (READONLY,
+BUSY, OOM, LOADING...) is retried with backoff for ``redis.write_retry_budget_s`` and then
+raised, so the job fails and restarts from its last checkpoint rather than drop an intent.
 """
 
 from __future__ import annotations
@@ -297,9 +297,10 @@ Clients = Callable[[], tuple[LlmClient, AsyncIntentStore]]
 
 
 class PromptRunner:
-    """:func:`run_task` with the job's LLM client and intent store, made on first use, on
-    the event loop that runs the calls (their connection pools belong to it): from the
-    configuration, or by ``make_clients`` (tests)."""
+    """The outbox's ``Runner`` in this interpreter: :func:`run_task` with the job's LLM
+    client and intent store, made on first use, on the event loop that runs the calls
+    (their connection pools belong to it): from the configuration, or by ``make_clients``
+    (tests)."""
 
     def __init__(self, config: AppConfig, make_clients: Clients | None = None) -> None:
         self._config = config
@@ -329,7 +330,9 @@ class PromptRunner:
             self._llm = LlmClient(self._config.llm)
         return self._llm, self._store
 
-    async def __call__(self, task: PromptTask) -> TaskResult:
+    async def run(self, task: PromptTask) -> TaskResult:
+        """:func:`run_task` for ``task``, stoppable while it waits for the LLM
+        (:meth:`supersede`)."""
         llm, store = self.clients()
         tally = AttemptTally()
         asking = asyncio.ensure_future(
