@@ -66,7 +66,9 @@ def test_a_batch_returns_every_good_intent_and_names_each_bad_hash(
 
 def test_the_async_reader_does_the_same(redis_url: str, prefix: str) -> None:
     async def scenario():
-        async with AsyncIntentReader.from_url(redis_url, prefix=prefix, max_age_s=1e12) as reader:
+        async with AsyncIntentReader.from_url(
+            redis_url, timeout_s=10.0, prefix=prefix, max_age_s=1e12
+        ) as reader:
             return await reader.get_many(ASKED)
 
     got = asyncio.run(scenario())
