@@ -40,6 +40,8 @@ from pyflink.java_gateway import get_gateway
 from flink_jobs.checkpoints import restore_path
 from flink_jobs.config import MANAGED_FLINK_PROPERTIES, AppConfig, ConfigError, load_config
 from flink_jobs.core.events import MAX_CLOCK_SKEW_MS, record_key
+from flink_jobs.core.prompting import ArmRenderer, PromptError
+from flink_jobs.core.token_budget import TokenizerError
 from flink_jobs.operators import (
     DEAD_LETTERS,
     LATE_EVENTS,
@@ -215,10 +217,22 @@ def check_redis_layout(config: AppConfig) -> None:
         client.close()
 
 
+def check_prompts(config: AppConfig) -> None:
+    """Refuse at start (:class:`ConfigError`) prompts that cannot be rendered within their
+    budget: a template (or an arm's) whose fixed text alone is over ``prompt.max_prompt_tokens``
+    by the count in use, a tokenizer that does not load. The operators would otherwise fail
+    to open, and again after every restart."""
+    try:
+        ArmRenderer(config.prompt)
+    except (PromptError, TokenizerError) as exc:
+        raise ConfigError(str(exc)) from None
+
+
 def build_pipeline(env: StreamExecutionEnvironment, config: AppConfig) -> None:
     """Each operator's uid is its name. Flink matches a snapshot's state to operators by
     uid, so the Kafka offsets and shopper sessions survive an update that changes the
     graph (Managed Flink restores an update from a snapshot)."""
+    check_prompts(config)
     check_redis_layout(config)
     records = env.from_source(
         kafka_source(config), event_time_watermarks(config), "kafka-shopper-events"

@@ -272,3 +272,18 @@ class TestConfiguration:
         config = load_config(environ={"SI_PROMPT_TOKENIZER_PATH": str(MODEL_DIR)})
 
         assert token_counter(config.prompt.tokenizer_path).method == "tokenizer"
+
+
+class TestTheJobStarts:
+    def test_a_budget_its_template_cannot_fit_is_refused_before_the_job_is_built(self) -> None:
+        from flink_jobs.job import check_prompts
+
+        config = load_config(environ={"SI_PROMPT_TOKENIZER_PATH": ""})  # the bound, and v3
+
+        with pytest.raises(ConfigError, match=r"v3\.j2.*utf8_bound.*prompt\.tokenizer_path"):
+            check_prompts(config)
+
+    def test_the_default_setup_starts(self) -> None:
+        from flink_jobs.job import check_prompts
+
+        check_prompts(load_config(environ={}))
