@@ -12,31 +12,134 @@ Sources, later ones winning:
 
 Each property group maps to one section dataclass; a key that no section knows, or a value
 of the wrong shape, raises :class:`ConfigError` naming the group and key, so a typo fails the
-deployment instead of silently falling back to a default.
+deployment instead of silently falling back to a default. Every numeric field declares its
+allowed range beside it (``bounded(default, gt=..., le=...)``); a value outside it, NaN or an
+infinity is refused at start, naming the key, its ``SI_<GROUP>_<FIELD>`` variable and the
+range.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import re
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 MANAGED_FLINK_PROPERTIES = Path("/etc/flink/application_properties.json")
 ENV_PREFIX = "SI_"
+#: The model ``scripts/setup.sh`` installs under ``<cache>/models/`` and the job asks for
+#: by default (``llm.model``).
+BUNDLED_MODEL = "SmolLM2-135M-Instruct"
+#: ``prompt.tokenizer_path``'s default: the bundled model's folder when it is installed.
+AUTO_TOKENIZER = "auto"
 
 
 class ConfigError(ValueError):
     """A configuration value is missing, unknown or malformed; the message says which."""
 
 
+#: The metadata key of a field's :class:`Bounds`.
+BOUNDS = "bounds"
+
+
 @dataclass(frozen=True)
-class KafkaConfig:
+class Bounds:
+    """The values a numeric setting may take: finite, and within ``low``/``high`` (each
+    inclusive unless ``low_open``/``high_open``; None: unbounded on that side)."""
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+
+    def admits(self, value: float) -> bool:
+        if not math.isfinite(value):
+            return False
+        if self.low is not None and (value <= self.low if self.low_open else value < self.low):
+            return False
+        return self.high is None or (value < self.high if self.high_open else value <= self.high)
+
+    def describe(self) -> str:
+        """The range in words: ``> 0``, ``>= 0 and <= 10``."""
+        parts = []
+        if self.low is not None:
+            parts.append(f"{'>' if self.low_open else '>='} {_number(self.low)}")
+        if self.high is not None:
+            parts.append(f"{'<' if self.high_open else '<='} {_number(self.high)}")
+        return " and ".join(parts) or "a finite number"
+
+
+def bounded(
+    default: float,
+    *,
+    gt: float | None = None,
+    ge: float | None = None,
+    le: float | None = None,
+    lt: float | None = None,
+) -> Any:
+    """A numeric field whose allowed range is declared beside it (``Bounds`` in its
+    metadata): every section's ``validate`` refuses a value outside it, NaN and infinity."""
+    if (gt is not None and ge is not None) or (le is not None and lt is not None):
+        raise TypeError("give at most one lower and one upper bound")
+    bounds = Bounds(
+        low=gt if gt is not None else ge,
+        high=lt if lt is not None else le,
+        low_open=gt is not None,
+        high_open=lt is not None,
+    )
+    return field(default=default, metadata={BOUNDS: bounds})
+
+
+def env_name(group: str, name: str) -> str:
+    """The environment variable that sets ``group.name``: ``SI_<GROUP>_<FIELD>``."""
+    return f"{ENV_PREFIX}{group.upper()}_{name.upper()}"
+
+
+def check_bounds(section: Any, group: str) -> None:
+    """Refuse any field of ``section`` outside its declared :class:`Bounds`, naming the key,
+    its environment variable and the allowed range."""
+    for f in dataclasses.fields(section):
+        bounds = f.metadata.get(BOUNDS)
+        if bounds is None:
+            continue
+        value = getattr(section, f.name)
+        numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not numeric or not bounds.admits(value):
+            raise ConfigError(
+                f"{group}.{f.name} must be {bounds.describe()} "
+                f"({env_name(group, f.name)}; got {value!r})"
+            )
+
+
+def _number(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else str(value)
+
+
+class _Section:
+    """A property group: ``validate`` checks every field's declared bounds, then the
+    group's own rules (``_check``)."""
+
+    #: The property group's name (``PropertyGroupId``, the ``<GROUP>`` of ``SI_<GROUP>_*``).
+    group: ClassVar[str]
+
+    def validate(self) -> None:
+        check_bounds(self, self.group)
+        self._check()
+
+    def _check(self) -> None:
+        """Rules across fields, or beyond a range (URLs, choices); none by default."""
+
+
+@dataclass(frozen=True)
+class KafkaConfig(_Section):
+    group: ClassVar[str] = "kafka"
+
     bootstrap_servers: str = "127.0.0.1:9092"
     events_topic: str = "shopper-events"
     dead_letter_topic: str = "shopper-events-dlq"
@@ -56,7 +159,7 @@ class KafkaConfig:
     # e.g. security.protocol, sasl.mechanism, sasl.jaas.config). JSON object.
     client_properties: Mapping[str, str] = field(default_factory=dict, repr=False)
 
-    def validate(self) -> None:
+    def _check(self) -> None:
         _require(self.bootstrap_servers, "kafka", "bootstrap_servers")
         _one_of(
             self.starting_offsets, ("committed", "earliest", "latest"), "kafka", "starting_offsets"
@@ -64,65 +167,85 @@ class KafkaConfig:
 
 
 @dataclass(frozen=True)
-class RedisConfig:
+class RedisConfig(_Section):
+    group: ClassVar[str] = "redis"
+
     # May carry a password (redis://:secret@host): kept out of reprs and logs.
     url: str = field(default="redis://127.0.0.1:6379/0", repr=False)
     key_prefix: str = "si"
-    intent_ttl_s: int = 24 * 3600
-    write_timeout_s: float = 2.0
+    intent_ttl_s: int = bounded(24 * 3600, gt=0)
+    # Per command: 0 would time out every write.
+    write_timeout_s: float = bounded(2.0, gt=0)
     # How long writes are retried (with backoff) before the job fails and restarts from
     # its last checkpoint: back-pressure and a loud failure, never a silent loss.
-    write_retry_budget_s: float = 30.0
+    write_retry_budget_s: float = bounded(30.0, gt=0)
     # Stream key that each landed intent write is also appended to, in the same script
     # (docs/redis_layout.md, "Update notifications"); empty: off. Needs a non-cluster Redis.
     notify_stream: str = ""
     # Approximate length the stream is trimmed to (XADD MAXLEN ~).
-    notify_stream_maxlen: int = 100_000
+    notify_stream_maxlen: int = bounded(100_000, gt=0)
     # For a backfill that re-evaluates recorded events with a new prompt template or model:
     # at an equal version, replace an intent made by another template or model (normally
     # an equal version is a no-op). Off for the live job (docs/redis_layout.md).
     reevaluate: bool = False
 
-    def validate(self) -> None:
+    def _check(self) -> None:
         if not self.url.startswith(("redis://", "rediss://", "unix://")):
             raise ConfigError(
                 "redis.url must start with redis://, rediss:// or unix:// "
                 f"(got {redact_url(self.url)!r})"
             )
-        _positive(self.intent_ttl_s, "redis", "intent_ttl_s")
-        _positive(self.notify_stream_maxlen, "redis", "notify_stream_maxlen")
-        if self.notify_stream.startswith(f"{self.key_prefix}:intent:"):
-            raise ConfigError(
-                f"redis.notify_stream {self.notify_stream!r} would be a shopper's intent key; "
-                f"use e.g. {self.key_prefix}:intent-updates"
-            )
+        if self.notify_stream:
+            taken = layout_key_named(self.notify_stream, self.key_prefix)
+            if taken:
+                raise ConfigError(
+                    f"redis.notify_stream {self.notify_stream!r} would be {taken}; "
+                    f"use e.g. {self.key_prefix}:intent-updates"
+                )
+
+
+def layout_key_named(key: str, prefix: str) -> str:
+    """What ``key`` already is in the job's Redis layout under ``prefix``
+    (``docs/redis_layout.md``), or "" when it is none of its keys."""
+    if key.startswith(f"{prefix}:intent:"):
+        return "a shopper's intent key"
+    if key.startswith(f"{prefix}:samples:"):
+        return "a timing samples list"
+    return {f"{prefix}:stats": "the stats hash", f"{prefix}:stats:flushes": "the stats ledger"}.get(
+        key, ""
+    )
 
 
 @dataclass(frozen=True)
-class LlmConfig:
+class LlmConfig(_Section):
+    group: ClassVar[str] = "llm"
+
     base_url: str = "http://127.0.0.1:8000/v1"
-    model: str = "SmolLM2-135M-Instruct"
+    model: str = BUNDLED_MODEL
     api_key: str = field(default="", repr=False)
-    max_tokens: int = 192
-    temperature: float = 0.0
-    request_timeout_s: float = 60.0
+    max_tokens: int = bounded(192, gt=0)
+    # The context of the model the workers serve (vLLM's --max-model-len): a prompt's
+    # tokens and max_tokens must fit in it together, or the server refuses the request.
+    max_model_len: int = bounded(4096, gt=0)
+    temperature: float = bounded(0.0, ge=0, le=2)
+    request_timeout_s: float = bounded(60.0, gt=0)
     # With full-jitter backoff (0.5 s doubling to 8 s) six attempts ride out about 8 s of
     # outage on average, enough for a router or worker restart.
-    max_attempts: int = 6
-    backoff_initial_s: float = 0.5
-    backoff_max_s: float = 8.0
+    max_attempts: int = bounded(6, ge=1, le=100)
+    backoff_initial_s: float = bounded(0.5, gt=0)
+    backoff_max_s: float = bounded(8.0, gt=0)
     # Prompts queued or in flight per operator instance (outbox.Outbox): the bound on
     # waiting work; beyond it the job back-pressures into Kafka. A queued prompt that a
     # newer one of the same shopper supersedes is dropped, not sent, and takes no place.
-    capacity: int = 128
+    capacity: int = bounded(128, ge=1)
     # Requests in flight to the LLM endpoint per operator instance.
-    max_concurrency: int = 8
+    max_concurrency: int = bounded(8, ge=1)
     # How often the operator collects the outcomes of a shopper's prompts (dead letters,
     # counts). Intents reach Redis as soon as they are answered, whatever this is.
-    poll_interval_s: float = 0.5
+    poll_interval_s: float = bounded(0.5, gt=0)
     # An answer that is not a valid intent is asked for again this many times before it
     # is dead-lettered.
-    invalid_answer_retries: int = 1
+    invalid_answer_retries: int = bounded(1, ge=0, le=10)
     # Send the JSON Schema as response_format so the server constrains decoding to it.
     guided_json: bool = True
     # Make the calls (HTTP, answer check, Redis upsert) in a helper process with its own
@@ -147,83 +270,83 @@ class LlmConfig:
     # model, not the digits it wrote. top_logprobs: alternatives read per token (vLLM's
     # default allows up to 20).
     label_scores: bool = True
-    top_logprobs: int = 20
+    top_logprobs: int = bounded(20, ge=1, le=20)
 
-    def validate(self) -> None:
+    def _check(self) -> None:
         _http_url(self.base_url, "llm", "base_url")
         if self.proxy_url:
             _http_url(self.proxy_url, "llm", "proxy_url")
         _require(self.model, "llm", "model")
-        for name in (
-            "max_tokens",
-            "request_timeout_s",
-            "max_attempts",
-            "capacity",
-            "max_concurrency",
-            "poll_interval_s",
-        ):
-            _positive(getattr(self, name), "llm", name)
-        if self.label_scores and not 1 <= self.top_logprobs <= 20:
-            raise ConfigError(
-                f"llm.top_logprobs: {self.top_logprobs} is outside 1-20 (what vLLM serves by"
-                " default); lower it or set llm.label_scores=false"
-            )
 
 
 @dataclass(frozen=True)
-class SessionConfig:
-    max_events: int = 40
-    gap_s: float = 30 * 60
+class SessionConfig(_Section):
+    group: ClassVar[str] = "session"
+
+    max_events: int = bounded(40, ge=1)
+    gap_s: float = bounded(30 * 60, gt=0)
     # Keyed state of a shopper idle for this long is dropped by Flink's state TTL.
-    state_ttl_s: int = 24 * 3600
+    state_ttl_s: int = bounded(24 * 3600, gt=0)
     # Events older than this behind the shopper's newest one are too late to matter.
-    max_lateness_s: float = 10 * 60
+    max_lateness_s: float = bounded(10 * 60, gt=0)
     # Events of one shopper held until the watermark passes them (up to 5 min ahead of the
     # clock are accepted); beyond this the next one is dead-lettered (timeline.hold_event).
     # A person's events while the watermark waits are a few; 500 is a clock 5 min ahead at
     # more than one event a second.
-    max_held_events: int = 500
-
-    def validate(self) -> None:
-        for name in ("max_events", "gap_s", "state_ttl_s", "max_lateness_s", "max_held_events"):
-            _positive(getattr(self, name), "session", name)
+    max_held_events: int = bounded(500, ge=1)
 
 
 @dataclass(frozen=True)
-class TriggerConfig:
+class TriggerConfig(_Section):
+    group: ClassVar[str] = "trigger"
+
     high_signal_types: tuple[str, ...] = ("add_to_cart", "purchase", "remove_from_cart")
     # Short waits: a shopper's material changes rarely come in bursts, so a long quiet
     # period buys few calls and costs freshness. Replayed over the samples (seven of 30
     # shoppers for 4 min, one of 300 for an hour), 3 s / 5 s / 2 s sent 2-4% fewer prompts
     # than these and left a qualifying event up to 5.0 s without a prompt; these, at most
     # 1.0 s (bench/README.md, "Trigger policy").
-    quiet_s: float = 0.5
-    max_wait_s: float = 2.0
-    min_interval_s: float = 1.0
+    quiet_s: float = bounded(0.5, gt=0)
+    max_wait_s: float = bounded(2.0, gt=0)
+    min_interval_s: float = bounded(1.0, ge=0)
 
-    def validate(self) -> None:
-        for name in ("quiet_s", "max_wait_s"):
-            _positive(getattr(self, name), "trigger", name)
-        if self.min_interval_s < 0:
-            raise ConfigError("trigger.min_interval_s must be >= 0")
+    def _check(self) -> None:
         if self.max_wait_s < self.quiet_s:
             raise ConfigError("trigger.max_wait_s must be >= trigger.quiet_s")
 
 
 @dataclass(frozen=True)
-class PromptConfig:
+class PromptConfig(_Section):
+    group: ClassVar[str] = "prompt"
+
     template: str = "shopper_intent_v3.j2"
     templates_dir: str = ""  # empty: the prompts/ folder shipped with the job
-    max_prompt_tokens: int = 3500
-    max_text_chars: int = 120
+    # The budget a rendered prompt is kept within (oldest events dropped first); with
+    # llm.max_tokens it must fit in llm.max_model_len.
+    max_prompt_tokens: int = bounded(3500, gt=0)
+    max_text_chars: int = bounded(120, gt=0)
+    # What counts the budget's tokens (core/token_budget.py): a model folder (its
+    # tokenizer.json and chat template) or a tokenizer.json, counted exactly; "auto" (the
+    # default): the bundled model's folder under the cache folder (<cache>/models/
+    # SmolLM2-135M-Instruct) when it is there, else the bound; empty: the bound, UTF-8
+    # bytes, which never undercounts but counts English about four times over. Serving
+    # another model, name its folder (or leave it empty).
+    tokenizer_path: str = AUTO_TOKENIZER
     # Template A/B (core/arms.py): "template[@model]:weight,..." splits shoppers between
     # templates (and optionally models) by a stable hash of the shopper id, e.g.
     # "shopper_intent_v1.j2:50,shopper_intent_v2.j2:50". Empty: template for everyone.
     arms: str = ""
 
-    def validate(self) -> None:
-        _positive(self.max_prompt_tokens, "prompt", "max_prompt_tokens")
-        _positive(self.max_text_chars, "prompt", "max_text_chars")
+    def _check(self) -> None:
+        if (
+            self.tokenizer_path not in ("", AUTO_TOKENIZER)
+            and not Path(self.tokenizer_path).exists()
+        ):
+            raise ConfigError(
+                f"prompt.tokenizer_path {self.tokenizer_path!r} does not exist: name the model "
+                f"folder (with tokenizer.json) or a tokenizer.json, or leave it empty "
+                f"({env_name('prompt', 'tokenizer_path')})"
+            )
         from flink_jobs.core.arms import ArmsError, parse_arms
 
         try:
@@ -233,33 +356,36 @@ class PromptConfig:
 
 
 @dataclass(frozen=True)
-class JobConfig:
+class JobConfig(_Section):
+    group: ClassVar[str] = "job"
+
     name: str = "shopper-intents"
     # 0 leaves it to whoever runs the job: ``flink run -p``, or Managed Flink's
     # ParallelismConfiguration (which autoscaling changes; a parallelism set in the code
     # would pin it). A mini-cluster would take one per core, so local runs default to 1.
-    parallelism: int = 1
+    parallelism: int = bounded(1, ge=0)
     # The number of key groups the shoppers' state is split into, fixed for the job's life:
     # a snapshot restores at any parallelism up to it, and only at the same value (a new
     # one cannot restore the keyed state). 128 is what Flink derives for any parallelism
     # up to 85 when none is set, so snapshots taken before this setting existed restore.
-    max_parallelism: int = 128
-    checkpoint_interval_s: float = 10.0
-    max_event_bytes: int = 16 * 1024
+    # Flink's own limit on key groups is 32768.
+    max_parallelism: int = bounded(128, ge=1, le=32768)
+    checkpoint_interval_s: float = bounded(10.0, gt=0)
+    max_event_bytes: int = bounded(16 * 1024, gt=0)
     # Watermark = newest record timestamp - out_of_orderness_s. Events are held until the
     # watermark passes them (timeline.py), so this is also the delay it adds to every prompt.
-    out_of_orderness_s: float = 0.5
+    out_of_orderness_s: float = bounded(0.5, ge=0)
     # After this long without a record, a partition's watermark follows the wall clock (so
     # the last prompts fire when traffic stops); 0 turns that off. A prompt due while its
     # partition is quiet waits about this long plus out_of_orderness_s: bench/freshness.py
     # measured freshness p99 2.4 s above the LLM's at 2 s, 0.7-1.0 s at 0.5 s, 0.5 s at 0.25 s.
     # A paused task no longer makes records late through it (EventTimeWatermarks.java).
-    watermark_idle_advance_s: float = 0.25
+    watermark_idle_advance_s: float = bounded(0.25, ge=0)
     # A partition that never had a record stops holding the watermark back after this long
     # from the job's start. Long enough for every partition's first fetch, even of a backlog
     # after a restore; at 30 s, a job started on a quiet topic held its first prompts for
     # up to 30 s (bench/freshness.py's first prompt: 8.8 s outside its LLM call).
-    source_idleness_s: float = 5.0
+    source_idleness_s: float = bounded(5.0, ge=0)
     # Local runs only (Managed Flink manages both): where checkpoints are kept (empty: a
     # scratch folder, lost with the job), and a checkpoint or savepoint to start from
     # ("latest": the newest completed checkpoint under checkpoint_dir).
@@ -270,20 +396,21 @@ class JobConfig:
     # runs them in a separate Python worker over gRPC (Beam).
     python_execution_mode: str = "thread"
     # Session states each operator instance keeps as objects (operators._RecentSessions).
-    session_cache_size: int = 20_000
+    session_cache_size: int = bounded(20_000, ge=1)
     # Process mode only: PyFlink keeps this many keys' state in the Python worker; too
     # small and every state access becomes a round trip to the JVM.
-    python_state_cache_size: int = 50_000
-    python_bundle_size: int = 1000
-    python_bundle_time_ms: int = 50
+    python_state_cache_size: int = bounded(50_000, ge=1)
+    python_bundle_size: int = bounded(1000, ge=1)
+    python_bundle_time_ms: int = bounded(50, ge=1)
     # How often the source emits its watermark, and how long a network buffer may wait to
     # fill before it is sent: both add to every prompt's wait while traffic flows. Flink's
     # defaults (200 and 100 ms), with the Kafka client's 500 ms fetch wait, cost
     # bench/pipeline_capacity.py's paced run 0.25 s of event-to-Redis p50 at 300 events/s;
     # these cost no measurable throughput in its drains (bench/README.md).
-    watermark_interval_ms: int = 50
-    buffer_timeout_ms: int = 10
-    stats_flush_s: float = 1.0
+    watermark_interval_ms: int = bounded(50, ge=1)
+    # -1 would be Flink's "send a buffer only when full": fine for a batch, not here.
+    buffer_timeout_ms: int = bounded(10, ge=0)
+    stats_flush_s: float = bounded(1.0, gt=0)
     # Extra jars (Kafka connector, our deserializer); empty: found under the cache folder.
     jars: tuple[str, ...] = ()
     # Flink's restart strategy for this job, as Flink's ``restart-strategy.*`` settings
@@ -298,24 +425,7 @@ class JobConfig:
     # run, shopper_intents (the Prometheus names the dashboards read). metrics.py.
     metric_group: str = ""
 
-    def validate(self) -> None:
-        for name in (
-            "max_parallelism",
-            "checkpoint_interval_s",
-            "max_event_bytes",
-            "session_cache_size",
-            "watermark_interval_ms",
-        ):
-            _positive(getattr(self, name), "job", name)
-        for name in (
-            "out_of_orderness_s",
-            "watermark_idle_advance_s",
-            "source_idleness_s",
-            "buffer_timeout_ms",
-            "parallelism",
-        ):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"job.{name} must be >= 0")
+    def _check(self) -> None:
         _one_of(self.python_execution_mode, ("thread", "process"), "job", "python_execution_mode")
         if self.parallelism > self.max_parallelism:
             raise ConfigError(
@@ -344,6 +454,15 @@ class AppConfig:
     def validate(self) -> AppConfig:
         for section in dataclasses.fields(self):
             getattr(self, section.name).validate()
+        context = self.prompt.max_prompt_tokens + self.llm.max_tokens
+        if context > self.llm.max_model_len:
+            raise ConfigError(
+                f"prompt.max_prompt_tokens ({self.prompt.max_prompt_tokens}) + llm.max_tokens "
+                f"({self.llm.max_tokens}) = {context} must be <= llm.max_model_len "
+                f"({self.llm.max_model_len}), or the model refuses every full prompt: lower "
+                f"one of the first two, or raise {env_name('llm', 'max_model_len')} to the "
+                "context the workers serve"
+            )
         return self
 
     def with_overrides(self, groups: Mapping[str, Mapping[str, Any]]) -> AppConfig:
@@ -451,7 +570,7 @@ def _env_groups(environ: Mapping[str, str]) -> dict[str, dict[str, str]]:
 
 def _coerce(cls: type, group: str, name: str, value: Any) -> Any:
     hints = typing.get_type_hints(cls)
-    if name not in hints:
+    if name not in {f.name for f in dataclasses.fields(cls)}:
         known = ", ".join(f.name for f in dataclasses.fields(cls))
         raise ConfigError(f"unknown key {group}.{name}; known keys of {group!r}: {known}")
     target = hints[name]
@@ -524,19 +643,12 @@ def _type_name(target: Any) -> str:
 
 def _require(value: str, group: str, name: str) -> None:
     if not value:
-        raise ConfigError(
-            f"{group}.{name} must be set (env {ENV_PREFIX}{group.upper()}_{name.upper()})"
-        )
+        raise ConfigError(f"{group}.{name} must be set (env {env_name(group, name)})")
 
 
 def _http_url(url: str, group: str, name: str) -> None:
     if not url.startswith(("http://", "https://")):
         raise ConfigError(f"{group}.{name} must be an http(s) URL (got {redact_url(url)!r})")
-
-
-def _positive(value: float, group: str, name: str) -> None:
-    if value <= 0:
-        raise ConfigError(f"{group}.{name} must be > 0 (got {value})")
 
 
 def _one_of(value: str, allowed: tuple[str, ...], group: str, name: str) -> None:

@@ -24,6 +24,7 @@ import sysconfig
 import tempfile
 from pathlib import Path
 
+import redis
 from pyflink.common import Configuration, Types, WatermarkStrategy
 from pyflink.common.serialization import SimpleStringSchema
 from pyflink.datastream import CheckpointingMode, StreamExecutionEnvironment
@@ -37,8 +38,10 @@ from pyflink.datastream.connectors.kafka import (
 from pyflink.java_gateway import get_gateway
 
 from flink_jobs.checkpoints import restore_path
-from flink_jobs.config import MANAGED_FLINK_PROPERTIES, AppConfig, load_config
+from flink_jobs.config import MANAGED_FLINK_PROPERTIES, AppConfig, ConfigError, load_config
 from flink_jobs.core.events import MAX_CLOCK_SKEW_MS, record_key
+from flink_jobs.core.prompting import ArmRenderer, PromptError
+from flink_jobs.core.token_budget import TokenizerError
 from flink_jobs.operators import (
     DEAD_LETTERS,
     LATE_EVENTS,
@@ -47,6 +50,7 @@ from flink_jobs.operators import (
     ShopperSessions,
 )
 from flink_jobs.paths import cache_dir
+from flink_jobs.runtime.intent_store import NotifyStreamError, check_notify_stream
 
 log = logging.getLogger(__name__)
 
@@ -195,10 +199,42 @@ def event_time_watermarks(config: AppConfig) -> WatermarkStrategy:
     )
 
 
+def check_redis_layout(config: AppConfig) -> None:
+    """Refuse at start a ``redis.notify_stream`` key that exists and is not a stream
+    (:class:`ConfigError`): every write would fail on it. Were Redis unreachable from here,
+    the write script still checks the key before it writes anything."""
+    if not config.redis.notify_stream:
+        return
+    client = redis.Redis.from_url(config.redis.url, socket_timeout=5.0, socket_connect_timeout=5.0)
+    try:
+        check_notify_stream(client, config.redis.notify_stream)
+    except NotifyStreamError as exc:
+        raise ConfigError(str(exc)) from None
+    except (redis.ConnectionError, redis.TimeoutError) as exc:
+        log.warning(
+            "could not check redis.notify_stream's type at start (%s); each write checks it", exc
+        )
+    finally:
+        client.close()
+
+
+def check_prompts(config: AppConfig) -> None:
+    """Refuse at start (:class:`ConfigError`) prompts that cannot be rendered within their
+    budget: a template (or an arm's) whose fixed text alone is over ``prompt.max_prompt_tokens``
+    by the count in use, a tokenizer that does not load. The operators would otherwise fail
+    to open, and again after every restart."""
+    try:
+        ArmRenderer(config.prompt)
+    except (PromptError, TokenizerError) as exc:
+        raise ConfigError(str(exc)) from None
+
+
 def build_pipeline(env: StreamExecutionEnvironment, config: AppConfig) -> None:
     """Each operator's uid is its name. Flink matches a snapshot's state to operators by
     uid, so the Kafka offsets and shopper sessions survive an update that changes the
     graph (Managed Flink restores an update from a snapshot)."""
+    check_prompts(config)
+    check_redis_layout(config)
     records = env.from_source(
         kafka_source(config), event_time_watermarks(config), "kafka-shopper-events"
     ).uid("kafka-shopper-events")

@@ -257,9 +257,7 @@ class ShopperSessions(KeyedProcessFunction, _Counted):
             runner,
             self._config.llm.capacity,
             self._config.llm.max_concurrency,
-            runner.aclose,
-            runner.supersede,
-            write_rules=runner.write_rules if self._config.llm.rules_first else None,
+            rules_first=self._config.llm.rules_first,
             latest_wins=self._config.llm.latest_wins,
         ).start()
         # Numbered within the interpreter: a TaskManager's log holds every attempt it ran,

@@ -6,6 +6,8 @@
     intent = reader.get("shopper-42")                    # ShopperIntent | None
     intent.facts, intent.source                          # grounded facts; "model" | "rules"
     intents = reader.get_many(["shopper-42", "s-7"])     # one round trip
+    intents.errors                                       # unreadable hashes, and why
+    reader.close()                                       # or: with IntentReader.from_url(...)
     ranked = rerank([Candidate("p1", 0.8, "Running Shoes"), ...], intent)
 
     reader = AsyncIntentReader.from_url("redis://cache:6379/0")   # asyncio services
@@ -20,6 +22,7 @@ The Redis layout is documented in ``docs/redis_layout.md``.
 
 from intent_reader.client import (
     AsyncIntentReader,
+    IntentBatch,
     IntentLabel,
     IntentReader,
     IntentReaderError,
@@ -35,6 +38,7 @@ from intent_reader.updates import IntentUpdate, IntentUpdates, MalformedUpdateEr
 __all__ = [
     "AsyncIntentReader",
     "Candidate",
+    "IntentBatch",
     "IntentLabel",
     "IntentReader",
     "IntentReaderError",

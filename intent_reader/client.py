@@ -11,9 +11,18 @@ Behaviour:
 - an intent whose newest event is older than ``max_age_s`` is **stale**: with
   ``stale="flag"`` (the default) it is returned with ``stale=True``, with ``stale="drop"``
   it is treated as missing;
-- a hash that exists but cannot be read as an intent (a foreign writer, a missing field)
-  is treated as missing and logged, or raises :class:`MalformedIntentError` when the
-  reader is ``strict``.
+- a hash that exists but cannot be read as an intent (a foreign writer, a missing field,
+  a key of another type, bytes that are not UTF-8, a field over ``MAX_FIELD_BYTES``, JSON
+  nested too deep, a confidence that is not a number within [0, 1]) is treated as missing,
+  logged and counted (``malformed``), and named with its reason in the batch's ``errors``;
+  a ``strict`` reader raises :class:`MalformedIntentError` instead. One bad hash never
+  costs the other shoppers of a batch their intents;
+- labels the reader does not know (``INTENT_LABELS``: a later schema may add some) are left
+  out of ``labels``.
+
+A reader made by ``from_url`` owns its Redis client and closes it: ``close()`` or ``with``
+(``aclose()`` or ``async with`` for :class:`AsyncIntentReader`); a reader given a client
+leaves it open, as redis-py and httpx do.
 
 Beside the model's answer a record carries what the job knows exactly (``facts``: the
 session's categories, brands, price band, cart, last purchase and searches, decoded JSON)
@@ -41,6 +50,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -53,6 +63,8 @@ from intent_reader.layout import (
     DEFAULT_PREFIX,
     DEFAULT_SOURCE,
     HASH_FIELDS,
+    INTENT_LABELS,
+    MAX_FIELD_BYTES,
     OPTIONAL_FIELDS,
     intent_key,
 )
@@ -163,19 +175,50 @@ class ShopperIntent:
         return max((x.confidence for x in self.labels if x.label == label), default=0.0)
 
 
+class IntentBatch(dict[str, ShopperIntent | None]):
+    """What ``get_many`` returns: each requested shopper mapped to its intent or None, in
+    request order, and ``errors``, the shoppers whose hash could not be read (mapped to None
+    above) with the reason."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.errors: dict[str, IntentReaderError] = {}
+
+
 # --- the pure part -----------------------------------------------------------------------
+
+_KNOWN_LABELS = frozenset(INTENT_LABELS)
 
 
 def _text(value: bytes | str) -> str:
     return value.decode("utf-8") if isinstance(value, bytes) else value
 
 
+def confidence(value: Any) -> float:
+    """``value`` as a confidence: a finite number within [0, 1], else ValueError (NaN and
+    1e308 would order a re-ranking arbitrarily or swamp every other score)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"confidence {value!r:.40} is not a number")
+    number = float(value)
+    if not (math.isfinite(number) and 0.0 <= number <= 1.0):
+        raise ValueError(f"confidence {value!r:.40} is not a finite number within [0, 1]")
+    return number
+
+
 def _labels(intent_json: str) -> tuple[IntentLabel, ...]:
     doc = json.loads(intent_json)
+    if not isinstance(doc, dict) or not isinstance(doc.get("intents") or [], list):
+        raise ValueError("the intent is not an object with a list of intents")
     out = []
     for item in doc.get("intents") or ():
-        category = item.get("category") or None
-        out.append(IntentLabel(str(item["label"]), float(item["confidence"]), category))
+        if not isinstance(item, dict):
+            raise ValueError(f"an intent entry is not an object: {item!r:.80}")
+        label, category = item.get("label"), item.get("category") or None
+        if category is not None and not isinstance(category, str):
+            raise ValueError(f"category {category!r:.80} is not text")
+        level = confidence(item.get("confidence"))
+        if label in _KNOWN_LABELS:  # a label of a later schema is left out, as documented
+            out.append(IntentLabel(label, level, category))
     return tuple(out)
 
 
@@ -187,8 +230,9 @@ def parse_intent(
 ) -> ShopperIntent | None:
     """A ``ShopperIntent`` from the HMGET reply for ``FIELDS``; None when the hash is absent.
 
-    Raises :class:`MalformedIntentError` when some fields are there but not all, or a value
-    does not parse.
+    Raises :class:`MalformedIntentError` when some fields are there but not all, a value is
+    over ``MAX_FIELD_BYTES`` or not UTF-8, or does not parse (JSON nested too deep, a
+    confidence that is not a finite number within [0, 1], a number that is not one).
     """
     if len(values) != len(FIELDS):
         raise ValueError(f"expected {len(FIELDS)} values, got {len(values)}")
@@ -198,8 +242,13 @@ def parse_intent(
     absent = [name for name, value in data.items() if value is None and name not in OPTIONAL_FIELDS]
     if absent:
         raise MalformedIntentError(shopper_id, f"missing fields {', '.join(absent)}")
-    text = {name: _text(value) for name, value in data.items() if value is not None}
+    for name, value in data.items():
+        if value is not None and len(value) > MAX_FIELD_BYTES:
+            raise MalformedIntentError(
+                shopper_id, f"field {name} holds {len(value)} bytes; at most {MAX_FIELD_BYTES}"
+            )
     try:
+        text = {name: _text(value) for name, value in data.items() if value is not None}
         version_ts = int(text["version_ts"])
         written_at_ms = int(text["written_at_ms"])
         labels = _labels(text["intent"])
@@ -209,7 +258,7 @@ def parse_intent(
             labels=labels,
             summary=text["summary"],
             top_label=text["top_label"],
-            top_confidence=float(text["top_confidence"]),
+            top_confidence=confidence(float(text["top_confidence"])),
             version_ts=version_ts,
             version_seq=int(text["version_seq"]),
             event_time_ms=int(text["event_time_ms"]),
@@ -225,8 +274,12 @@ def parse_intent(
             facts=json.loads(text["facts"]) if text.get("facts") else None,
             answer_json=text.get("answer", ""),
         )
+    except RecursionError as e:
+        raise MalformedIntentError(shopper_id, "JSON nested too deep") from e
+    except UnicodeDecodeError as e:
+        raise MalformedIntentError(shopper_id, f"a field is not UTF-8 ({e.reason})") from e
     except (ValueError, KeyError, TypeError, AttributeError) as e:
-        raise MalformedIntentError(shopper_id, str(e)) from e
+        raise MalformedIntentError(shopper_id, str(e)[:200]) from e
 
 
 # --- the client --------------------------------------------------------------------------
@@ -243,9 +296,10 @@ class _ReaderSettings:
         stale: StalePolicy = "flag",
         strict: bool = False,
         clock: Callable[[], float] = time.time,
+        owns_client: bool = False,
     ) -> None:
-        if max_age_s <= 0:
-            raise ValueError(f"max_age_s must be positive, got {max_age_s}")
+        if not (max_age_s > 0 and math.isfinite(max_age_s)):
+            raise ValueError(f"max_age_s must be a positive number, got {max_age_s}")
         _check_policy(stale)
         self.client = client
         self.prefix = prefix
@@ -253,6 +307,10 @@ class _ReaderSettings:
         self.stale = stale
         self.strict = strict
         self._clock = clock
+        #: Whether ``close``/``aclose`` closes the client (a reader made by ``from_url``).
+        self.owns_client = owns_client
+        #: Hashes found malformed since the reader was made (each also logged).
+        self.malformed = 0
 
     def _queue(self, pipe: Any, ids: Sequence[str]) -> None:
         for shopper_id in ids:
@@ -261,32 +319,33 @@ class _ReaderSettings:
     def _results(
         self,
         ids: Sequence[str],
-        replies: Sequence[Sequence[Any]],
+        replies: Sequence[Any],
         max_age_s: float | None,
         stale: StalePolicy | None,
-    ) -> dict[str, ShopperIntent | None]:
+    ) -> IntentBatch:
+        """Each shopper's reply (its HMGET values, or the error Redis answered for its key
+        alone) as its intent, None, or an entry of ``errors``."""
         policy = self.stale if stale is None else _check_policy(stale)
         max_age_ms = int((self.max_age_s if max_age_s is None else max_age_s) * 1000)
         now_ms = int(self._clock() * 1000)
-        out: dict[str, ShopperIntent | None] = {}
-        for shopper_id, values in zip(ids, replies, strict=True):
-            result = self._parse(shopper_id, values, now_ms, max_age_ms)
+        out = IntentBatch()
+        for shopper_id, reply in zip(ids, replies, strict=True):
+            try:
+                if isinstance(reply, redis.ResponseError):  # WRONGTYPE: another type at the key
+                    raise MalformedIntentError(shopper_id, f"Redis refused the read: {reply}")
+                result = parse_intent(shopper_id, reply, now_ms, max_age_ms)
+            except MalformedIntentError as e:
+                self.malformed += 1
+                if self.strict:
+                    raise
+                log.warning("%s; treated as missing", e)
+                out.errors[shopper_id] = e
+                result = None
             if result is not None and result.stale and policy == "drop":
                 log.debug("intent of %s is stale (%d ms); dropped", shopper_id, result.age_ms)
                 result = None
             out[shopper_id] = result
         return out
-
-    def _parse(
-        self, shopper_id: str, values: Sequence[Any], now_ms: int, max_age_ms: int
-    ) -> ShopperIntent | None:
-        try:
-            return parse_intent(shopper_id, values, now_ms, max_age_ms)
-        except MalformedIntentError as e:
-            if self.strict:
-                raise
-            log.warning("%s; treated as missing", e)
-            return None
 
 
 def _client_timeouts(timeout_s: float) -> dict[str, float]:
@@ -304,8 +363,21 @@ class IntentReader(_ReaderSettings):
 
     @classmethod
     def from_url(cls, url: str, timeout_s: float = 0.05, **kwargs: Any) -> IntentReader:
-        """A reader with its own client; the timeouts suit a ranking request's budget."""
-        return cls(redis.Redis.from_url(url, **_client_timeouts(timeout_s)), **kwargs)
+        """A reader with its own client, which :meth:`close` closes; the timeouts suit a
+        ranking request's budget."""
+        client = redis.Redis.from_url(url, **_client_timeouts(timeout_s))
+        return cls(client, owns_client=True, **kwargs)
+
+    def close(self) -> None:
+        """Close the client if this reader made it (``from_url``); a given one stays open."""
+        if self.owns_client:
+            self.client.close()
+
+    def __enter__(self) -> IntentReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def get(
         self,
@@ -321,18 +393,19 @@ class IntentReader(_ReaderSettings):
         shopper_ids: Iterable[str],
         max_age_s: float | None = None,
         stale: StalePolicy | None = None,
-    ) -> dict[str, ShopperIntent | None]:
-        """Each requested shopper mapped to its intent or None, in order (one round trip)."""
+    ) -> IntentBatch:
+        """Each requested shopper mapped to its intent or None, in order (one round trip);
+        the batch's ``errors`` name the shoppers whose hash could not be read, and why."""
         ids = _requested(shopper_ids, stale)
         if not ids:
-            return {}
+            return IntentBatch()
         return self._results(ids, self._hmget_all(ids), max_age_s, stale)
 
-    def _hmget_all(self, ids: Sequence[str]) -> list[Sequence[Any]]:
+    def _hmget_all(self, ids: Sequence[str]) -> list[Any]:
         try:
             with self.client.pipeline(transaction=False) as pipe:
                 self._queue(pipe, ids)
-                return list(pipe.execute())
+                return list(pipe.execute(raise_on_error=False))
         except (redis.ConnectionError, redis.TimeoutError) as e:
             raise ReaderUnavailableError(f"Redis unavailable: {e}") from e
 
@@ -359,8 +432,16 @@ class AsyncIntentReader(_ReaderSettings):
 
     @classmethod
     def from_url(cls, url: str, timeout_s: float = 0.05, **kwargs: Any) -> AsyncIntentReader:
-        """A reader with its own client; the timeouts suit a ranking request's budget."""
-        return cls(redis.asyncio.Redis.from_url(url, **_client_timeouts(timeout_s)), **kwargs)
+        """A reader with its own client, which :meth:`aclose` closes; the timeouts suit a
+        ranking request's budget."""
+        client = redis.asyncio.Redis.from_url(url, **_client_timeouts(timeout_s))
+        return cls(client, owns_client=True, **kwargs)
+
+    async def __aenter__(self) -> AsyncIntentReader:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
 
     async def get(
         self,
@@ -376,21 +457,23 @@ class AsyncIntentReader(_ReaderSettings):
         shopper_ids: Iterable[str],
         max_age_s: float | None = None,
         stale: StalePolicy | None = None,
-    ) -> dict[str, ShopperIntent | None]:
-        """Each requested shopper mapped to its intent or None, in order (one round trip)."""
+    ) -> IntentBatch:
+        """Each requested shopper mapped to its intent or None, in order (one round trip);
+        the batch's ``errors`` name the shoppers whose hash could not be read, and why."""
         ids = _requested(shopper_ids, stale)
         if not ids:
-            return {}
+            return IntentBatch()
         return self._results(ids, await self._hmget_all(ids), max_age_s, stale)
 
-    async def _hmget_all(self, ids: Sequence[str]) -> list[Sequence[Any]]:
+    async def _hmget_all(self, ids: Sequence[str]) -> list[Any]:
         try:
             async with self.client.pipeline(transaction=False) as pipe:
                 self._queue(pipe, ids)
-                return list(await pipe.execute())
+                return list(await pipe.execute(raise_on_error=False))
         except (redis.ConnectionError, redis.TimeoutError) as e:
             raise ReaderUnavailableError(f"Redis unavailable: {e}") from e
 
     async def aclose(self) -> None:
-        """Close the client (a reader made by :meth:`from_url` owns it)."""
-        await self.client.aclose()
+        """Close the client if this reader made it (``from_url``); a given one stays open."""
+        if self.owns_client:
+            await self.client.aclose()

@@ -43,6 +43,26 @@ RECORD_FIELDS = (
 #: ``answer`` as the ``intent`` itself (the model's answer was stored unchanged then).
 OPTIONAL_FIELDS = ("facts", "source", "answer")
 
+#: The intent labels of the intent schema (``schemas/shopper_intent.schema.json``; a unit
+#: test keeps the two equal). A reader ignores a label it does not know: a later schema may
+#: add some.
+INTENT_LABELS = (
+    "browsing",
+    "comparing_options",
+    "researching_product",
+    "ready_to_buy",
+    "gift_shopping",
+    "replenishing",
+    "deal_seeking",
+    "abandoning_cart",
+    "post_purchase",
+)
+
+#: The most bytes any field of an intent hash or notification may hold for a reader to
+#: parse it. The job writes a few KiB at most (the intent schema is bounded; the facts list
+#: at most 8 categories and brands); a larger value is not the job's, and is refused unread.
+MAX_FIELD_BYTES = 256 * 1024
+
 #: Set by the script itself when a write lands (Redis's clock, not the writer's).
 WRITTEN_AT_FIELD = "written_at_ms"
 

@@ -25,6 +25,13 @@ Semantics a consumer should know:
 - **Trimmed when far behind.** The writer trims the stream to about ``maxlen`` entries; a
   consumer further behind than that misses notifications, never intents:
   :meth:`IntentUpdates.missed` says how many (Redis 7+).
+- **A foreign entry is passed, not fatal.** An entry that is not an update (missing
+  fields, bytes that are not UTF-8, a field over ``MAX_FIELD_BYTES``) is skipped by
+  :meth:`IntentUpdates.follow`, logged and counted (``malformed``); the good entries read
+  with it are yielded. :meth:`IntentUpdates.read` raises it, with those good entries on the
+  error (``MalformedUpdateError.updates``).
+
+A follower made by ``from_url`` owns its client and closes it (``close()`` or ``with``).
 
 For several consumers sharing the work, use a consumer group (``XREADGROUP``) on the same
 stream; this helper is the single-reader case.
@@ -33,6 +40,7 @@ stream; this helper is the single-reader case.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -41,14 +49,27 @@ from typing import Any
 import redis
 
 from intent_reader.client import IntentReaderError, ReaderUnavailableError
-from intent_reader.layout import DEFAULT_SOURCE, NOTIFY_FIELDS, NOTIFY_REQUIRED_FIELDS
+from intent_reader.layout import (
+    DEFAULT_SOURCE,
+    MAX_FIELD_BYTES,
+    NOTIFY_FIELDS,
+    NOTIFY_REQUIRED_FIELDS,
+)
+
+log = logging.getLogger(__name__)
 
 #: The fields of each stream entry.
 UPDATE_FIELDS = NOTIFY_FIELDS
 
 
 class MalformedUpdateError(IntentReaderError):
-    """A stream entry is not an intent update (a foreign writer on the stream)."""
+    """A stream entry is not an intent update (a foreign writer on the stream). Raised by
+    :meth:`IntentUpdates.read` after the cursor moved past it; ``updates`` holds the good
+    entries read in the same batch."""
+
+    def __init__(self, message: str, updates: list[IntentUpdate] | None = None) -> None:
+        super().__init__(message)
+        self.updates: list[IntentUpdate] = updates or []
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,8 +103,20 @@ def _text(value: bytes | str) -> str:
 
 
 def parse_update(entry_id: bytes | str, fields: Mapping[Any, Any]) -> IntentUpdate:
-    """An :class:`IntentUpdate` from one ``XREAD`` entry; raises :class:`MalformedUpdateError`."""
-    data = {_text(k): _text(v) for k, v in fields.items()}
+    """An :class:`IntentUpdate` from one ``XREAD`` entry; raises :class:`MalformedUpdateError`
+    (missing fields, bytes that are not UTF-8, a field over ``MAX_FIELD_BYTES``, a number
+    that is not one)."""
+    try:
+        entry_id = _text(entry_id)
+        big = next((k for k, v in fields.items() if len(v) > MAX_FIELD_BYTES), None)
+        if big is not None:
+            raise MalformedUpdateError(
+                f"entry {entry_id}: field {_text(big)[:40]} holds {len(fields[big])} bytes; "
+                f"at most {MAX_FIELD_BYTES}"
+            )
+        data = {_text(k): _text(v) for k, v in fields.items()}
+    except UnicodeDecodeError as e:
+        raise MalformedUpdateError(f"entry {entry_id!r}: not UTF-8 ({e.reason})") from e
     missing = [name for name in NOTIFY_REQUIRED_FIELDS if name not in data]
     if missing:
         raise MalformedUpdateError(f"entry {_text(entry_id)}: missing {', '.join(missing)}")
@@ -102,7 +135,7 @@ def parse_update(entry_id: bytes | str, fields: Mapping[Any, Any]) -> IntentUpda
             answer_json=data.get("answer", ""),
         )
     except ValueError as e:
-        raise MalformedUpdateError(f"entry {_text(entry_id)}: {e}") from e
+        raise MalformedUpdateError(f"entry {entry_id}: {str(e)[:200]}") from e
 
 
 def _id_tuple(entry_id: str) -> tuple[int, int]:
@@ -123,6 +156,7 @@ class IntentUpdates:
         stream: str,
         start: str = "latest",
         batch: int = 100,
+        owns_client: bool = False,
     ) -> None:
         if not stream:
             raise ValueError("stream must not be empty")
@@ -131,6 +165,10 @@ class IntentUpdates:
         self.client = client
         self.stream = stream
         self.batch = batch
+        #: Whether ``close`` closes the client (a follower made by ``from_url``).
+        self.owns_client = owns_client
+        #: Entries that were not updates, since the follower was made (each also logged).
+        self.malformed = 0
         # How many entries the stream had been given up to the cursor (XINFO's
         # "entries-added" numbering); None when unknown (a resumed cursor, Redis < 7).
         self._position: int | None = None
@@ -153,11 +191,27 @@ class IntentUpdates:
 
     @classmethod
     def from_url(cls, url: str, stream: str, block_timeout_s: float = 60.0, **kwargs: Any):
-        """A follower with its own client; the socket timeout outlasts any blocking read."""
+        """A follower with its own client, which :meth:`close` closes; the socket timeout
+        outlasts any blocking read."""
         client = redis.Redis.from_url(
             url, socket_timeout=block_timeout_s + 5.0, socket_connect_timeout=2.0
         )
-        return cls(client, stream, **kwargs)
+        try:
+            return cls(client, stream, owns_client=True, **kwargs)
+        except BaseException:
+            client.close()
+            raise
+
+    def close(self) -> None:
+        """Close the client if this follower made it (``from_url``)."""
+        if self.owns_client:
+            self.client.close()
+
+    def __enter__(self) -> IntentUpdates:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def _info(self) -> dict[str, Any] | None:
         """``XINFO STREAM`` (one atomic view of the stream), or None when it does not exist."""
@@ -172,8 +226,9 @@ class IntentUpdates:
         """The next updates after the cursor (at most ``batch``), oldest first.
 
         Waits up to ``block_s`` seconds for the first one (``None``: no wait). Advances the
-        cursor past what it returns, malformed entries included (they raise after the
-        cursor moved, so a retry does not meet them again).
+        cursor past what it returns, malformed entries included: the first raises
+        :class:`MalformedUpdateError` after the cursor moved (so a retry does not meet it
+        again), carrying the batch's good updates.
         """
         block = None if block_s is None else max(1, int(block_s * 1000))
         try:
@@ -188,20 +243,23 @@ class IntentUpdates:
         if self._position is not None:
             self._position += len(entries)
         for entry_id, fields in entries:
-            self.last_id = _text(entry_id)
+            self.last_id = _text(entry_id)  # XADD IDs are ASCII, whatever the fields hold
             try:
                 updates.append(parse_update(entry_id, fields))
             except MalformedUpdateError as e:
+                self.malformed += 1
+                log.warning("%s; skipped", e)
                 bad = bad or e
         if bad is not None:
-            raise bad
+            raise MalformedUpdateError(str(bad), updates) from bad
         return updates
 
     def follow(
         self, idle_timeout_s: float | None = None, poll_s: float = 5.0
     ) -> Iterator[IntentUpdate]:
         """Yield updates as they come; stops after ``idle_timeout_s`` without one (None:
-        never). Malformed entries are skipped (``read`` raises them)."""
+        never). Malformed entries are skipped (logged and counted in ``malformed``), the good
+        ones read with them yielded."""
         last_seen = time.monotonic()
         while True:
             wait = poll_s
@@ -212,8 +270,8 @@ class IntentUpdates:
                 wait = min(wait, left)
             try:
                 updates = self.read(block_s=wait)
-            except MalformedUpdateError:
-                continue
+            except MalformedUpdateError as e:
+                updates = e.updates
             if updates:
                 last_seen = time.monotonic()
             yield from updates

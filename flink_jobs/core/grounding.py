@@ -14,7 +14,8 @@ Facts (:class:`GroundedFacts`):
 - categories and brands engaged, with counts, most engaged first (ties: the most recently
   engaged first). An engagement is a product event other than ``remove_from_cart``. A
   category is kept as the event's path (``"Electronics > Audio > Headphones"``) with its
-  leaf (``"Headphones"``), sanitised to the intent schema's category alphabet;
+  leaf (``"Headphones"``), sanitised to the intent schema's category alphabet (letters,
+  marks and digits of every script, spaces and ``&',.()/+-``);
 - the price band: lowest, median and highest price of the distinct products seen (the
   median of an even count is the lower middle one: always a price the shopper saw);
 - the cart: ``add_to_cart`` adds its quantity, ``remove_from_cart`` takes its quantity
@@ -52,7 +53,7 @@ from __future__ import annotations
 import re
 import statistics
 import unicodedata
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,9 +71,11 @@ MAX_CATEGORY_ENUM = 12
 #: The categories offered when the shopper has engaged with no product at all.
 FALLBACK_CATEGORIES: tuple[str, ...] = ("General",)
 
-# The intent schema's category: at most 40 characters of this alphabet.
+# The intent schema's category: at most 40 characters, none that a JSON string or the prompt
+# would have to escape (control characters, quotes, backslashes, angle brackets).
 CATEGORY_MAX_CHARS = 40
-_NOT_CATEGORY_CHAR = re.compile(r"[^A-Za-z0-9 &',.()/+-]+")
+#: Punctuation a category keeps; other punctuation and symbols become spaces.
+CATEGORY_PUNCTUATION = frozenset(" &',.()/+-")
 SUMMARY_MAX_CHARS = 120
 
 PRODUCT_EVENTS = ("view", "click", "add_to_cart", "remove_from_cart", "purchase")
@@ -215,11 +218,21 @@ class GroundedFacts:
 
 
 def sanitise_category(text: str) -> str:
-    """``text`` in the intent schema's category alphabet: accents dropped, any other
-    character a space, spaces collapsed, cut to 40 characters ("" if nothing is left)."""
-    plain = unicodedata.normalize("NFKD", text).encode("ascii", "ignore").decode("ascii")
-    plain = " ".join(_NOT_CATEGORY_CHAR.sub(" ", plain).split())
-    return plain[:CATEGORY_MAX_CHARS].strip()
+    """``text`` in the intent schema's category alphabet: NFKC-normalised (full-width and
+    compatibility forms become plain ones), letters, combining marks and digits of every
+    script kept (a Cyrillic or Japanese catalogue names its categories in its own script),
+    format characters (category Cf: invisible) dropped, any other character (symbols,
+    emoji, other punctuation, controls) a space, spaces collapsed, cut to 40 characters
+    ("" if nothing is left)."""
+    kept = "".join(_category_char(c) for c in unicodedata.normalize("NFKC", text))
+    return " ".join(kept.split())[:CATEGORY_MAX_CHARS].strip()
+
+
+def _category_char(char: str) -> str:
+    kind = unicodedata.category(char)
+    if kind[0] in "LMN" or char in CATEGORY_PUNCTUATION:
+        return char
+    return "" if kind == "Cf" else " "
 
 
 def category_levels(path: str) -> tuple[str, ...]:
@@ -438,14 +451,22 @@ MAX_INTENTS = 3
 CART_STAGE_LABELS = frozenset({"ready_to_buy", "abandoning_cart", "post_purchase"})
 
 
-def reconcile(answer: Intent, rules: Intent | None) -> Intent:
+def reconcile(
+    answer: Intent, rules: Intent | None, facts: Mapping[str, Any] | None = None
+) -> Intent:
     """The intent the record stores for the model's ``answer`` to a prompt whose session gave
-    ``rules`` (``rules_intent``): the rules' labels first, then the model's other labels,
-    except those of the cart's stage (``CART_STAGE_LABELS``), which only the rules give.
+    ``rules`` (``rules_intent``) and ``facts`` (``GroundedFacts.as_dict``, as the task
+    carries them): the rules' labels first, then the model's other labels, except those of
+    the cart's stage (``CART_STAGE_LABELS``), which only the rules give.
 
     A label appears once (its first occurrence wins), at most ``MAX_INTENTS`` remain, and a
     follower's confidence is capped at the one before it, so the list stays most confident
-    first. The summary is the model's; the source stays ``model``.
+    first. The source stays ``model``.
+
+    The summary is held to the facts as the labels are: it is the model's, unless the model
+    named a cart stage the rules did not give (its summary tells that stage's story) or the
+    summary says the shopper bought something while the session has no purchase
+    (:func:`claims_purchase`); then it is the rules' summary, which the facts state.
 
     Why the rules lead: scored on the same writes (``make eval``, bench/README.md), records
     led by the model's labels lost to the rules alone on re-ranking NDCG@10 with every
@@ -462,6 +483,13 @@ def reconcile(answer: Intent, rules: Intent | None) -> Intent:
     """
     if rules is None:
         return answer
+    ruled = {i["label"] for i in rules.body["intents"]}
+    replaced_stage = any(
+        i["label"] in CART_STAGE_LABELS and i["label"] not in ruled for i in answer.body["intents"]
+    )
+    purchases = (facts or {}).get("event_counts", {}).get("purchase", 0)
+    unbought = facts is not None and not purchases and claims_purchase(answer.summary)
+    summary = rules.summary if replaced_stage or unbought else answer.summary
     answered = [i for i in answer.body["intents"] if i["label"] not in CART_STAGE_LABELS]
     merged: list[dict[str, Any]] = []
     for item in [*rules.body["intents"], *answered]:
@@ -472,8 +500,21 @@ def reconcile(answer: Intent, rules: Intent | None) -> Intent:
         if merged and item["confidence"] > merged[-1]["confidence"]:
             item = {**item, "confidence": merged[-1]["confidence"]}
         merged.append(item)
-    body = {**answer.body, "intents": merged}
-    return Intent(body, merged[0]["label"], merged[0]["confidence"], answer.summary, answer.source)
+    body = {**answer.body, "intents": merged, "summary": summary}
+    return Intent(body, merged[0]["label"], merged[0]["confidence"], summary, answer.source)
+
+
+_PURCHASE_CLAIM = re.compile(
+    r"\b(bought|purchased|made (a|the|their|his|her) purchase|placed (an|the|their) order|"
+    r"ordered|checked out|paid for)\b",
+    re.IGNORECASE,
+)
+
+
+def claims_purchase(summary: str) -> bool:
+    """Whether ``summary`` says the shopper bought something ("Just bought the headphones",
+    "purchased", "checked out", "ordered"). A false alarm only swaps in the rules' summary."""
+    return _PURCHASE_CLAIM.search(summary) is not None
 
 
 _MOVED_ON = {

@@ -3,14 +3,18 @@
 Templates live in ``prompts/``; each defines two macros, ``system()`` and ``user()``. The
 renderer, not the template, owns the safety rules: ``StrictUndefined`` so a typo in a
 template fails loudly, the ``untrusted`` filter for any text a shopper or seller typed,
-and a token budget enforced by dropping the oldest events first.
+and a token budget (``prompt.max_prompt_tokens``) kept by dropping the oldest events first:
+as few as make the prompt fit, never the newest event (the one that fired the prompt), and
+never the session's facts, which the template renders whole.
 
 With template arms (``prompt.arms``, ``core/arms.py``), :class:`ArmRenderer` renders each
 shopper with its arm's template and names the arm's model on the prompt.
 
-Token counts are estimated from UTF-8 bytes (``bytes / 3``, which over-counts for the
-Llama-family BPE vocabularies the job targets), so the budget holds without shipping a
-tokenizer into the Flink job.
+Tokens are counted by ``core/token_budget.py``: exactly, with the model's tokenizer and chat
+template when ``prompt.tokenizer_path`` names them, else by a bound that cannot undercount
+(UTF-8 bytes plus the template's overhead), so a prompt within the budget always fits the
+model's context (``AppConfig.validate`` checks that the budget and ``llm.max_tokens`` fit in
+``llm.max_model_len``).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import hashlib
 import math
 import re
 import unicodedata
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -30,13 +35,13 @@ import orjson
 
 from flink_jobs.config import PromptConfig
 from flink_jobs.core.arms import Arm, assign_arm, parse_arms
-from flink_jobs.core.events import load_schema, pickled_by_fields
+from flink_jobs.core.events import ShopperEvent, load_schema, pickled_by_fields
 from flink_jobs.core.grounding import GroundedFacts, grounded_facts, leaf_category, rules_intent
 from flink_jobs.core.session import SessionState
+from flink_jobs.core.token_budget import TokenCounter, token_counter
 from flink_jobs.paths import resource_dir
 
 PROMPTS_DIR = resource_dir("prompts")
-BYTES_PER_TOKEN = 3
 #: Quoted texts remembered by ``untrusted`` (each at most ``prompt.max_text_chars``).
 UNTRUSTED_CACHE_SIZE = 8192
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
@@ -70,6 +75,8 @@ class RenderedPrompt:
     messages: tuple[dict[str, str], ...]
     template: str
     template_hash: str
+    # The prompt's tokens as the budget counted them (token_budget.py): exact with the
+    # model's tokenizer, an upper bound without it.
     estimated_tokens: int
     events_included: int
     events_dropped: int
@@ -80,10 +87,6 @@ class RenderedPrompt:
     def arm(self) -> str:
         """The A/B arm's name (``arms.Arm.name``): the template, and its model if named."""
         return Arm(self.template, 0, self.model).name
-
-
-def estimate_tokens(text: str) -> int:
-    return math.ceil(len(text.encode("utf-8")) / BYTES_PER_TOKEN)
 
 
 def untrusted(value: Any, max_chars: int) -> str:
@@ -115,7 +118,10 @@ def intent_labels() -> tuple[str, ...]:
 
 
 class PromptRenderer:
-    def __init__(self, config: PromptConfig) -> None:
+    """Renders one template. ``counter`` counts the prompt's tokens for the budget (by
+    default the one ``prompt.tokenizer_path`` names: ``token_budget.token_counter``)."""
+
+    def __init__(self, config: PromptConfig, counter: TokenCounter | None = None) -> None:
         directory = Path(config.templates_dir) if config.templates_dir else PROMPTS_DIR
         self._config = config
         self._env = jinja2.Environment(
@@ -142,34 +148,60 @@ class PromptRenderer:
         self.template_name = config.template
         self.template_hash = hashlib.sha256(source).hexdigest()[:12]
         self._labels = intent_labels()
+        self._counter = counter if counter is not None else token_counter(config.tokenizer_path)
+        self._check_fixed_text_fits()
 
     def render(self, state: SessionState, facts: GroundedFacts | None = None) -> RenderedPrompt:
         """``facts``: the session's ``grounded_facts``, when the caller has them already."""
         facts = facts if facts is not None else grounded_facts(state)
         rules = rules_intent(facts, state).body["intents"][0]
         events = list(state.events)
+        budget = self._config.max_prompt_tokens
+
+        def attempt(dropped: int) -> tuple[tuple[dict[str, str], ...], int]:
+            system, user = self._render_parts(state, events[dropped:], facts, rules)
+            messages = ({"role": "system", "content": system}, {"role": "user", "content": user})
+            return messages, self._counter.count(messages)
+
         dropped = 0
-        while True:
-            system, user = self._render_parts(state, events, facts, rules)
-            tokens = estimate_tokens(system) + estimate_tokens(user)
-            if tokens <= self._config.max_prompt_tokens:
-                break
-            if len(events) <= 1:
+        messages, tokens = attempt(0)
+        if tokens > budget:
+            fits = _fewest_to_drop(attempt, len(events), tokens, budget, self._fixed_tokens)
+            if fits is None:
+                alone = attempt(max(len(events) - 1, 0))[1]
                 raise PromptError(
-                    f"prompt for shopper {state.shopper_id} needs ~{tokens} tokens even with one "
-                    f"event; raise prompt.max_prompt_tokens ({self._config.max_prompt_tokens})"
+                    f"prompt for shopper {state.shopper_id} needs {alone} tokens "
+                    f"({self._counter.method}) even with only its newest event; raise "
+                    f"prompt.max_prompt_tokens ({budget}) or lower prompt.max_text_chars"
                 )
-            # Drop a quarter at a time: re-rendering per event would be quadratic.
-            cut = max(1, len(events) // 4)
-            events, dropped = events[cut:], dropped + cut
+            dropped, messages, tokens = fits
         return RenderedPrompt(
-            messages=({"role": "system", "content": system}, {"role": "user", "content": user}),
+            messages=messages,
             template=self.template_name,
             template_hash=self.template_hash,
             estimated_tokens=tokens,
-            events_included=len(events),
+            events_included=len(events) - dropped,
             events_dropped=dropped,
         )
+
+    def _check_fixed_text_fits(self) -> None:
+        """Refuse at start a template whose text around the events cannot fit the budget:
+        every prompt of it would be refused one by one."""
+        event = ShopperEvent("e", "s", "search", 0, query="q")
+        state = SessionState("s", events=(event,), session_started_ms=0, newest_event_ms=0)
+        facts = grounded_facts(state)
+        rules = rules_intent(facts, state).body["intents"][0]
+        system, user = self._render_parts(state, [event], facts, rules)
+        messages = ({"role": "system", "content": system}, {"role": "user", "content": user})
+        tokens = self._fixed_tokens = self._counter.count(messages)
+        if tokens > self._config.max_prompt_tokens:
+            raise PromptError(
+                f"prompt template {self.template_name!r} needs {tokens} tokens "
+                f"({self._counter.method}) for its fixed text and a one-event session, over "
+                f"prompt.max_prompt_tokens ({self._config.max_prompt_tokens}): set "
+                "prompt.tokenizer_path to the model's folder to count exactly, or a larger "
+                "budget if llm.max_model_len allows it"
+            )
 
     def _render_parts(
         self, state: SessionState, events: list, facts: GroundedFacts, rules: dict[str, Any]
@@ -189,6 +221,36 @@ class PromptRenderer:
             return str(module.system()).strip(), str(module.user()).strip()
         except jinja2.UndefinedError as exc:
             raise PromptError(f"prompt template {self.template_name!r}: {exc.message}") from exc
+
+
+Attempt = Callable[[int], tuple[tuple[dict[str, str], ...], int]]
+
+
+def _fewest_to_drop(
+    attempt: Attempt, events: int, full_tokens: int, budget: int, base_tokens: int
+) -> tuple[int, tuple[dict[str, str], ...], int] | None:
+    """The fewest oldest events to drop (never the newest) for the prompt to fit ``budget``,
+    with the prompt and its count; None when even the newest alone does not fit.
+
+    ``attempt(dropped)`` renders and counts. A search over the number dropped (fewer events,
+    fewer tokens), each guess interpolated from the counts seen so far (``base_tokens``: a
+    prompt of about one event), so a prompt takes two or three renders, not one per event."""
+    low, high = 1, events - 1  # the answer, if any, is within [low, high]
+    known = [(0, full_tokens), (events - 1, base_tokens)]  # (dropped, tokens), near the bracket
+    best = None
+    while low <= high:
+        (cut_a, tokens_a), (cut_b, tokens_b) = known
+        per_event = (tokens_a - tokens_b) / (cut_b - cut_a) if cut_b > cut_a else 0
+        guess = cut_a + math.ceil((tokens_a - budget) / per_event) if per_event > 0 else low
+        guess = min(max(guess, low), high)
+        messages, tokens = attempt(guess)
+        if tokens <= budget:
+            best, high = (guess, messages, tokens), guess - 1
+            known[1] = (guess, tokens)
+        else:
+            low = guess + 1
+            known[0] = (guess, tokens)
+    return best
 
 
 class EventView(NamedTuple):
@@ -224,14 +286,15 @@ class ArmRenderer:
     ``prompt.template``, when unset) and names the arm's model on the prompt. Every arm's
     template is loaded at start, so a missing or broken one fails the job at once."""
 
-    def __init__(self, config: PromptConfig) -> None:
+    def __init__(self, config: PromptConfig, counter: TokenCounter | None = None) -> None:
         self.arms = parse_arms(config.arms, config.template)
+        counter = counter if counter is not None else token_counter(config.tokenizer_path)
         self._renderers: dict[str, PromptRenderer] = {}
         for arm in self.arms:
             if arm.template not in self._renderers:
                 try:
                     self._renderers[arm.template] = PromptRenderer(
-                        dataclasses.replace(config, template=arm.template)
+                        dataclasses.replace(config, template=arm.template), counter
                     )
                 except PromptError as exc:
                     raise PromptError(f"prompt.arms: {exc}") from exc

@@ -6,8 +6,8 @@ holds that interpreter's lock, and every event waits behind it (how much, in
 ``bench/README.md``). In a child process that work runs on another core; the operator's
 side costs a pickle and a socket write per prompt.
 
-``CallProcess`` is a drop-in ``run`` for ``outbox.Outbox``: ``await call_process(task)``
-returns the ``TaskResult`` the child computed with ``inference.PromptRunner``, or raises
+``CallProcess`` is an ``outbox.Runner``: ``await call_process.run(task)`` returns the
+``TaskResult`` the child computed with ``inference.PromptRunner``, or raises
 what the child's ``run_task`` raised (Redis unreachable for its whole budget), so the
 outbox fails the job exactly as it does for a call made in-process. If the child exits,
 every call in flight and every later one raises :class:`CallProcessExited`: the job
@@ -101,7 +101,8 @@ class CallProcess:
     def pid(self) -> int | None:
         return self._process.pid if self._process is not None else None
 
-    async def __call__(self, task: PromptTask) -> TaskResult:
+    async def run(self, task: PromptTask) -> TaskResult:
+        """``PromptRunner.run`` in the child."""
         return await self._request("call", task)
 
     async def write_rules(self, task: PromptTask) -> TaskResult:
@@ -232,7 +233,7 @@ async def _serve(sock: socket.socket) -> None:
                 runner.supersede(*message)
                 continue
             call_id, task = message
-            run = runner.write_rules if kind == "rules" else runner
+            run = runner.write_rules if kind == "rules" else runner.run
             call = asyncio.create_task(answer(call_id, task, run))
             calls.add(call)
             call.add_done_callback(calls.discard)

@@ -7,13 +7,13 @@ reason ``ungrounded_category``) without asking again, since greedy decoding woul
 the same; the prompt's rules-only record stays. It can only happen with a server that
 ignores ``response_format`` (or ``llm.guided_json`` off).
 
-Plain asyncio, no Flink: ``outbox.Outbox`` runs :class:`PromptRunner` (:func:`run_task`
-with the job's clients) on its event loop. A failed call or an invalid answer becomes a
-dead letter saying why; so does an intent whose Redis key cannot take it (another type at
-the key: retrying would fail the same way, and a job restart would meet it again). A Redis
-that is unreachable or cannot take writes for now (READONLY, BUSY, OOM, LOADING...) is
-retried with backoff for ``redis.write_retry_budget_s`` and then raised, so the job fails
-and restarts from its last checkpoint rather than drop an intent.
+Plain asyncio, no Flink: ``outbox.Outbox`` runs prompts through :class:`PromptRunner`
+(:func:`run_task` with the job's clients), its ``Runner``, on its event loop. A failed call
+or an invalid answer becomes a dead letter saying why; so does an intent whose Redis key
+cannot take it (another type at the key: retrying would fail the same way, and a job restart
+would meet it again). A Redis that is unreachable or cannot take writes for now (READONLY,
+BUSY, OOM, LOADING...) is retried with backoff for ``redis.write_retry_budget_s`` and then
+raised, so the job fails and restarts from its last checkpoint rather than drop an intent.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+import orjson
 import redis
 
 from flink_jobs.config import AppConfig
@@ -201,8 +202,9 @@ async def write_rules(
 def model_record(task: PromptTask, answer: Intent, model: str) -> IntentRecord:
     """The record of the model's ``answer`` to ``task``: the answer beside the session's
     rules-only intent (``grounding.reconcile``), with the answer itself kept in ``answer``."""
+    facts = orjson.loads(task.facts_json) if task.facts_json else None
     return intent_record(
-        task, reconcile(answer, task.rules), model, answer_json=answer.to_json().decode()
+        task, reconcile(answer, task.rules, facts), model, answer_json=answer.to_json().decode()
     )
 
 
@@ -306,9 +308,10 @@ Clients = Callable[[], tuple[LlmClient, AsyncIntentStore]]
 
 
 class PromptRunner:
-    """:func:`run_task` with the job's LLM client and intent store, made on first use, on
-    the event loop that runs the calls (their connection pools belong to it): from the
-    configuration, or by ``make_clients`` (tests)."""
+    """The outbox's ``Runner`` in this interpreter: :func:`run_task` with the job's LLM
+    client and intent store, made on first use, on the event loop that runs the calls
+    (their connection pools belong to it): from the configuration, or by ``make_clients``
+    (tests)."""
 
     def __init__(self, config: AppConfig, make_clients: Clients | None = None) -> None:
         self._config = config
@@ -338,7 +341,9 @@ class PromptRunner:
             self._llm = LlmClient(self._config.llm)
         return self._llm, self._store
 
-    async def __call__(self, task: PromptTask) -> TaskResult:
+    async def run(self, task: PromptTask) -> TaskResult:
+        """:func:`run_task` for ``task``, stoppable while it waits for the LLM
+        (:meth:`supersede`)."""
         llm, store = self.clients()
         tally = AttemptTally()
         asking = asyncio.ensure_future(

@@ -69,8 +69,12 @@ entry to that stream in the same script (``XADD key MAXLEN ~ maxlen *``)::
 
 A refused (stale or equal) write appends nothing. The script then touches two keys, so
 it needs a non-cluster Redis (one primary with replicas); ``intent_reader.IntentUpdates``
-reads the stream. Approximate trimming keeps about ``maxlen`` entries: a consumer that falls
-further behind misses notifications, never intents (the hash stays the truth).
+reads the stream. The script checks both keys' types before it writes anything: were the
+stream key something else (say, the stats hash), the intent would otherwise land and the
+``XADD`` after it fail, a stored intent reported as failed. The job also refuses such a key
+at start (:func:`check_notify_stream`; ``RedisConfig.validate`` for a name of the layout).
+Approximate trimming keeps about ``maxlen`` entries: a consumer that falls further behind
+misses notifications, never intents (the hash stays the truth).
 
 Everything that decides what is sent (key names, script arguments, parsing a stored hash)
 is a pure function here; ``IntentStore`` and ``AsyncIntentStore`` only do the I/O.
@@ -78,6 +82,8 @@ is a pure function here; ``IntentStore`` and ``AsyncIntentStore`` only do the I/
 Errors::
 
     IntentStoreError           base; any other refusal (a bug or a misconfiguration: fail loudly)
+    ├── NotifyStreamError      the notification stream key holds another type (a
+    │                          misconfiguration: every write would fail; nothing written)
     ├── StoreUnavailableError  Redis could not be reached or timed out (retry later)
     │   └── StoreBusyError     Redis answered but cannot take writes for now: READONLY (a
     │                          replica, e.g. after a failover), LOADING, BUSY (a long script),
@@ -112,6 +118,9 @@ log = logging.getLogger(__name__)
 
 DEFAULT_NOTIFY_MAXLEN = 100_000
 
+# Both keys' types are checked before anything is written: a shopper's key of another type
+# refuses that shopper's write (WRONGTYPE), a notification stream key of another type refuses
+# every write (NOTIFYWRONGTYPE, a misconfiguration), and neither leaves a write half done.
 # KEYS[1] = the shopper's hash; ARGV[1] = version_ts; ARGV[2] = version_seq; ARGV[3] = TTL ms;
 # ARGV[4..] = field, value, field, value, ... (RECORD_FIELDS). The version is the triple
 # (version_ts, version_seq, rank of source: rules 0, model or absent 1). Returns 1 if written;
@@ -121,6 +130,17 @@ DEFAULT_NOTIFY_MAXLEN = 100_000
 # stream's approximate MAXLEN, the shopper id and the top label, and a landed write also
 # appends NOTIFY_FIELDS.
 _SCRIPT_TEMPLATE = """
+local intent_type = redis.call('TYPE', KEYS[1])['ok']
+if intent_type ~= 'hash' and intent_type ~= 'none' then
+  return redis.error_reply('WRONGTYPE the intent key holds a ' .. intent_type .. ', not a hash')
+end
+if KEYS[2] then
+  local stream_type = redis.call('TYPE', KEYS[2])['ok']
+  if stream_type ~= 'stream' and stream_type ~= 'none' then
+    return redis.error_reply('NOTIFYWRONGTYPE the notification stream key holds a ' ..
+                             stream_type .. ', not a stream')
+  end
+end
 local ts = tonumber(ARGV[1])
 local seq = tonumber(ARGV[2])
 local rank = 1
@@ -224,6 +244,12 @@ class StoreBusyError(StoreUnavailableError):
 
     def __str__(self) -> str:
         return f"Redis cannot take writes now ({self.code}): {self.detail}"
+
+
+class NotifyStreamError(IntentStoreError):
+    """The notification stream key (``redis.notify_stream``) holds another type: every write
+    would fail the same way, so the job must stop until the setting or the key is fixed.
+    Nothing was written."""
 
 
 class KeyRejectedError(IntentStoreError):
@@ -452,6 +478,8 @@ _BUSY_CODES = frozenset(
 )
 # Errors of one key's content: the shopper's write is refused, with this reason.
 _PER_KEY_CODES = {"WRONGTYPE": "key_wrong_type"}
+#: The script's refusal of a notification stream key of another type.
+NOTIFY_WRONGTYPE = "NOTIFYWRONGTYPE"
 
 
 def error_code(error: Exception) -> str:
@@ -467,10 +495,26 @@ def server_error(error: redis.ResponseError, shopper_id: str | None = None) -> I
     code = error_code(error)
     if code in _BUSY_CODES:
         return StoreBusyError(code, str(error))
+    if code == NOTIFY_WRONGTYPE:
+        return NotifyStreamError(
+            f"{error}: redis.notify_stream must name a stream key (or none yet); nothing was "
+            "written. Name another key or remove this one"
+        )
     if code in _PER_KEY_CODES and shopper_id is not None:
         return KeyRejectedError(shopper_id, _PER_KEY_CODES[code], str(error))
     who = f"shopper {shopper_id!r}" if shopper_id is not None else "the batch"
     return IntentStoreError(f"upsert of {who} failed: {error}")
+
+
+def check_notify_stream(client: redis.Redis, stream: str) -> None:
+    """Refuse a notification stream key that exists and is not a stream
+    (:class:`NotifyStreamError`); a missing key is fine (the first write makes it)."""
+    kind = _text(client.type(stream))
+    if kind not in ("stream", "none"):
+        raise NotifyStreamError(
+            f"redis.notify_stream {stream!r} holds a {kind}, not a stream: name another key "
+            "or remove this one"
+        )
 
 
 def _results_to_bools(records: Sequence[IntentRecord], replies: Sequence[object]) -> list[bool]:

@@ -7,9 +7,9 @@ PyFlink's ``thread`` execution mode, whose keyed state access is much cheaper th
 ``process`` mode's (figures in ``bench/README.md``).
 
 So ``operators.ShopperSessions`` hands each prompt to an :class:`Outbox` and returns. The
-outbox runs ``run(task)`` (LLM call, answer check, Redis upsert: ``inference.PromptRunner``,
-by default in a helper process through ``call_process.CallProcess``) on its own thread's
-event loop:
+outbox runs each prompt through its :class:`Runner` (LLM call, answer check, Redis upsert:
+``inference.PromptRunner``, by default in a helper process through
+``call_process.CallProcess``) on its own thread's event loop:
 
 - **bounded**: at most ``capacity`` prompts are queued or running; :meth:`Outbox.submit`
   blocks beyond that, which back-pressures the job into Kafka;
@@ -17,7 +17,7 @@ event loop:
   is never sent (its outcome is ``superseded``), and takes no extra place; one call per
   shopper runs at a time, so a shopper's next prompt finds its prefix in the worker's cache.
   A newer prompt also stops the shopper's running call if that call is still waiting for
-  the LLM (``supersede_run``; outcome ``superseded``), so it starts at once instead of
+  the LLM (``Runner.supersede``; outcome ``superseded``), so it starts at once instead of
   after a whole call whose intent it would replace. A call that follows a stopped one is
   never stopped itself: a shopper who keeps changing course still gets an intent at
   least every second call;
@@ -25,23 +25,26 @@ event loop:
   shopper's key context (:meth:`Outbox.collect`); the operator keeps the shopper's newest
   prompt in keyed state until then, so a prompt whose outcome a restart lost is sent again
   (and the versioned upsert makes a second write of it harmless);
-- **loud**: an exception from ``run`` (Redis unreachable for its whole retry budget) is
+- **loud**: an exception from ``Runner.run`` (Redis unreachable for its whole retry budget) is
   raised by the next ``submit``/``collect``, which fails the Flink task into a restart
   from its last checkpoint.
 
 **Two speeds.** A prompt that carries a rules-only intent (``PromptTask.rules``) also goes
-down a second lane, ``write_rules`` (the runner's Redis upsert of that intent, no LLM
-call): dispatched at :meth:`Outbox.submit`, it takes no call slot, waits for no call of the
-shopper and is never superseded, so the grounded record lands while the model is still
-busy (the version order lets the model's answer replace it, never the reverse:
-``intent_store``). Its outcome settles like a call's, with ``source="rules"``, and fails
-the job the same way; at most ``capacity`` rules writes are in flight (``submit`` blocks
-beyond, as for calls).
+down a second lane, ``Runner.write_rules`` (the runner's Redis upsert of that intent, no LLM
+call; ``rules_first``, ``llm.rules_first``): dispatched at :meth:`Outbox.submit`, it takes
+no call slot, waits for no call of the shopper and is never superseded, so the grounded
+record lands while the model is still busy (the version order lets the model's answer
+replace it, never the reverse: ``intent_store``). Its outcome settles like a call's, with
+``source="rules"``, and fails the job the same way; at most ``capacity`` rules writes are in
+flight (``submit`` blocks beyond, as for calls).
 
 **In order** (``latest_wins=False``, ``llm.latest_wins``): for evaluation runs that need a
 model answer at every trigger point, no queued prompt is replaced and no running call is
 stopped: a shopper's prompts queue behind each other and run one at a time, in order, and
 each takes a place of ``capacity``.
+
+:meth:`Outbox.close` stops the loop's calls, closes the runner (``Runner.aclose``) and then the
+event loop itself, whose selector and self-pipe are three file descriptors.
 """
 
 from __future__ import annotations
@@ -51,14 +54,36 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 from flink_jobs.core.tasks import PromptTask, TaskResult
 
 log = logging.getLogger(__name__)
 
-Run = Callable[[PromptTask], Awaitable[TaskResult]]
+
+@runtime_checkable
+class Runner(Protocol):
+    """What the outbox runs prompts with, as an HTTP client sends requests through its
+    transport: ``inference.PromptRunner`` (in this interpreter) or
+    ``call_process.CallProcess`` (in a helper process). Used from the outbox's event loop."""
+
+    async def run(self, task: PromptTask) -> TaskResult:
+        """The prompt's trip: LLM call, answer check, versioned upsert; its outcome."""
+        ...
+
+    async def write_rules(self, task: PromptTask) -> TaskResult:
+        """The upsert of the prompt's rules-only intent (``task.rules``), no LLM call."""
+        ...
+
+    def supersede(self, shopper_id: str, seq: int) -> None:
+        """Stop prompt ``seq`` of the shopper if it still waits for the LLM (it then
+        settles as ``superseded``); a call past that point runs to its end."""
+        ...
+
+    async def aclose(self) -> None:
+        """Release what the runner holds (connections, a helper process)."""
+        ...
 
 
 class OutboxFailed(RuntimeError):
@@ -77,22 +102,24 @@ class Settled:
 
 
 class Outbox:
+    """``runner`` makes the calls; at most ``capacity`` prompts queued or running, at most
+    ``max_concurrency`` running; ``rules_first``: also write each prompt's rules-only intent
+    at once; ``latest_wins``: a newer prompt of a shopper replaces its queued one and stops
+    its running one (module docstring)."""
+
     def __init__(
         self,
-        run: Run,
+        runner: Runner,
         capacity: int,
         max_concurrency: int,
-        close_run: Callable[[], Awaitable[None]] | None = None,
-        supersede_run: Callable[[str, int], None] | None = None,
-        write_rules: Run | None = None,
+        *,
+        rules_first: bool = True,
         latest_wins: bool = True,
     ) -> None:
         if capacity < 1 or max_concurrency < 1:
             raise ValueError("capacity and max_concurrency must be >= 1")
-        self._run = run
-        self._close_run = close_run
-        self._supersede_run = supersede_run if latest_wins else None
-        self._write_rules = write_rules
+        self._runner = runner
+        self._rules_first = rules_first
         self._latest_wins = latest_wins
         self._capacity = capacity
         self._max_concurrency = max_concurrency
@@ -122,7 +149,7 @@ class Outbox:
     def submit(self, task: PromptTask) -> None:
         """Queue ``task`` (and dispatch its rules write, if it carries one); blocks while
         ``capacity`` prompts are queued or running, or rules writes in flight."""
-        if task.rules is not None and self._write_rules is not None:
+        if task.rules is not None and self._rules_first:
             self._submit_rules(task)
         with self._cond:
             self._raise_if_failed()
@@ -204,16 +231,24 @@ class Outbox:
             return self._queued_count + len(self._running)
 
     def close(self, timeout_s: float = 10.0) -> None:
-        """Cancel what is queued or running (the operator's state still holds it)."""
-        if not self._thread.is_alive():
+        """Cancel what is queued or running (the operator's state still holds it), close
+        the runner, then the event loop. Closing twice does nothing more."""
+        if self._loop.is_closed():
             return
-        future = asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop)
-        try:
-            future.result(timeout_s)
-        except Exception as exc:  # closing must not hide the reason the job is stopping
-            log.warning("outbox did not shut down cleanly: %s", exc)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            future = asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop)
+            try:
+                future.result(timeout_s)
+            except Exception as exc:  # closing must not hide the reason the job is stopping
+                log.warning("outbox did not shut down cleanly: %s", exc)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():  # a call that ignores cancellation holds the loop
+                log.warning(
+                    "outbox thread still running after %.0f s; its loop is left open", timeout_s
+                )
+                return
+        self._loop.close()
 
     # --- the event loop's side -----------------------------------------------------------
 
@@ -240,7 +275,7 @@ class Outbox:
 
     async def _call(self, task: PromptTask, queued_ms: int) -> None:
         try:
-            result = await self._run(task)
+            result = await self._runner.run(task)
         except asyncio.CancelledError:
             raise
         except BaseException as exc:
@@ -262,7 +297,7 @@ class Outbox:
 
     async def _call_rules(self, task: PromptTask) -> None:
         try:
-            result = await self._write_rules(task)
+            result = await self._runner.write_rules(task)
         except asyncio.CancelledError:
             raise
         except BaseException as exc:
@@ -286,7 +321,7 @@ class Outbox:
 
     def _stop(self, task: PromptTask) -> None:
         try:
-            self._supersede_run(task.shopper_id, task.seq)
+            self._runner.supersede(task.shopper_id, task.seq)
         except Exception as exc:  # the call then just runs to its end
             log.warning("could not stop prompt %d of %s: %r", task.seq, task.shopper_id, exc)
 
@@ -294,8 +329,7 @@ class Outbox:
         for call in list(self._tasks):
             call.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        if self._close_run is not None:
-            await self._close_run()
+        await self._runner.aclose()
 
     # --- shared, under the lock ----------------------------------------------------------
 
@@ -306,7 +340,7 @@ class Outbox:
 
     def _may_stop(self, shopper_id: str) -> bool:
         return (
-            self._supersede_run is not None
+            self._latest_wins
             and shopper_id not in self._stopping
             and shopper_id not in self._protected
         )

@@ -36,7 +36,7 @@ import signal
 import socket
 import tempfile
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Self
 
@@ -247,9 +247,11 @@ class RedisService(_LocalService):
         workdir: Path | str | None,
         ready_timeout_s: float = DEFAULT_READY_TIMEOUT_S,
         persistent: bool = False,
+        extra_args: Sequence[str] = (),
     ) -> None:
         super().__init__(port, workdir, ready_timeout_s)
         self.persistent = persistent
+        self.extra_args = tuple(extra_args)
 
     @property
     def url(self) -> str:
@@ -264,6 +266,7 @@ class RedisService(_LocalService):
             "--appendonly", "yes" if self.persistent else "no",
             "--appendfsync", "always",
             "--dir", str(self.workdir),
+            *self.extra_args,
         ]  # fmt: skip
 
     def _ready(self) -> bool:
@@ -322,10 +325,12 @@ def start_redis(
     *,
     ready_timeout_s: float = DEFAULT_READY_TIMEOUT_S,
     persistent: bool = False,
+    extra_args: Sequence[str] = (),
 ) -> RedisService:
     """Start ``redis-server`` on ``port`` (a free one if None) and wait until it answers PING;
-    ``persistent`` keeps its data across ``restart()`` (see ``RedisService``)."""
-    return RedisService(port, workdir, ready_timeout_s, persistent).start()
+    ``persistent`` keeps its data across ``restart()`` (see ``RedisService``); ``extra_args``
+    are more server options (``--cluster-enabled yes``)."""
+    return RedisService(port, workdir, ready_timeout_s, persistent, extra_args).start()
 
 
 def start_tansu(

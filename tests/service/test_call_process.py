@@ -56,7 +56,7 @@ def run(calls: CallProcess, *tasks: PromptTask, timeout_s: float = 120.0):
     async def go():
         try:
             return await asyncio.wait_for(
-                asyncio.gather(*(calls(t) for t in tasks), return_exceptions=True), timeout_s
+                asyncio.gather(*(calls.run(t) for t in tasks), return_exceptions=True), timeout_s
             )
         finally:
             await calls.aclose()
@@ -76,7 +76,7 @@ def test_prompts_answered_in_one_helper_land_in_redis(standin_tier, redis_url, u
     async def go():
         try:
             results = await asyncio.wait_for(
-                asyncio.gather(*(calls(prompt_task(s)) for s in shoppers)), 120
+                asyncio.gather(*(calls.run(prompt_task(s)) for s in shoppers)), 120
             )
             return results, [p for p in call_processes(os.getpid()) if p not in before]
         finally:
@@ -156,7 +156,7 @@ async def call_under_way(silent: SilentLlm, shopper_id: str) -> asyncio.Future:
     """A call of the shopper whose request is out: the silent LLM has its connection. (A
     fixed pause after the helper started was too short beside the model tier on a slow
     host: the helper was still importing, and the supersede came before the call.)"""
-    in_flight = asyncio.ensure_future(silent.calls(prompt_task(shopper_id)))
+    in_flight = asyncio.ensure_future(silent.calls.run(prompt_task(shopper_id)))
     loop = asyncio.get_running_loop()
     connection, _ = await asyncio.wait_for(loop.sock_accept(silent.server), HELPER_START_S)
     silent.connections.append(connection)
@@ -176,7 +176,7 @@ def test_a_dead_helper_fails_its_calls_in_flight_and_later_ones():
                     await asyncio.wait_for(in_flight, 30)
                 waited = time.monotonic() - started
                 with pytest.raises(CallProcessExited):
-                    await calls(prompt_task("shopper-00149"))
+                    await calls.run(prompt_task("shopper-00149"))
                 return waited
             finally:
                 await calls.aclose()
@@ -205,7 +205,7 @@ def test_closing_stops_the_helper():
     calls = CallProcess(config(base_url=f"http://127.0.0.1:{free_port()}/v1", max_attempts=1))
 
     async def go():
-        result = await calls(prompt_task("shopper-00150"))  # nothing listens: a dead letter
+        result = await calls.run(prompt_task("shopper-00150"))  # nothing listens: a dead letter
         pid = calls.pid
         await calls.aclose()
         return result, pid

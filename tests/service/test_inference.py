@@ -343,7 +343,7 @@ class TestSupersede:
 
         async def body(p: Pipeline) -> tuple[TaskResult, bool, StoredIntent | None]:
             runner = self.runner(p)
-            call = asyncio.create_task(runner(task(seq=3)))
+            call = asyncio.create_task(runner.run(task(seq=3)))
             await asyncio.wait_for(asked.wait(), 5)
             runner.supersede("shopper-00146", 2)  # not the running prompt: no effect
             runner.supersede("shopper-00145", 3)
@@ -382,7 +382,7 @@ class TestSupersede:
             llm = LlmClient(retrying, transport=httpx.MockTransport(fails_then_hangs))
             runner = PromptRunner(replace(AppConfig(), llm=retrying), lambda: (llm, p.store))
             try:
-                call = asyncio.create_task(runner(task(seq=3)))
+                call = asyncio.create_task(runner.run(task(seq=3)))
                 await asyncio.wait_for(second_asked.wait(), 10)
                 runner.supersede("shopper-00146", 3)
                 return await asyncio.wait_for(call, 5)
@@ -397,7 +397,7 @@ class TestSupersede:
         async def body(p: Pipeline) -> tuple[TaskResult, StoredIntent | None]:
             held = HeldStore(p.store)
             runner = self.runner(p, held)
-            call = asyncio.create_task(runner(task(seq=3)))
+            call = asyncio.create_task(runner.run(task(seq=3)))
             await asyncio.wait_for(held.writing.wait(), 5)
 
             runner.supersede("shopper-00146", 3)
@@ -418,7 +418,7 @@ class TestSupersede:
             raise AssertionError("unreachable")
 
         async def body(p: Pipeline) -> bool:
-            call = asyncio.create_task(self.runner(p)(task(seq=3)))
+            call = asyncio.create_task(self.runner(p).run(task(seq=3)))
             await asyncio.sleep(0.05)
             call.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -17,10 +17,14 @@ import pytest
 import redis
 import redis.asyncio
 
+from flink_jobs.config import ConfigError, load_config
 from flink_jobs.runtime.intent_store import (
     AsyncIntentStore,
     IntentStore,
+    KeyRejectedError,
     Notify,
+    NotifyStreamError,
+    check_notify_stream,
 )
 from intent_reader.updates import (
     IntentUpdates,
@@ -123,6 +127,64 @@ class TestWriterNotifies:
             assert [e["version_ts"] for e in entries(sync, stream)] == ["2", "3"]
         finally:
             sync.close()
+
+
+class TestAStreamKeyOfAnotherType:
+    """``redis.notify_stream`` naming a key that holds something else (the stats hash):
+    nothing is written, and the job refuses it at start."""
+
+    def test_the_write_is_refused_before_the_intent_or_its_expiry_lands(
+        self, redis_client: redis.Redis, unique_name: str
+    ) -> None:
+        stats = f"{unique_name}:stats"
+        redis_client.hset(stats, "events_in", 7)
+        store = IntentStore(redis_client, prefix=unique_name, notify=Notify(stats))
+
+        with pytest.raises(NotifyStreamError, match=r"holds a hash, not a stream"):
+            store.upsert(record("s-1"))
+
+        assert redis_client.exists(f"{unique_name}:intent:s-1") == 0
+        assert redis_client.hgetall(stats) == {b"events_in": b"7"}
+        assert redis_client.ttl(stats) == -1
+
+    def test_it_is_not_taken_for_one_shoppers_bad_key(
+        self, redis_client: redis.Redis, unique_name: str
+    ) -> None:
+        """Every shopper's write would fail alike: not a dead letter per shopper, a stop."""
+        redis_client.set(f"{unique_name}:updates", "a string")
+        store = IntentStore(
+            redis_client, prefix=unique_name, notify=Notify(f"{unique_name}:updates")
+        )
+
+        with pytest.raises(NotifyStreamError) as caught:
+            store.upsert_many([record("s-1"), record("s-2")])
+
+        assert not isinstance(caught.value, KeyRejectedError)
+        assert redis_client.keys(f"{unique_name}:intent:*") == []
+
+    def test_the_job_refuses_it_at_start(
+        self, redis_url: str, redis_client: redis.Redis, unique_name: str
+    ) -> None:
+        from flink_jobs.job import check_redis_layout
+
+        redis_client.hset(f"{unique_name}:seen", "x", 1)
+        config = load_config(
+            overrides={"redis": {"url": redis_url, "notify_stream": f"{unique_name}:seen"}},
+            environ={},
+        )
+
+        with pytest.raises(ConfigError, match=r"redis\.notify_stream .*holds a hash"):
+            check_redis_layout(config)
+
+    def test_a_stream_or_a_key_not_made_yet_is_accepted_at_start(
+        self, redis_client: redis.Redis, unique_name: str, store: IntentStore, stream: str
+    ) -> None:
+        check_notify_stream(redis_client, stream)  # not made yet
+        store.upsert(record("s-1"))
+
+        check_notify_stream(redis_client, stream)  # a stream now
+
+        assert redis_client.type(stream) == b"stream"
 
 
 # --- the follower ------------------------------------------------------------------------

@@ -75,8 +75,9 @@ def outbox_for(redis_url: str, unique_name: str, llm: HeldLlm) -> Iterator:
 
     def make(capacity: int = 8, max_concurrency: int = 1, supersede: bool = True) -> Outbox:
         runner = job_runner(redis_url, unique_name, llm)
-        stop = runner.supersede if supersede else None
-        made.append(Outbox(runner, capacity, max_concurrency, runner.aclose, stop).start())
+        if not supersede:
+            runner.supersede = lambda shopper_id, seq: None  # type: ignore[method-assign]
+        made.append(Outbox(runner, capacity, max_concurrency).start())
         return made[-1]
 
     yield make

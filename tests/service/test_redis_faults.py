@@ -1,11 +1,17 @@
-"""Redis answers with an error instead of writing (issue 28, finding 2).
+"""Redis answers with an error instead of writing.
 
-A server that cannot take writes for a while (a replica after a failover: READONLY; a long
-script: BUSY; out of memory under ``noeviction``: OOM) is waited out like an unreachable
-one: the write is retried with backoff within ``redis.write_retry_budget_s`` and lands
-once the server recovers, and past the budget it fails loudly. A key that cannot take the
-write at all (another type at one shopper's key: WRONGTYPE) dead-letters that shopper's
-intent with the reason, and other shoppers' intents go on landing.
+A server that cannot take writes for a while (a replica after a failover: READONLY; a
+replica cut off from its primary that serves no stale data: MASTERDOWN; a primary short of
+replicas under ``min-replicas-to-write``: NOREPLICAS; a cluster slot being moved: TRYAGAIN;
+a long script: BUSY; out of memory under ``noeviction``: OOM) is waited out like an
+unreachable one: the write is retried with backoff within ``redis.write_retry_budget_s`` and
+lands once the server recovers, and past the budget it fails loudly. After READONLY the
+store drops its idle connections, so a failover's new primary behind the same endpoint is
+found. A key that cannot take the write at all (another type at one shopper's key:
+WRONGTYPE) dead-letters that shopper's intent with the reason, counted, without failing
+the outbox (so the job does not restart), and other shoppers' intents go on landing. And
+what asynchronous replication can lose: a write the primary acknowledged and had not yet
+sent to its replica when it died.
 
 Each test puts its own ``redis-server`` into the state, never the session's shared one.
 """
@@ -14,9 +20,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
@@ -25,13 +34,27 @@ import pytest
 import redis
 import redis.asyncio
 
-from flink_jobs.config import LlmConfig
+from flink_jobs.config import AppConfig, LlmConfig
 from flink_jobs.core.prompting import RenderedPrompt
 from flink_jobs.core.tasks import PromptTask, TaskResult
-from flink_jobs.runtime.inference import RedisUnavailable, run_task, upsert_with_retry
-from flink_jobs.runtime.intent_store import AsyncIntentStore, IntentRecord
+from flink_jobs.metrics import OutcomeRecorder
+from flink_jobs.runtime.counters import StatsReporter
+from flink_jobs.runtime.inference import (
+    PromptRunner,
+    RedisUnavailable,
+    run_task,
+    upsert_with_retry,
+)
+from flink_jobs.runtime.intent_store import (
+    AsyncIntentStore,
+    IntentRecord,
+    Notify,
+    StoreBusyError,
+)
 from flink_jobs.runtime.llm_client import LlmClient
+from flink_jobs.runtime.outbox import Outbox
 from flink_jobs.tools.local_services import RedisService, free_port, start_redis
+from tests.service.tcp_forwarder import TcpForwarder
 
 T0 = 1_780_304_400_000  # 2026-06-01T09:00:00Z
 MODEL = "SmolLM2-135M-Instruct"
@@ -78,30 +101,44 @@ def record(shopper_id: str = "shopper-00146", seq: int = 3) -> IntentRecord:
 
 
 class CountingStore:
-    """The real store, counting the attempts the retry makes."""
+    """The real store, counting the attempts the retry makes and the codes it was refused
+    with."""
 
     def __init__(self, store: AsyncIntentStore) -> None:
-        self.store, self.attempts = store, 0
+        self.store, self.attempts, self.refusals = store, 0, []
 
     async def upsert(self, r: IntentRecord) -> bool:
         self.attempts += 1
-        return await self.store.upsert(r)
+        try:
+            return await self.store.upsert(r)
+        except StoreBusyError as exc:
+            self.refusals.append(exc.code)
+            raise
 
 
 def upsert_while_lifting(
-    url: str, lift: Callable[[], object] | None, budget_s: float = BUDGET_S
+    url: str,
+    lift: Callable[[], object] | None,
+    budget_s: float = BUDGET_S,
+    *,
+    prefix: str = "si",
+    notify: Notify | None = None,
+    store: list[CountingStore] | None = None,
 ) -> tuple[bool, int]:
     """``upsert_with_retry`` of one intent while ``lift`` ends the server's state after
-    ``LIFT_AFTER_S`` (never, if None); returns whether it wrote and how many attempts it took."""
+    ``LIFT_AFTER_S`` (never, if None); returns whether it wrote and how many attempts it
+    took. ``store``: a list the counting store is appended to (its ``refusals``)."""
     timer = threading.Timer(LIFT_AFTER_S, lift) if lift else None
 
     async def main() -> tuple[bool, int]:
         client = redis.asyncio.Redis.from_url(url, socket_timeout=2)
-        store = CountingStore(AsyncIntentStore(client))
+        counting = CountingStore(AsyncIntentStore(client, prefix, notify=notify))
+        if store is not None:
+            store.append(counting)
         try:
             if timer:
                 timer.start()
-            return await upsert_with_retry(store, record(), budget_s), store.attempts
+            return await upsert_with_retry(counting, record(), budget_s), counting.attempts
         finally:
             await client.aclose()
 
@@ -112,9 +149,22 @@ def upsert_while_lifting(
             timer.join()
 
 
-def stored_version(admin: redis.Redis, shopper_id: str = "shopper-00146") -> tuple[int, int]:
-    ts, seq = admin.hmget(f"si:intent:{shopper_id}", "version_ts", "version_seq")
+def stored_version(
+    admin: redis.Redis, shopper_id: str = "shopper-00146", prefix: str = "si"
+) -> tuple[int, int]:
+    ts, seq = admin.hmget(f"{prefix}:intent:{shopper_id}", "version_ts", "version_seq")
     return int(ts), int(seq)
+
+
+def refusals(stores: list[CountingStore]) -> set[str]:
+    return set(stores[0].refusals)
+
+
+def until(check: Callable[[], bool], what: str, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
 
 
 def read_only_replica(admin: redis.Redis) -> None:
@@ -136,14 +186,87 @@ class TestTransientServerStates:
         self, private_redis: RedisService, admin: redis.Redis
     ) -> None:
         read_only_replica(admin)
+        stores: list[CountingStore] = []
 
         written, attempts = upsert_while_lifting(
-            private_redis.url, lambda: admin.replicaof("NO", "ONE")
+            private_redis.url, lambda: admin.replicaof("NO", "ONE"), store=stores
         )
 
         assert written is True
         assert attempts >= 2
+        assert refusals(stores) == {"READONLY"}
         assert stored_version(admin) == (T0 + 95_000, 3)
+
+    def test_a_replica_cut_off_from_its_primary_answers_masterdown_until_promoted(
+        self, private_redis: RedisService, admin: redis.Redis
+    ) -> None:
+        admin.config_set("replica-serve-stale-data", "no")  # a stale replica refuses reads too
+        admin.replicaof("127.0.0.1", str(free_port()))
+        stores: list[CountingStore] = []
+
+        written, attempts = upsert_while_lifting(
+            private_redis.url, lambda: admin.replicaof("NO", "ONE"), store=stores
+        )
+
+        assert written is True
+        assert attempts >= 2
+        assert refusals(stores) == {"MASTERDOWN"}
+        assert stored_version(admin) == (T0 + 95_000, 3)
+
+    def test_a_primary_short_of_replicas_answers_noreplicas_until_one_is_enough(
+        self, private_redis: RedisService, admin: redis.Redis
+    ) -> None:
+        admin.config_set("min-replicas-to-write", "1")  # and no replica is connected
+        stores: list[CountingStore] = []
+
+        written, attempts = upsert_while_lifting(
+            private_redis.url, lambda: admin.config_set("min-replicas-to-write", "0"), store=stores
+        )
+
+        assert written is True
+        assert attempts >= 2
+        assert refusals(stores) == {"NOREPLICAS"}
+        assert stored_version(admin) == (T0 + 95_000, 3)
+
+    def test_a_cluster_slot_being_moved_answers_tryagain_until_it_is_stable(
+        self, tmp_path: Path
+    ) -> None:
+        """The intent and its notification stream share a slot (a hash tag in the prefix);
+        while the slot migrates and one of the two keys is not on this node yet, Redis
+        answers TRYAGAIN."""
+        cluster = ("--cluster-enabled", "yes", "--cluster-config-file")
+        with (
+            start_redis(
+                workdir=tmp_path / "a", extra_args=(*cluster, str(tmp_path / "a.conf"))
+            ) as a,
+            start_redis(
+                workdir=tmp_path / "b", extra_args=(*cluster, str(tmp_path / "b.conf"))
+            ) as b,
+            redis.Redis.from_url(a.url, socket_timeout=5) as node,
+            redis.Redis.from_url(b.url, socket_timeout=5) as other,
+        ):
+            node.execute_command("CLUSTER", "ADDSLOTSRANGE", 0, 16383)
+            node.execute_command("CLUSTER", "MEET", "127.0.0.1", b.port)
+            until(lambda: node.cluster("info")["cluster_state"] == "ok", "the cluster to be up")
+            prefix, notify = "{si}", Notify("{si}:intent-updates")
+            node.hset(f"{prefix}:intent:shopper-00146", "version_ts", 1)  # here; the stream not
+            slot = node.execute_command("CLUSTER", "KEYSLOT", notify.stream)
+            other_id = other.execute_command("CLUSTER", "MYID").decode()
+            node.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", other_id)
+            stores: list[CountingStore] = []
+
+            written, attempts = upsert_while_lifting(
+                a.url,
+                lambda: node.execute_command("CLUSTER", "SETSLOT", slot, "STABLE"),
+                prefix=prefix,
+                notify=notify,
+                store=stores,
+            )
+
+            assert written is True
+            assert attempts >= 2
+            assert refusals(stores) == {"TRYAGAIN"}
+            assert stored_version(node, prefix=prefix) == (T0 + 95_000, 3)
 
     def test_a_server_out_of_memory_is_waited_out_until_memory_frees(
         self, private_redis: RedisService, admin: redis.Redis
@@ -151,12 +274,15 @@ class TestTransientServerStates:
         admin.config_set("maxmemory-policy", "noeviction")
         admin.config_set("maxmemory", "1")
 
+        stores: list[CountingStore] = []
+
         written, attempts = upsert_while_lifting(
-            private_redis.url, lambda: admin.config_set("maxmemory", "0")
+            private_redis.url, lambda: admin.config_set("maxmemory", "0"), store=stores
         )
 
         assert written is True
         assert attempts >= 2
+        assert refusals(stores) == {"OOM"}
         assert stored_version(admin) == (T0 + 95_000, 3)
 
     def test_a_server_busy_with_a_long_script_is_waited_out_until_the_script_ends(
@@ -177,14 +303,50 @@ class TestTransientServerStates:
                 assert time.monotonic() < deadline, "the script never made the server busy"
                 time.sleep(0.05)
 
-            written, attempts = upsert_while_lifting(private_redis.url, admin.script_kill)
+            stores: list[CountingStore] = []
+            written, attempts = upsert_while_lifting(
+                private_redis.url, admin.script_kill, store=stores
+            )
         finally:
             spinning.join()
             spinner.close()
 
         assert written is True
         assert attempts >= 2
+        assert refusals(stores) == {"BUSY"}
         assert stored_version(admin) == (T0 + 95_000, 3)
+
+    def test_after_readonly_the_new_primary_behind_the_same_endpoint_is_found(
+        self, private_redis: RedisService, admin: redis.Redis, tmp_path: Path
+    ) -> None:
+        """A failover behind one endpoint: the old primary becomes a replica (READONLY on the
+        store's pooled connection), the endpoint now leads to the promoted server. The store
+        drops its idle connections after READONLY, so its next attempt reaches the new
+        primary; kept, every attempt would meet the old one until the budget ran out."""
+        with (
+            start_redis(workdir=tmp_path / "promoted") as promoted,
+            redis.Redis.from_url(promoted.url, socket_timeout=5) as new_primary,
+            TcpForwarder(("127.0.0.1", private_redis.port)) as endpoint,
+        ):
+
+            async def main() -> tuple[bool, bool, int]:
+                client = redis.asyncio.Redis.from_url(endpoint.url(), socket_timeout=2)
+                store = CountingStore(AsyncIntentStore(client))
+                try:
+                    first = await upsert_with_retry(store, record(seq=2), BUDGET_S)
+                    read_only_replica(admin)  # the old primary, on the pooled connection
+                    endpoint.target = ("127.0.0.1", promoted.port)
+                    second = await upsert_with_retry(store, record(seq=3), 3.0)
+                    return first, second, store.attempts
+                finally:
+                    await client.aclose()
+
+            first, second, attempts = asyncio.run(main())
+
+            assert (first, second) == (True, True)
+            assert attempts == 3  # one write, then one READONLY and one on the new primary
+            assert stored_version(new_primary) == (T0 + 95_000, 3)
+            assert stored_version(admin) == (T0 + 95_000, 2)
 
     def test_a_state_that_outlasts_the_budget_fails_the_write_loudly(
         self, private_redis: RedisService, admin: redis.Redis
@@ -261,6 +423,41 @@ class TestPerKeyErrors:
         assert healthy.outcome == "written"
         assert stored_version(admin, "shopper-00146") == (T0 + 95_000, 3)
 
+    def test_it_is_counted_and_fails_no_outbox_so_the_job_does_not_restart(
+        self, private_redis: RedisService, admin: redis.Redis
+    ) -> None:
+        """The job restarts only when its outbox fails (a call that raises). Through the
+        job's runner, outbox and outcome recorder: the poisoned shopper's prompt settles as a
+        dead letter, counted in the Redis stats, and the outbox goes on taking prompts."""
+        admin.set("si:intent:shopper-00999", "written by someone else")
+        stats = StatsReporter(private_redis.url, "si", flush_interval_s=60)
+        recorder = OutcomeRecorder(stats)
+
+        def clients() -> tuple[LlmClient, AsyncIntentStore]:
+            store = AsyncIntentStore(redis.asyncio.Redis.from_url(private_redis.url))
+            return LlmClient(LLM, transport=httpx.MockTransport(completion_handler)), store
+
+        outbox = Outbox(PromptRunner(replace(AppConfig(), llm=LLM), clients), 8, 2).start()
+        try:
+            outbox.submit(prompt_task("shopper-00999"))
+            for settled in outbox.wait("shopper-00999", 3, BUDGET_S):
+                recorder.settled(settled)
+            outbox.submit(prompt_task("shopper-00146", seq=4))  # the outbox still takes prompts
+            for settled in outbox.wait("shopper-00146", 4, BUDGET_S):
+                recorder.settled(settled)
+            stats.flush()
+        finally:
+            outbox.close()
+            stats.close()
+
+        counts = {k.decode(): int(v) for k, v in admin.hgetall("si:stats").items()}
+        assert {k: counts.get(k) for k in ("dead_letter_inference", "intents_written")} == {
+            "dead_letter_inference": 1,
+            "intents_written": 1,
+        }
+        assert counts["dead_letter_store_key_wrong_type"] == 1
+        assert stored_version(admin, "shopper-00146") == (T0 + 95_000, 4)
+
     def test_the_dead_letter_of_a_poisoned_key_serialises_with_its_intent(
         self, private_redis: RedisService, admin: redis.Redis
     ) -> None:
@@ -276,3 +473,53 @@ class TestPerKeyErrors:
         )
         assert body["context"]["prompt_seq"] == 4
         assert orjson.loads(body["context"]["intent"]) == INTENT
+
+
+class TestReplication:
+    """Replication is asynchronous and the job does not call ``WAIT``: a write the primary
+    acknowledged is gone when the primary dies before its replica received it and the
+    replica is promoted. What is lost is at most what the replica had not received (its
+    replication lag); the prompt behind such a write was settled as written, so the
+    shopper's next prompt, not a resend, writes a newer intent."""
+
+    def test_an_acknowledged_write_not_yet_replicated_is_lost_on_failover(
+        self, tmp_path: Path
+    ) -> None:
+        primary = start_redis(workdir=tmp_path / "primary")
+        try:
+            with (
+                start_redis(workdir=tmp_path / "replica") as replica_service,
+                redis.Redis.from_url(replica_service.url, socket_timeout=5) as replica,
+                redis.Redis.from_url(primary.url, socket_timeout=5) as old_primary,
+                TcpForwarder(("127.0.0.1", primary.port)) as link,
+            ):
+                replica.replicaof("127.0.0.1", str(link.port))
+                until(
+                    lambda: replica.info("replication")["master_link_status"] == "up",
+                    "the replica to sync",
+                )
+                written, _ = upsert_while_lifting(primary.url, None)  # replicated
+                until(lambda: replica.exists("si:intent:shopper-00146") == 1, "the copy")
+                link.hold()  # the replica hears nothing more from its primary
+                newer = record(seq=4)
+                assert upsert_store(primary.url, newer)  # acknowledged by the primary
+                assert stored_version(old_primary) == (T0 + 95_000, 4)
+
+                os.kill(primary.process.pid, signal.SIGKILL)  # it dies with the write unsent
+                replica.replicaof("NO", "ONE")  # the failover promotes the replica
+
+                assert written is True
+                assert stored_version(replica) == (T0 + 95_000, 3)  # the write acked at seq 4: lost
+        finally:
+            primary.stop()
+
+
+def upsert_store(url: str, r: IntentRecord) -> bool:
+    async def main() -> bool:
+        client = redis.asyncio.Redis.from_url(url, socket_timeout=2)
+        try:
+            return await AsyncIntentStore(client).upsert(r)
+        finally:
+            await client.aclose()
+
+    return asyncio.run(main())

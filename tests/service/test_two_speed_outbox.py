@@ -94,7 +94,7 @@ def test_the_rules_record_lands_first_and_the_models_answer_replaces_it(
     llm = HeldLlm()
     config = load_config({"llm": {"max_attempts": 1}}, environ={})
     runner = runner_over(redis_url, unique_name, llm, config)
-    outbox = Outbox(runner, 8, 1, runner.aclose, runner.supersede, write_rules=runner.write_rules)
+    outbox = Outbox(runner, 8, 1)
     outbox.start()
     try:
         t = grounded_task()

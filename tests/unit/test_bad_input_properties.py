@@ -42,7 +42,6 @@ from flink_jobs.core.prompting import (
     PromptError,
     PromptRenderer,
     RenderedPrompt,
-    estimate_tokens,
 )
 from flink_jobs.core.session import (
     DEDUPE_WINDOW_FACTOR,
@@ -52,6 +51,7 @@ from flink_jobs.core.session import (
     apply_event,
     new_session_state,
 )
+from flink_jobs.core.token_budget import token_counter
 from flink_jobs.tools.sample_data import PROMPT_INJECTIONS
 from tests.builders import EARBUDS, HEADPHONES, T0
 
@@ -627,9 +627,7 @@ class TestPromptRendering:
         assert isinstance(prompt, RenderedPrompt)
         count_case("events dropped" if prompt.events_dropped else "all events kept")
         assert prompt.estimated_tokens <= max_prompt_tokens
-        assert prompt.estimated_tokens == sum(
-            estimate_tokens(m["content"]) for m in prompt.messages
-        )
+        assert prompt.estimated_tokens == token_counter("auto").count(prompt.messages)
         assert prompt.events_included + prompt.events_dropped == len(state.events)
         assert prompt.events_included >= 1
 

@@ -4,7 +4,9 @@ malformed fails with an error naming the key."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +14,9 @@ import pytest
 
 from flink_jobs.config import (
     AppConfig,
+    Bounds,
     ConfigError,
+    check_bounds,
     config_as_property_groups,
     load_config,
     read_property_groups,
@@ -197,7 +201,7 @@ class TestBadValues:
     def test_non_positive_value_raises_naming_the_key(
         self, group: str, key: str, value: str
     ) -> None:
-        with pytest.raises(ConfigError, match=rf"{group}\.{key} must be > 0"):
+        with pytest.raises(ConfigError, match=rf"{group}\.{key} must be >=? [01] "):
             load_config(overrides={group: {key: value}}, environ={})
 
     def test_a_parallelism_of_0_is_left_to_the_cluster(self) -> None:
@@ -247,6 +251,101 @@ class TestBadValues:
     def test_negative_min_interval_raises(self) -> None:
         with pytest.raises(ConfigError, match=r"trigger\.min_interval_s"):
             load_config(overrides={"trigger": {"min_interval_s": -1}}, environ={})
+
+
+def _numeric_fields() -> list[tuple[str, dataclasses.Field]]:
+    """Every int or float setting of every group (``bool`` is not a number here)."""
+    config = AppConfig()
+    return [
+        (group.name, f)
+        for group in dataclasses.fields(config)
+        for f in dataclasses.fields(getattr(config, group.name))
+        if f.type in ("int", "float")
+    ]
+
+
+NUMERIC_FIELDS = _numeric_fields()
+BOUNDED = [(group, f.name, f.metadata["bounds"]) for group, f in NUMERIC_FIELDS]
+
+
+def _outside(bounds: Bounds) -> list[float]:
+    """Values just outside ``bounds`` on each side it has."""
+    values = []
+    if bounds.low is not None:
+        values.append(bounds.low if bounds.low_open else bounds.low - 1)
+    if bounds.high is not None:
+        values.append(bounds.high if bounds.high_open else bounds.high + 1)
+    return values
+
+
+class TestBounds:
+    """Every numeric setting declares its allowed range beside it; a value outside it, NaN
+    or an infinity is refused at start with the key, its variable and the range."""
+
+    def test_every_numeric_setting_declares_its_bounds(self) -> None:
+        undeclared = [f"{g}.{f.name}" for g, f in NUMERIC_FIELDS if "bounds" not in f.metadata]
+
+        assert NUMERIC_FIELDS and undeclared == []
+
+    def test_every_default_is_within_its_bounds(self) -> None:
+        config = AppConfig()
+
+        for group, name, bounds in BOUNDED:
+            assert bounds.admits(getattr(getattr(config, group), name)), f"{group}.{name}"
+
+    def test_negative_invalid_answer_retries_are_refused_naming_variable_and_range(
+        self,
+    ) -> None:
+        """With -1 no answer is ever asked for, and every call failed instead."""
+        with pytest.raises(ConfigError) as caught:
+            load_config(environ={"SI_LLM_INVALID_ANSWER_RETRIES": "-1"})
+
+        assert str(caught.value) == (
+            "llm.invalid_answer_retries must be >= 0 and <= 10 "
+            "(SI_LLM_INVALID_ANSWER_RETRIES; got -1)"
+        )
+
+    def test_a_redis_write_timeout_of_zero_is_refused(self) -> None:
+        """A zero timeout times out every write."""
+        with pytest.raises(ConfigError, match=r"^redis\.write_timeout_s must be > 0 \(SI_REDIS_"):
+            load_config(environ={"SI_REDIS_WRITE_TIMEOUT_S": "0"})
+
+    @pytest.mark.parametrize("text", ["nan", "NaN", "inf", "-inf", "Infinity"])
+    @pytest.mark.parametrize(
+        ("group", "name"),
+        [(g, f.name) for g, f in NUMERIC_FIELDS if f.type == "float"],
+    )
+    def test_non_finite_floats_are_refused(self, group: str, name: str, text: str) -> None:
+        with pytest.raises(ConfigError, match=rf"^{group}\.{name} must be .*\(SI_"):
+            load_config(environ={f"SI_{group.upper()}_{name.upper()}": text})
+
+    @pytest.mark.parametrize(("group", "name", "bounds"), BOUNDED, ids=lambda v: str(v))
+    def test_a_value_just_outside_the_bounds_is_refused(
+        self, group: str, name: str, bounds: Bounds
+    ) -> None:
+        section = getattr(AppConfig(), group)
+        for value in _outside(bounds):
+            value = value if isinstance(getattr(section, name), float) else int(value)
+            with pytest.raises(ConfigError, match=rf"^{group}\.{name} must be {bounds.describe()}"):
+                check_bounds(dataclasses.replace(section, **{name: value}), group)
+
+    @pytest.mark.parametrize(("group", "name", "bounds"), BOUNDED, ids=lambda v: str(v))
+    def test_a_value_on_an_inclusive_bound_is_accepted(
+        self, group: str, name: str, bounds: Bounds
+    ) -> None:
+        section = getattr(AppConfig(), group)
+        edges = [
+            b
+            for b, is_open in ((bounds.low, bounds.low_open), (bounds.high, bounds.high_open))
+            if b is not None and not is_open
+        ]
+        for value in edges:
+            check_bounds(dataclasses.replace(section, **{name: value}), group)
+
+    def test_bounds_describe_their_range(self) -> None:
+        assert Bounds(0, low_open=True).describe() == "> 0"
+        assert Bounds(0, 10).describe() == ">= 0 and <= 10"
+        assert not Bounds(0, 10).admits(math.nan)
 
 
 class TestStructuredFields:

@@ -127,6 +127,22 @@ class TestTheRecord:
         assert orjson.loads(record.answer_json) == ANSWER.body
         assert record.summary == "Compared earbuds"
 
+    def test_a_claimed_purchase_of_an_unbought_cart_is_stored_with_the_rules_summary(
+        self,
+    ) -> None:
+        task, _ = fired_prompt()  # one pair of headphones in the cart, nothing bought
+        answer = parse_answer(
+            '{"intents":[{"label":"post_purchase","confidence":0.9,"category":"Headphones"}],'
+            '"summary":"Just bought the headphones, may want a case next"}'
+        )
+
+        record = model_record(task, answer, "SmolLM2-135M-Instruct")
+
+        assert record.summary == task.rules.summary
+        assert orjson.loads(record.intent_json)["summary"] == task.rules.summary
+        assert record.summary.startswith("Just added Headphones to the cart (1 item in it)")
+        assert orjson.loads(record.answer_json)["summary"].startswith("Just bought")
+
     def test_an_unknown_source_is_refused(self) -> None:
         with pytest.raises(ValueError, match="source"):
             intent_record().__class__(**{**_fields(intent_record()), "source": "guess"})

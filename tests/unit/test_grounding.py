@@ -9,7 +9,13 @@ import orjson
 import pytest
 
 from flink_jobs.config import SessionConfig, TriggerConfig
-from flink_jobs.core.events import DeadLetter, ShopperEvent, decode_event, parse_event_time
+from flink_jobs.core.events import (
+    DeadLetter,
+    ShopperEvent,
+    decode_event,
+    load_schema,
+    parse_event_time,
+)
 from flink_jobs.core.grounding import (
     FALLBACK_CATEGORIES,
     MAX_CATEGORY_ENUM,
@@ -20,6 +26,7 @@ from flink_jobs.core.grounding import (
     PriceBand,
     Purchase,
     category_is_grounded,
+    claims_purchase,
     grounded_facts,
     leaf_category,
     reconcile,
@@ -27,7 +34,7 @@ from flink_jobs.core.grounding import (
     sanitise_category,
     session_category_enum,
 )
-from flink_jobs.core.intents import Intent, intent_response_format, parse_intent
+from flink_jobs.core.intents import Intent, IntentError, intent_response_format, parse_intent
 from flink_jobs.core.session import SessionState, apply_event, new_session_state
 from flink_jobs.tools.sample_data import SampleConfig, build_catalogue, generate_sample
 from tests.builders import EARBUDS, ESPRESSO, GREEN_TEA, HEADPHONES, T0, session_of
@@ -229,8 +236,53 @@ class TestCategoryNames:
     def test_characters_outside_the_schema_alphabet_become_spaces(self) -> None:
         assert sanitise_category('Toys <b>"Deluxe"</b> & Games!') == "Toys b Deluxe /b & Games"
 
-    def test_accents_are_dropped(self) -> None:
-        assert leaf_category("Maison > Cafés & Thés") == "Cafes & Thes"
+    def test_accented_letters_are_kept(self) -> None:
+        assert leaf_category("Maison > Cafés & Thés") == "Cafés & Thés"
+
+    @pytest.mark.parametrize(
+        ("path", "leaf"),
+        [
+            ("Электроника > Аудио > Наушники", "Наушники"),
+            ("家電 > オーディオ > ヘッドホン", "ヘッドホン"),
+            ("食品 > 咖啡和茶", "咖啡和茶"),
+            ("가전 > 헤드폰", "헤드폰"),
+            ("إلكترونيات > سماعات", "سماعات"),
+            ("इलेक्ट्रॉनिक्स > हेडफ़ोन", "हेडफ़ोन"),  # combining marks stay with their letters
+        ],
+    )
+    def test_letters_of_every_script_are_kept(self, path: str, leaf: str) -> None:
+        assert leaf_category(path) == leaf
+
+    def test_full_width_forms_become_plain_and_invisible_characters_are_dropped(self) -> None:
+        full_width = "\uff34\uff4f\uff59\uff53"  # Toys
+        assert sanitise_category(f"{full_width}\u200b & Ga\u2060mes") == "Toys & Games"
+
+    def test_symbols_emoji_quotes_and_controls_become_spaces(self) -> None:
+        assert sanitise_category('Audio🎧"Pro"\\<Max>\x00\u0085Line') == "Audio Pro Max Line"
+
+    def test_a_cyrillic_or_japanese_session_is_offered_its_own_categories(self) -> None:
+        def product(n: int, category: str) -> dict:
+            return {"product_id": f"sku-{n}", "title": "t", "category": category, "price": 9.0}
+
+        state = session_of(
+            event(1, "view", 0, product(1, "Электроника > Наушники")),
+            event(2, "view", 10, product(2, "家電 > ヘッドホン")),
+        )
+
+        assert session_category_enum(state) == ("ヘッドホン", "Наушники", "家電", "Электроника")
+
+    def test_every_unicode_leaf_is_valid_for_the_schema_and_its_enum(self) -> None:
+        schema = load_schema("shopper_intent.schema.json")
+        category = schema["properties"]["intents"]["items"]["properties"]["category"]
+        validate = fastjsonschema.compile({"type": "string", **category})
+        for path in ("Электроника > Наушники", "家電 > ヘッドホン", "Maison > Cafés & Thés"):
+            leaf = leaf_category(path)
+            validate(leaf)
+            answer = {
+                "intents": [{"label": "browsing", "confidence": 0.5, "category": leaf}],
+                "summary": "Browsing.",
+            }
+            assert not isinstance(parse_intent(orjson.dumps(answer).decode()), IntentError)
 
     def test_a_leaf_is_cut_to_forty_characters(self) -> None:
         leaf = leaf_category("Home > " + "Extraordinarily Long Category Name " * 3)
@@ -238,13 +290,13 @@ class TestCategoryNames:
         assert len(leaf) == 40
         assert leaf == "Extraordinarily Long Category Name Extra"
 
-    def test_nothing_printable_leaves_an_empty_leaf(self) -> None:
-        assert leaf_category("家電 > オーディオ") == ""
+    def test_nothing_but_symbols_leaves_an_empty_leaf(self) -> None:
+        assert leaf_category("🎧 > ♪♫") == ""
 
     def test_every_leaf_of_the_sample_catalogue_is_valid_for_the_schema(self) -> None:
-        validate = fastjsonschema.compile(
-            {"type": "string", "maxLength": 40, "pattern": "^[A-Za-z0-9 &',.()/+-]*$"}
-        )
+        schema = load_schema("shopper_intent.schema.json")
+        category = schema["properties"]["intents"]["items"]["properties"]["category"]
+        validate = fastjsonschema.compile({"type": "string", **category})
         paths = {product.category for product in build_catalogue(seed=7)}
 
         assert len(paths) == 15
@@ -445,6 +497,55 @@ class TestReconcile:
         record = reconcile(answer, rules)
 
         assert parse_intent(orjson.dumps(record.body).decode()) == record
+
+    def test_a_replaced_cart_stage_takes_the_rules_summary_with_it(self) -> None:
+        rules = rules_of(event(1, "view", 0, TENT), event(2, "view", 10, HEADPHONES))
+        answer = answer_of(("abandoning_cart", 0.9, "Camping"))
+
+        record = reconcile(answer, rules)
+
+        assert record.summary == rules.summary == record.body["summary"]
+
+    def test_a_summary_claiming_a_purchase_the_session_lacks_is_the_rules(self) -> None:
+        events = (event(1, "view", 0, TENT), event(2, "view", 10, HEADPHONES))
+        rules = rules_of(*events)
+        facts = grounded_facts(session_of(*events)).as_dict()
+        answer = Intent(
+            {
+                "intents": [{"label": "browsing", "confidence": 0.6, "category": "Camping"}],
+                "summary": "Purchased a tent, now browsing headphones",
+            },
+            "browsing",
+            0.6,
+            "Purchased a tent, now browsing headphones",
+        )
+
+        assert reconcile(answer, rules, facts).summary == rules.summary
+
+    def test_a_purchase_the_session_has_keeps_the_models_summary(self) -> None:
+        events = (event(1, "add_to_cart", 0, TENT), event(2, "purchase", 40, TENT))
+        facts = grounded_facts(session_of(*events)).as_dict()
+        item = {"label": "post_purchase", "confidence": 0.9, "category": "Camping"}
+        answer = Intent(
+            {"intents": [item], "summary": "Bought a tent"}, "post_purchase", 0.9, "Bought a tent"
+        )
+
+        assert reconcile(answer, rules_of(*events), facts).summary == "Bought a tent"
+
+    @pytest.mark.parametrize(
+        ("summary", "claims"),
+        [
+            ("Just bought the headphones", True),
+            ("Purchased two tents", True),
+            ("Checked out with a tent", True),
+            ("Made a purchase of tea", True),
+            ("Ready to buy the headphones", False),
+            ("Comparing tents before buying", False),
+            ("Added headphones to the cart", False),
+        ],
+    )
+    def test_a_claimed_purchase_is_recognised(self, summary: str, claims: bool) -> None:
+        assert claims_purchase(summary) is claims
 
     def test_without_a_rules_intent_the_answer_is_the_record(self) -> None:
         answer = answer_of(("browsing", 0.5, "Camping"))

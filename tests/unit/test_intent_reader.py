@@ -7,13 +7,17 @@ own ``flink_jobs.runtime.intent_store.upsert_args``, so reader and writer agree 
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 
 import pytest
 import redis
+import redis.asyncio
 
+from flink_jobs.core.events import load_schema
 from flink_jobs.runtime.intent_store import RECORD_FIELDS, IntentRecord, upsert_args
 from intent_reader import (
+    AsyncIntentReader,
     IntentReader,
     MalformedIntentError,
     ReaderUnavailableError,
@@ -22,9 +26,11 @@ from intent_reader import (
     parse_intent,
 )
 from intent_reader.client import FIELDS
+from intent_reader.layout import INTENT_LABELS, MAX_FIELD_BYTES
 from tests.builders import intent_record
 
 NOW_MS = 1_800_000_000_000
+WRONGTYPE = "WRONGTYPE Operation against a key holding the wrong kind of value"
 INTENT = {
     "intents": [
         {"label": "ready_to_buy", "confidence": 0.8, "category": "Running Shoes"},
@@ -49,12 +55,20 @@ class FakePipeline:
     def hmget(self, key: str, fields: Sequence[str]) -> None:
         self.calls.append((key, fields))
 
-    def execute(self) -> list[list[bytes | None]]:
+    def execute(self, raise_on_error: bool = True) -> list[list[bytes | None] | Exception]:
+        """As redis-py's: an error reply raises, or with ``raise_on_error=False`` takes its
+        command's place in the replies."""
         self.store.round_trips += 1
         if self.store.fail:
             raise redis.ConnectionError("connection refused")
-        out = []
+        out: list[list[bytes | None] | Exception] = []
         for key, fields in self.calls:
+            if key in self.store.strings:
+                error = redis.ResponseError(WRONGTYPE)
+                if raise_on_error:
+                    raise error
+                out.append(error)
+                continue
             h = self.store.hashes.get(key, {})
             out.append([h.get(f) for f in fields])
         return out
@@ -63,6 +77,7 @@ class FakePipeline:
 class FakeRedis:
     def __init__(self) -> None:
         self.hashes: dict[str, dict[str, bytes]] = {}
+        self.strings: dict[str, bytes] = {}  # keys of another type than a hash
         self.round_trips = 0
         self.fail = False
 
@@ -222,6 +237,164 @@ class TestGetMany:
         fake.write(record("old", event_ms=NOW_MS - 3_600_000))
         got = reader_of(fake, max_age_s=900, stale="drop").get_many(["fresh", "old", "none"])
         assert got["fresh"] is not None and got["old"] is None and got["none"] is None
+
+
+class TestOneBadHashInABatch:
+    """A hash that cannot be read costs its own shopper only: the batch returns the others'
+    intents and names the bad one in ``errors`` with the reason."""
+
+    @staticmethod
+    def spoil(fake: FakeRedis, shopper: str, field: str, value: bytes) -> None:
+        fake.write(record(shopper))
+        fake.hashes[intent_key(shopper)][field] = value
+
+    @pytest.mark.parametrize(
+        ("field", "value", "reason"),
+        [
+            ("summary", b"caf\xe9 \xff", "not UTF-8"),
+            ("facts", b"{" + b" " * (64 << 20) + b"}", "holds 67108866 bytes"),
+            ("facts", b"[" * 50_000 + b"]" * 50_000, "nested too deep"),
+            ("answer", b"x" * (MAX_FIELD_BYTES + 1), f"at most {MAX_FIELD_BYTES}"),
+            ("top_confidence", b"nan", "not a finite number within"),
+            ("top_confidence", b"1e308", "not a finite number within"),
+            (
+                "intent",
+                b'{"intents":[{"label":"browsing","confidence":NaN}],"summary":"s"}',
+                "not a finite number within",
+            ),
+            (
+                "intent",
+                b'{"intents":[{"label":"browsing","confidence":1e308}],"summary":"s"}',
+                "not a finite number within",
+            ),
+            (
+                "intent",
+                b'{"intents":[{"label":"browsing","confidence":"0.5"}],"summary":"s"}',
+                "not a number",
+            ),
+            ("intent", b'{"intents":["browsing"],"summary":"s"}', "not an object"),
+        ],
+        ids=[
+            "utf8",
+            "64mib",
+            "deep",
+            "big",
+            "nan",
+            "huge",
+            "nan-label",
+            "huge-label",
+            "text-confidence",
+            "not-an-object",
+        ],
+    )
+    def test_the_good_shoppers_intents_are_returned_and_the_bad_one_named(
+        self, fake: FakeRedis, field: str, value: bytes, reason: str
+    ):
+        fake.write(record("good-1"))
+        self.spoil(fake, "bad", field, value)
+        fake.write(record("good-2"))
+        reader = reader_of(fake)
+
+        got = reader.get_many(["good-1", "bad", "good-2"])
+
+        assert got["good-1"] is not None and got["good-2"] is not None
+        assert got["bad"] is None
+        assert list(got.errors) == ["bad"]
+        assert isinstance(got.errors["bad"], MalformedIntentError)
+        assert reason in got.errors["bad"].reason
+        assert reader.malformed == 1
+
+    def test_a_key_of_another_type_is_named_with_redis_refusal(self, fake: FakeRedis):
+        fake.write(record("good"))
+        fake.strings[intent_key("bad")] = b"not a hash"
+
+        got = reader_of(fake).get_many(["bad", "good"])
+
+        assert got["good"] is not None and got["bad"] is None
+        assert "WRONGTYPE" in got.errors["bad"].reason
+
+    def test_a_strict_reader_raises_the_bad_hashs_error(self, fake: FakeRedis):
+        fake.write(record("good"))
+        fake.strings[intent_key("bad")] = b"not a hash"
+
+        with pytest.raises(MalformedIntentError, match="WRONGTYPE"):
+            reader_of(fake, strict=True).get_many(["good", "bad"])
+
+    def test_a_batch_of_good_hashes_has_no_errors(self, fake: FakeRedis):
+        fake.write(record("good"))
+
+        assert reader_of(fake).get_many(["good", "missing"]).errors == {}
+
+    def test_labels_the_reader_does_not_know_are_left_out(self, fake: FakeRedis):
+        intent = {
+            "intents": [
+                {"label": "window_shopping", "confidence": 0.9},
+                {"label": "browsing", "confidence": 0.5},
+            ],
+            "summary": "s",
+        }
+        fake.write(intent_record("s-1", NOW_MS - 1_000, 1, intent=intent, top_label="browsing"))
+
+        got = reader_of(fake).get("s-1")
+
+        assert got is not None
+        assert [x.label for x in got.labels] == ["browsing"]
+
+    def test_the_known_labels_are_the_intent_schemas(self):
+        schema = load_schema("shopper_intent.schema.json")
+        enum = schema["properties"]["intents"]["items"]["properties"]["label"]["enum"]
+
+        assert tuple(enum) == INTENT_LABELS
+
+
+class TestLifecycle:
+    """A reader made by ``from_url`` owns its client and closes it; one given a client
+    leaves it open for its owner."""
+
+    class Client:
+        def __init__(self) -> None:
+            self.closed = 0
+
+        def close(self) -> None:
+            self.closed += 1
+
+        async def aclose(self) -> None:
+            self.closed += 1
+
+    def test_from_url_closes_its_client_on_close_and_with(self, monkeypatch):
+        made = [self.Client(), self.Client()]
+        monkeypatch.setattr(redis.Redis, "from_url", lambda url, **kw: made.pop(0))
+        first = IntentReader.from_url("redis://127.0.0.1:1/0")
+        client = first.client
+
+        first.close()
+        with IntentReader.from_url("redis://127.0.0.1:1/0") as second:
+            assert second.client.closed == 0
+
+        assert (client.closed, second.client.closed) == (1, 1)
+
+    def test_a_given_client_is_left_open(self):
+        client = self.Client()
+
+        with IntentReader(client) as reader:  # type: ignore[arg-type]
+            reader.close()
+
+        assert client.closed == 0
+
+    def test_the_async_reader_closes_what_it_made_and_leaves_a_given_client(self, monkeypatch):
+        made = self.Client()
+        monkeypatch.setattr(redis.asyncio.Redis, "from_url", lambda url, **kw: made)
+        given = self.Client()
+
+        async def scenario() -> None:
+            async with AsyncIntentReader.from_url("redis://127.0.0.1:1/0"):
+                pass
+            async with AsyncIntentReader(given):  # type: ignore[arg-type]
+                pass
+
+        asyncio.run(scenario())
+
+        assert (made.closed, given.closed) == (1, 0)
 
 
 class TestErrors:

@@ -24,11 +24,11 @@ from flink_jobs.core.prompting import (
     PromptError,
     PromptRenderer,
     RenderedPrompt,
-    estimate_tokens,
     intent_labels,
     untrusted,
 )
 from flink_jobs.core.session import Outcome, SessionState, apply_event, new_session_state
+from flink_jobs.core.token_budget import Utf8Bound, token_counter
 from flink_jobs.tools.sample_data import PROMPT_INJECTIONS, SampleConfig, generate_sample
 from tests.builders import EARBUDS, ESPRESSO, GREEN_TEA, HEADPHONES, session_of
 from tests.builders import numbered_event as event
@@ -288,9 +288,7 @@ class TestTokenBudget:
         prompt = renderer().render(first_visit_comparing_headphones())
 
         assert (prompt.events_included, prompt.events_dropped) == (6, 0)
-        assert prompt.estimated_tokens == sum(
-            estimate_tokens(m["content"]) for m in prompt.messages
-        )
+        assert prompt.estimated_tokens == token_counter("auto").count(prompt.messages)
 
     def test_over_budget_drops_the_oldest_events_first(self) -> None:
         events = [event(i, "view", i * 10, HEADPHONES if i % 2 else EARBUDS) for i in range(1, 21)]
@@ -306,16 +304,25 @@ class TestTokenBudget:
         kept = events_block(prompt)
         assert kept == events_block(full)[prompt.events_dropped :]
 
-    def test_raises_when_even_one_event_does_not_fit(self) -> None:
-        state = first_visit_comparing_headphones()
+    def test_raises_when_even_the_newest_event_alone_does_not_fit(self) -> None:
+        wordy = {**HEADPHONES, "title": "Headphones " * 12, "brand": "Sonique " * 15}
+        state = session_of(event(1, "view", 0, HEADPHONES), event(2, "view", 10, wordy))
+        fixed = renderer(max_prompt_tokens=10**6).render(
+            session_of(event(1, "search", 0, query="q"))
+        )
 
         with pytest.raises(PromptError, match=r"shopper-00146.*prompt\.max_prompt_tokens"):
-            renderer(max_prompt_tokens=50).render(state)
+            renderer(max_prompt_tokens=fixed.estimated_tokens + 5).render(state)
 
-    def test_estimate_counts_utf8_bytes(self) -> None:
-        assert estimate_tokens("abc") == 1
-        assert estimate_tokens("abcd") == 2
-        assert estimate_tokens("€") == 1  # three bytes
+    def test_a_budget_the_templates_fixed_text_cannot_fit_is_refused_at_start(self) -> None:
+        with pytest.raises(PromptError, match=r"v1\.j2.*prompt\.max_prompt_tokens \(50\)"):
+            renderer(max_prompt_tokens=50)
+
+    def test_the_bound_counts_utf8_bytes_and_the_templates_overhead(self) -> None:
+        bound = Utf8Bound(overhead_tokens=10)
+        messages = [{"role": "system", "content": "abc"}, {"role": "user", "content": "€"}]
+
+        assert bound.count(messages) == 10 + 3 + 3  # "€" is three bytes
 
 
 class TestTemplate:
@@ -331,17 +338,13 @@ class TestTemplate:
         path.write_text(source.replace(old, new))
         return renderer(templates_dir=str(templates))
 
-    def test_a_typo_in_a_variable_raises(self, templates: Path) -> None:
-        broken = self.edited(templates, "history.sessions", "history.sesions")
-
+    def test_a_typo_in_a_variable_raises_at_start(self, templates: Path) -> None:
         with pytest.raises(PromptError, match="sesions"):
-            broken.render(first_visit_comparing_headphones())
+            self.edited(templates, "history.sessions", "history.sesions")
 
-    def test_an_undefined_loop_variable_raises(self, templates: Path) -> None:
-        broken = self.edited(templates, "for e in events", "for e in evnts")
-
+    def test_an_undefined_loop_variable_raises_at_start(self, templates: Path) -> None:
         with pytest.raises(PromptError, match="evnts"):
-            broken.render(first_visit_comparing_headphones())
+            self.edited(templates, "for e in events", "for e in evnts")
 
     def test_a_syntax_error_raises_with_the_line(self, templates: Path) -> None:
         with pytest.raises(PromptError, match=r"line \d+"):

@@ -37,7 +37,8 @@ def task(shopper_id: str, seq: int) -> PromptTask:
 
 
 class Fakes:
-    """Calls that wait until released; rules writes that land at once (or raise)."""
+    """A runner whose calls wait until released and whose rules writes land at once (or
+    raise)."""
 
     def __init__(self) -> None:
         self.released = threading.Event()
@@ -46,7 +47,7 @@ class Fakes:
         self.rules_error: Exception | None = None
         self.stopped: list[tuple[str, int]] = []
 
-    async def call(self, t: PromptTask) -> TaskResult:
+    async def run(self, t: PromptTask) -> TaskResult:
         self.calls.append((t.shopper_id, t.seq))
         while not self.released.is_set():
             await asyncio.sleep(0.002)
@@ -58,8 +59,11 @@ class Fakes:
         self.rules.append((t.shopper_id, t.seq))
         return TaskResult("written", source="rules")
 
-    def stop(self, shopper_id: str, seq: int) -> None:
+    def supersede(self, shopper_id: str, seq: int) -> None:
         self.stopped.append((shopper_id, seq))
+
+    async def aclose(self) -> None:
+        pass
 
 
 @pytest.fixture
@@ -72,14 +76,7 @@ def outbox_for(fakes: Fakes):
     made: list[Outbox] = []
 
     def make(latest_wins: bool = True, capacity: int = 8, max_concurrency: int = 1) -> Outbox:
-        outbox = Outbox(
-            fakes.call,
-            capacity,
-            max_concurrency,
-            supersede_run=fakes.stop,
-            write_rules=fakes.write_rules,
-            latest_wins=latest_wins,
-        )
+        outbox = Outbox(fakes, capacity, max_concurrency, latest_wins=latest_wins)
         made.append(outbox.start())
         return outbox
 
