@@ -42,7 +42,7 @@ from typing import Any
 
 from deploy import fat_jar, vendor
 from deploy.main import FAT_JAR, PY_FOLDERS
-from flink_jobs.config import AppConfig, config_as_property_groups
+from flink_jobs.config import BUNDLED_MODEL, AppConfig, config_as_property_groups
 from flink_jobs.paths import cache_dir
 
 log = logging.getLogger(__name__)
@@ -64,7 +64,11 @@ BUILD_INFO = "BUILD_INFO.json"
 #: the tests stay out.
 APP_PACKAGES = ("flink_jobs", "flink_jobs.core", "flink_jobs.runtime", "intent_reader")
 #: Package data the job reads: (folder inside flink_jobs, glob).
-APP_DATA = (("schemas", "*.json"), ("prompts", "*.j2"))
+APP_DATA = (
+    ("schemas", "*.json"),
+    ("prompts", "*.j2"),
+    (f"prompts/tokenizer/{BUNDLED_MODEL}", "*"),  # the prompt budget's exact count
+)
 
 #: Example values for a deployment on AWS (MSK with IAM auth, ElastiCache with TLS).
 EXAMPLE_OVERRIDES: dict[str, dict[str, Any]] = {

@@ -52,6 +52,7 @@ JOB_DISTRIBUTIONS = (
     "orjson",
     "jinja2",
     "fastjsonschema",
+    "tokenizers",
 )
 #: Provided by the runtime: PyFlink and everything it requires.
 RUNTIME_DISTRIBUTION = "apache-flink"

@@ -36,7 +36,8 @@ ENV_PREFIX = "SI_"
 #: The model ``scripts/setup.sh`` installs under ``<cache>/models/`` and the job asks for
 #: by default (``llm.model``).
 BUNDLED_MODEL = "SmolLM2-135M-Instruct"
-#: ``prompt.tokenizer_path``'s default: the bundled model's folder when it is installed.
+#: ``prompt.tokenizer_path``'s default: the bundled model's tokenizer, shipped with the
+#: templates.
 AUTO_TOKENIZER = "auto"
 
 
@@ -158,6 +159,10 @@ class KafkaConfig(_Section):
     # Passed to both the source and the sink as Kafka client properties (security settings,
     # e.g. security.protocol, sasl.mechanism, sasl.jaas.config). JSON object.
     client_properties: Mapping[str, str] = field(default_factory=dict, repr=False)
+    # Passed to the source only, after client_properties: consumer tuning for a broker
+    # (e.g. {"fetch.max.wait.ms": "50"}, which the embedded stack sets for its broker,
+    # Tansu, which holds a fetch even with records waiting). JSON object.
+    source_properties: Mapping[str, str] = field(default_factory=dict)
 
     def _check(self) -> None:
         _require(self.bootstrap_servers, "kafka", "bootstrap_servers")
@@ -327,10 +332,10 @@ class PromptConfig(_Section):
     max_text_chars: int = bounded(120, gt=0)
     # What counts the budget's tokens (core/token_budget.py): a model folder (its
     # tokenizer.json and chat template) or a tokenizer.json, counted exactly; "auto" (the
-    # default): the bundled model's folder under the cache folder (<cache>/models/
-    # SmolLM2-135M-Instruct) when it is there, else the bound; empty: the bound, UTF-8
-    # bytes, which never undercounts but counts English about four times over. Serving
-    # another model, name its folder (or leave it empty).
+    # default): the bundled model's (SmolLM2-135M-Instruct) tokenizer, shipped with the
+    # templates (prompts/tokenizer/), so the count is exact on Managed Flink too; empty:
+    # the bound, UTF-8 bytes, which never undercounts but counts English about four times
+    # over. Serving another model, name its folder (or leave it empty).
     tokenizer_path: str = AUTO_TOKENIZER
     # Template A/B (core/arms.py): "template[@model]:weight,..." splits shoppers between
     # templates (and optionally models) by a stable hash of the shopper id, e.g.

@@ -10,7 +10,7 @@ budget (``prompt.max_prompt_tokens``) is kept with a count that never undercount
   endpoint does (``add_generation_prompt`` on, no special tokens added by the tokenizer).
   Used when ``prompt.tokenizer_path`` names the model folder (or a ``tokenizer.json``
   alone: then the template's own tokens are bounded by :data:`CHAT_OVERHEAD_TOKENS`), and
-  by default (``auto``) when the bundled model is installed under the cache folder;
+  by default (``auto``) with the bundled model's tokenizer, shipped with the templates;
 - :class:`Utf8Bound`, a bound that holds without the model's files (Managed Flink ships no
   model folder): in a byte-level BPE vocabulary (Llama 3, Qwen, SmolLM2, GPT-2 and their
   kin) every token covers at least one UTF-8 byte, so a text's byte count bounds its token
@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from flink_jobs.config import AUTO_TOKENIZER, BUNDLED_MODEL
-from flink_jobs.paths import cache_dir
+from flink_jobs.paths import resource_dir
 
 log = logging.getLogger(__name__)
 
@@ -165,12 +165,20 @@ def _by_segments(tokenizer: Any, whole: Callable[[str], int]) -> Callable[[str],
     return count if count(probe) == whole(probe) else None
 
 
+def bundled_tokenizer_dir() -> Path:
+    """The bundled model's tokenizer, shipped as package data beside the templates
+    (``prompts/tokenizer/<model>/``: ``tokenizer.json``, its chat template and special
+    tokens), so the job counts exactly wherever it runs, Managed Flink included."""
+    return resource_dir("prompts") / "tokenizer" / BUNDLED_MODEL
+
+
 def token_counter(tokenizer_path: str) -> TokenCounter:
     """The counter ``prompt.tokenizer_path`` names: exact for a path; for ``auto``, exact
-    with the bundled model's folder when it is installed (and the ``tokenizers`` library
-    with it), else the bound; for ``""``, the bound. Loaded once per path."""
+    with the bundled model's tokenizer (:func:`bundled_tokenizer_dir`) when the
+    ``tokenizers`` library is installed, else the bound; for ``""``, the bound. Loaded
+    once per path."""
     if tokenizer_path == AUTO_TOKENIZER:
-        folder = cache_dir() / "models" / BUNDLED_MODEL
+        folder = bundled_tokenizer_dir()
         if not (folder / "tokenizer.json").exists() or find_spec("tokenizers") is None:
             log.info("prompt budget: no tokenizer at %s; counting UTF-8 bytes (a bound)", folder)
             return Utf8Bound()

@@ -152,3 +152,28 @@ class TestZipLayout:
         assert Path(schemas) == app.root / "app" / "flink_jobs" / "schemas"
         assert Path(prompts) == app.root / "app" / "flink_jobs" / "prompts"
         assert Path(httpx_file).is_relative_to(app.root / "site-packages")
+
+    def test_the_job_counts_the_default_templates_tokens_exactly_from_the_zip_alone(
+        self, built, tmp_path: Path
+    ):
+        """The prompt budget's tokenizer (the bundled model's, beside the templates) and the
+        tokenizers library come with the zip: without them v3 cannot be shown to fit the
+        context, and the job refuses to start (docs/faults.md#prompt-context)."""
+        app = unpack(built.zip_path, tmp_path)
+        code = (
+            "import tokenizers; from flink_jobs.core.token_budget import token_counter;"
+            "print(token_counter('auto').method); print(tokenizers.__file__)"
+        )
+        done = subprocess.run(
+            [str(app.python), "-c", code],
+            env=app.environment(),
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        method, library = done.stdout.split()
+        assert method == "tokenizer"
+        assert Path(library).is_relative_to(app.root / "site-packages")

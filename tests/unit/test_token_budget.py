@@ -2,7 +2,7 @@
 text: a rendered prompt and the answer's ``llm.max_tokens`` fit the model's context.
 
 Tokens are counted here as the vLLM worker counts them, by the router's reproduction of it
-(``inference_sidecar.prompt_tokens``: the model folder's chat template rendered, then its
+(``inference_sidecar.kv.prompt_tokens``: the model folder's chat template rendered, then its
 tokenizer.json), independently of the job's own counter. The model is the bundled one,
 ``<cache>/models/SmolLM2-135M-Instruct``, which ``scripts/setup.sh`` installs.
 """
@@ -44,7 +44,7 @@ if not (MODEL_DIR / "tokenizer.json").exists():
         allow_module_level=True,
     )
 
-from inference_sidecar.prompt_tokens import PromptTokenizer  # noqa: E402 (after the skip)
+from inference_sidecar.kv.prompt_tokens import PromptTokenizer  # noqa: E402 (after the skip)
 
 LLM = LlmConfig()
 PROMPT = PromptConfig()
