@@ -71,6 +71,7 @@ from bench._common import (
     write_result,
 )
 from flink_jobs.tools.local_services import (
+    LOCAL_BROKER_SOURCE_PROPERTIES,
     LocalProcess,
     create_topics,
     free_port,
@@ -281,6 +282,7 @@ def job_overrides(stack: Stack, name: str) -> dict[str, dict[str, Any]]:
     return {
         "kafka": {
             "bootstrap_servers": stack.kafka.bootstrap,
+            "source_properties": LOCAL_BROKER_SOURCE_PROPERTIES,
             "events_topic": f"{name}-events",
             "dead_letter_topic": f"{name}-dlq",
             "group_id": name,

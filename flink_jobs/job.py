@@ -55,10 +55,6 @@ from flink_jobs.runtime.intent_store import NotifyStreamError, check_notify_stre
 log = logging.getLogger(__name__)
 
 REQUIRED_JARS = ("flink-connector-kafka.jar", "kafka-clients.jar", "shopper-intents-connectors.jar")
-#: How long the broker may hold the source's fetch (``kafka.client_properties`` overrides).
-#: Kafka answers as soon as a record is in; Tansu, the local broker, holds the fetch even
-#: with records waiting, so the client's default (500 ms) would add that much latency.
-SOURCE_FETCH_MAX_WAIT_MS = 50
 
 
 def connector_jars(config: AppConfig) -> list[str]:
@@ -145,19 +141,28 @@ def _starting_offsets(config: AppConfig) -> KafkaOffsetsInitializer:
     return KafkaOffsetsInitializer(initializer.committedOffsets(earliest))
 
 
+def source_properties(config: AppConfig) -> dict[str, str]:
+    """The source's Kafka consumer properties: the job's own, then ``kafka.client_properties``
+    (security), then ``kafka.source_properties`` (tuning for a broker). The events topic is
+    read, never created: a consumer that may create topics would make a restarted or
+    misconfigured broker hand the job a new, empty topic in silence. No broker's tuning
+    is set unless configured."""
+    return {
+        "partition.discovery.interval.ms": "30000",
+        "allow.auto.create.topics": "false",
+        **config.kafka.client_properties,
+        **config.kafka.source_properties,
+    }
+
+
 def kafka_source(config: AppConfig) -> KafkaSource:
-    """The events topic is read, never created: a consumer that may create topics would
-    make a restarted or misconfigured broker hand the job a new, empty topic in silence."""
     builder = (
         KafkaSource.builder()
         .set_bootstrap_servers(config.kafka.bootstrap_servers)
         .set_topics(config.kafka.events_topic)
         .set_group_id(config.kafka.group_id)
         .set_starting_offsets(_starting_offsets(config))
-        .set_property("partition.discovery.interval.ms", "30000")
-        .set_property("allow.auto.create.topics", "false")
-        .set_property("fetch.max.wait.ms", str(SOURCE_FETCH_MAX_WAIT_MS))
-        .set_properties(dict(config.kafka.client_properties))
+        .set_properties(source_properties(config))
     )
     builder._j_builder.setDeserializer(get_gateway().jvm.shopperintents.KafkaRecordWithMetadata())
     if config.kafka.bounded:

@@ -232,6 +232,7 @@ def _overrides_of(config) -> dict:
         "kafka": {
             "bootstrap_servers": config.kafka.bootstrap_servers,
             "starting_offsets": config.kafka.starting_offsets,
+            "source_properties": dict(config.kafka.source_properties),
         },
         "redis": {"url": config.redis.url},
         "llm": {"base_url": config.llm.base_url, "request_timeout_s": config.llm.request_timeout_s},

@@ -22,6 +22,7 @@ from typing import Any
 import httpx
 
 from flink_jobs.tools.local_services import (
+    LOCAL_BROKER_SOURCE_PROPERTIES,
     LocalProcess,
     create_topics,
     free_port,
@@ -271,7 +272,10 @@ class EmbeddedStack:
 
     def config_overrides(self) -> dict[str, dict[str, Any]]:
         return {
-            "kafka": {"bootstrap_servers": self.bootstrap},
+            "kafka": {
+                "bootstrap_servers": self.bootstrap,
+                "source_properties": LOCAL_BROKER_SOURCE_PROPERTIES,
+            },
             "redis": {"url": self.redis_url},
             "llm": self.llm.job_settings(),
         }

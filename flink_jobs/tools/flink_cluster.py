@@ -25,6 +25,7 @@ Nothing here imports PyFlink (it only locates its folder), and nothing happens a
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
 import os
 import re
@@ -167,7 +168,9 @@ def settings_env(groups: Mapping[str, Mapping[str, object]]) -> dict[str, str]:
     """``{group: {field: value}}`` as the ``SI_<GROUP>_<FIELD>`` variables ``config.py``
     reads: how a submitted job gets its settings (the driver process reads them)."""
     return {
-        f"SI_{group.upper()}_{name.upper()}": str(value)
+        f"SI_{group.upper()}_{name.upper()}": (
+            json.dumps(dict(value)) if isinstance(value, Mapping) else str(value)
+        )
         for group, fields in groups.items()
         for name, value in fields.items()
     }

@@ -285,6 +285,13 @@ class RedisService(_LocalService):
             client.close()
 
 
+#: The job's source tuning for the local broker (``kafka.source_properties``): Tansu holds a
+#: fetch for its whole ``fetch.max.wait.ms`` even with records waiting, where Kafka answers
+#: as soon as a record is in, so the client's default (500 ms) would add that much latency
+#: to every event. A Kafka broker needs none of it.
+LOCAL_BROKER_SOURCE_PROPERTIES = {"fetch.max.wait.ms": "50"}
+
+
 class KafkaService(_LocalService):
     """The Tansu broker (Kafka protocol, in-memory storage) on a loopback port."""
 

@@ -16,6 +16,7 @@ from typing import Any
 import psutil
 
 from flink_jobs.tools.flink_cluster import settings_env
+from flink_jobs.tools.local_services import LOCAL_BROKER_SOURCE_PROPERTIES
 
 
 def call_processes(root: int) -> list[int]:
@@ -38,6 +39,7 @@ def job_groups(
     return {
         "kafka": {
             "bootstrap_servers": bootstrap,
+            "source_properties": LOCAL_BROKER_SOURCE_PROPERTIES,
             "events_topic": f"{name}-events",
             "dead_letter_topic": f"{name}-dlq",
             "group_id": name,

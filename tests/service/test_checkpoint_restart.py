@@ -27,7 +27,7 @@ import pytest
 import redis
 
 from flink_jobs.checkpoints import latest_checkpoint
-from flink_jobs.tools.local_services import cache_dir, create_topics
+from flink_jobs.tools.local_services import LOCAL_BROKER_SOURCE_PROPERTIES, cache_dir, create_topics
 from flink_jobs.tools.replay import replay_records
 from flink_jobs.tools.run_summary import (
     group_lag,
@@ -126,6 +126,7 @@ def _groups(name: str, bootstrap: str, redis_url: str, llm: dict, run: str) -> d
     return {
         "kafka": {
             "bootstrap_servers": bootstrap,
+            "source_properties": LOCAL_BROKER_SOURCE_PROPERTIES,
             "events_topic": f"{name}-events",
             "dead_letter_topic": f"{name}-{run}-dlq",
             "prompts_topic": f"{name}-{run}-prompts",

@@ -57,6 +57,7 @@ from flink_jobs.config import AppConfig, load_config
 from flink_jobs.core.events import load_schema
 from flink_jobs.tools.embedded_stack import start_standin_workers
 from flink_jobs.tools.local_services import (
+    LOCAL_BROKER_SOURCE_PROPERTIES,
     KafkaService,
     LocalProcess,
     RedisService,
@@ -446,6 +447,7 @@ def scenario() -> Iterator[Scenario]:
             overrides={
                 "kafka": {
                     "bootstrap_servers": broker.bootstrap,
+                    "source_properties": LOCAL_BROKER_SOURCE_PROPERTIES,
                     "events_topic": f"{name}-events",
                     "dead_letter_topic": f"{name}-dlq",
                     "group_id": name,

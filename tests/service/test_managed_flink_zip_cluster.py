@@ -29,7 +29,7 @@ from deploy import build_managed_flink_zip as builder
 from deploy.local_run import RUNTIMES, on_cluster, unpack
 from deploy.vendor import TargetPlatform
 from flink_jobs.config import load_config
-from flink_jobs.tools.local_services import create_topics, free_port
+from flink_jobs.tools.local_services import LOCAL_BROKER_SOURCE_PROPERTIES, create_topics, free_port
 from flink_jobs.tools.replay import replay_records
 from flink_jobs.tools.run_summary import wait_for_task_starts
 from intent_reader.layout import intent_key
@@ -75,6 +75,7 @@ def _properties(path: Path, name: str, kafka: str, redis_url: str, llm: dict) ->
     groups = {
         "kafka": {
             "bootstrap_servers": kafka,
+            "source_properties": LOCAL_BROKER_SOURCE_PROPERTIES,
             "events_topic": f"{name}-events",
             "dead_letter_topic": f"{name}-dlq",
             "group_id": name,

@@ -31,7 +31,12 @@ import redis
 
 from flink_jobs.checkpoints import latest_checkpoint
 from flink_jobs.tools.flink_cluster import ClusterSpec, FlinkCluster, job_script, settings_env
-from flink_jobs.tools.local_services import cache_dir, create_topics, free_port
+from flink_jobs.tools.local_services import (
+    LOCAL_BROKER_SOURCE_PROPERTIES,
+    cache_dir,
+    create_topics,
+    free_port,
+)
 from flink_jobs.tools.replay import read_records, replay_records
 from flink_jobs.tools.run_summary import (
     EVENT_OUTCOMES,
@@ -90,6 +95,7 @@ def _groups(name: str, bootstrap: str, redis_url: str, llm: dict, **job) -> dict
     return {
         "kafka": {
             "bootstrap_servers": bootstrap,
+            "source_properties": LOCAL_BROKER_SOURCE_PROPERTIES,
             "events_topic": f"{name}-events",
             "dead_letter_topic": f"{name}-dlq",
             "prompts_topic": f"{name}-prompts",
