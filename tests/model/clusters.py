@@ -138,7 +138,8 @@ class Stack:
         try:
             pool = WorkerProcesses(cfg, ready_timeout_s=300)
         except ConfigError as exc:
-            pytest.skip(f"vLLM is not installed here: {exc}")
+            # `make test` installs vLLM first: a missing one is a broken setup, never a pass.
+            pytest.fail(f"vLLM is not installed here ({exc}): run `make setup`")
         with_pool = pool.start()
         try:
             with_pool.wait_ready()

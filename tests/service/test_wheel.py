@@ -21,7 +21,16 @@ from flink_jobs.config import PromptConfig
 REPO = Path(__file__).resolve().parents[2]
 #: What the three checks import, installed beside the wheel (the ``job`` extra would also
 #: bring PyFlink, ~860 MB, which none of them needs).
-RUNTIME_NEEDS = ("redis", "orjson", "jinja2", "fastjsonschema", "httpx", "prometheus-client")
+#: tokenizers counts the prompt budget with the packaged tokenizer (prompt.tokenizer_path=auto).
+RUNTIME_NEEDS = (
+    "redis",
+    "orjson",
+    "jinja2",
+    "fastjsonschema",
+    "httpx",
+    "prometheus-client",
+    "tokenizers",
+)
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -62,10 +71,25 @@ def test_the_wheel_carries_its_data_and_license(wheel: Path):
         "flink_jobs/schemas/shopper_intent.schema.json",
         "flink_jobs/prompts/shopper_intent_v1.j2",
         "flink_jobs/sample/sample_sessions.jsonl",
+        "flink_jobs/prompts/tokenizer/SmolLM2-135M-Instruct/tokenizer.json",
     ):
         assert data in names
     assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)
     assert not any(n.startswith(("tests/", "bench/", "deploy/")) for n in names)
+
+
+def test_the_wheel_carries_every_python_package_of_the_checkout(wheel: Path):
+    import zipfile
+
+    shipped = {
+        str(Path(n).parent) for n in zipfile.ZipFile(wheel).namelist() if n.endswith("__init__.py")
+    }
+    in_checkout = {
+        str(init.parent.relative_to(REPO))
+        for root in ("flink_jobs", "inference_sidecar", "intent_reader")
+        for init in (REPO / root).rglob("__init__.py")
+    }
+    assert in_checkout - shipped == set()
 
 
 def test_the_installed_cli_answers_help(installed: Path, tmp_path: Path):
