@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from bench import _common, freshness, pipeline_capacity, redis_upsert, run_all
+from bench import _common, freshness, pipeline_capacity, redis_upsert, report, run_all
 from flink_jobs.config import AppConfig
 from flink_jobs.core.events import ShopperEvent
 
@@ -46,10 +46,14 @@ def test_the_machine_names_the_cpu_features_that_decide_the_workers_dtype():
 
 def test_a_report_over_results_from_two_machines_says_so_and_names_each():
     docs = {
-        name: {"machine": {"cores": 2, "cpu_model": "AMD EPYC", "cpu_features": features}}
+        name: {
+            "benchmark": name,
+            "targets": [],
+            "machine": {"cores": 2, "cpu_model": "AMD EPYC", "cpu_features": features},
+        }
         for name, features in (("first", ["avx2"]), ("second", ["avx2", "avx512f"]))
     }
-    text = run_all.report(docs, {}, "")
+    text = report.report(docs, {})
     assert "more than one machine" in text
     assert text.count("Machine: 2 cores, AMD EPYC (avx2") == 2
 
