@@ -4,7 +4,7 @@ SHELL := /bin/bash
 VENV := $(or $(SI_CACHE_DIR),$(CURDIR)/.cache)/venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo eval test unit service model lint format bench bench-routing
+.PHONY: setup demo eval test unit service model lint format bench bench-routing figures
 setup:
 	@bash scripts/setup.sh
 
@@ -48,6 +48,11 @@ format: setup
 bench: setup
 	$(VENV)/bin/pip install -q "py-spy>=0.3" "matplotlib>=3.8"
 	$(PY) -m bench.run_all $(ARGS)
+
+# The figures table of docs/development.md and bench/results/REPORT.md, rebuilt from
+# bench/results/*.json alone (bench/report.py): no benchmark runs.
+figures: setup
+	$(PY) -m bench.run_all --report-only
 
 # Routing benchmark (20-45 min, host-dependent): our router vs round-robin vs vllm-router on three vLLM
 # workers; writes bench/results/routing.{json,md}. Takes the machine's heavy-run lock.

@@ -40,6 +40,8 @@ RESULT_KEYS = (
 _OPS = {
     ">=": lambda v, limit: v >= limit,
     "<=": lambda v, limit: v <= limit,
+    "<": lambda v, limit: v < limit,
+    ">": lambda v, limit: v > limit,
 }
 
 
@@ -59,12 +61,12 @@ def percentile(values: Sequence[float], pct: float) -> float:
     return float(ordered[rank - 1])
 
 
-def target(name: str, value: float | None, op: str, limit: float, note: str = "") -> dict:
-    """One target's verdict; a missing or NaN value never meets it."""
+def target(name: str, value: float | None, op: str, limit: float | None, note: str = "") -> dict:
+    """One target's verdict, ``met`` always a bool: a missing or NaN value or limit (a
+    limit taken from a peer that did not run) never meets it."""
     if op not in _OPS:
         raise ValueError(f"op must be one of {', '.join(_OPS)} (got {op!r})")
-    known = value is not None and not (isinstance(value, float) and math.isnan(value))
-    met = bool(known and _OPS[op](value, limit))
+    met = bool(_known(value) and _known(limit) and _OPS[op](value, limit))
     return {
         "name": name,
         "value": rounded(value),
@@ -73,6 +75,10 @@ def target(name: str, value: float | None, op: str, limit: float, note: str = ""
         "met": met,
         "note": note,
     }
+
+
+def _known(x: float | None) -> bool:
+    return x is not None and not (isinstance(x, float) and math.isnan(x))
 
 
 def rounded(value: Any, digits: int = 3) -> Any:

@@ -57,7 +57,7 @@ import httpx
 
 from bench._cache_watch import CacheWatch
 from bench._client import SAMPLE_INTERVAL_S, InflightSampler, Outcome, run_lanes, run_ordered
-from bench._common import git_state, machine_text
+from bench._common import git_state, machine_text, target
 from bench._common import machine as host_machine
 from bench._metrics import (
     COUNTERS,
@@ -646,13 +646,8 @@ def judge_kv(phases: dict[str, dict[str, dict]]) -> list[dict[str, Any]]:
     ours = "sidecar_kv_prefix"
     targets: list[dict[str, Any]] = []
 
-    def add(name: str, value: float | None, limit: float | None, op: str, note: str) -> None:
-        met = None
-        if value is not None and limit is not None:
-            met = value <= limit if op == "<=" else value < limit
-        targets.append(
-            {"name": name, "value": value, "op": op, "limit": limit, "met": met, "note": note}
-        )
+    def add(name: str, value: float | None, op: str, limit: float | None, note: str) -> None:
+        targets.append(target(name, value, op, limit, note))
 
     def get(phase: str, key: str, field: str) -> Any:
         return phases.get(phase, {}).get(key, {}).get(field)
@@ -661,8 +656,8 @@ def judge_kv(phases: dict[str, dict[str, dict]]) -> list[dict[str, Any]]:
     add(
         "kv.steady.computed_vs_minimum",
         get("steady", ours, "computed_over_minimum"),
-        1.05,
         "<=",
+        1.05,
         f"kv_prefix computed {get('steady', ours, 'computed_tokens_per_request')} "
         f"tokens/request; minimum {get('steady', ours, 'minimum_tokens_per_request')}",
     )
@@ -674,8 +669,8 @@ def judge_kv(phases: dict[str, dict[str, dict]]) -> list[dict[str, Any]]:
     add(
         "kv.skewed.computed_vs_best_peer",
         get("skewed", ours, "computed_tokens"),
-        min(best_peer) if best_peer else None,
         "<=",
+        min(best_peer) if best_peer else None,
         "computed prompt tokens, all repeats, against vllm-router cache_aware and "
         "consistent_hash: "
         + ", ".join(f"{k} {get('skewed', k, 'computed_tokens')}" for k in others),
@@ -683,8 +678,8 @@ def judge_kv(phases: dict[str, dict[str, dict]]) -> list[dict[str, Any]]:
     add(
         "kv.skewed.inflight_max_over_mean",
         get("skewed", ours, "inflight_max_over_mean_per_repeat"),
-        1.3,
         "<=",
+        1.3,
         "busiest worker's time-averaged in-flight over the mean, each repeat's whole phase, "
         "averaged over the repeats",
     )
@@ -695,8 +690,8 @@ def judge_kv(phases: dict[str, dict[str, dict]]) -> list[dict[str, Any]]:
     add(
         "kv.skewed.latency_p99_vs_every_peer",
         get("skewed", ours, "latency_p99_s"),
-        min(peers_p99) if peers_p99 else None,
         "<",
+        min(peers_p99) if peers_p99 else None,
         "p99 (s) per repeat: "
         + "; ".join(f"{k} {[r.get('latency_p99_s') for r in rs]}" for k, rs in runs.items() if rs),
     )
@@ -706,8 +701,8 @@ def judge_kv(phases: dict[str, dict[str, dict]]) -> list[dict[str, Any]]:
         add(
             f"kv.{phase}.computed_vs_minimum",
             given_caches if given_caches is not None else get(phase, ours, "computed_over_minimum"),
-            1.1,
             "<=",
+            1.1,
             f"the requests after {event}; minimum = past the longest prefix of any earlier "
             "prompt of theirs or held by a serving worker after the event"
             if given_caches is not None
@@ -718,8 +713,8 @@ def judge_kv(phases: dict[str, dict[str, dict]]) -> list[dict[str, Any]]:
         add(
             f"kv.{phase}.computed_vs_every_peer",
             computed.get(ours),
-            min(peers) if peers else None,
             "<",
+            min(peers) if peers else None,
             f"computed tokens after {event}: " + ", ".join(f"{k} {v}" for k, v in computed.items()),
         )
     return targets
@@ -730,13 +725,8 @@ def judge(steady: dict[str, dict], skewed: dict[str, dict]) -> list[dict[str, An
     ours, rr, ch = "sidecar_bounded_hash", "sidecar_round_robin", "vllm_router_consistent_hash"
     targets = []
 
-    def add(name: str, value: float | None, limit: float | None, op: str, note: str) -> None:
-        met = None
-        if value is not None and limit is not None:
-            met = value <= limit if op == "<=" else value < limit
-        targets.append(
-            {"name": name, "value": value, "op": op, "limit": limit, "met": met, "note": note}
-        )
+    def add(name: str, value: float | None, op: str, limit: float | None, note: str) -> None:
+        targets.append(target(name, value, op, limit, note))
 
     def get(phase: dict, key: str, field: str) -> float | None:
         return phase.get(key, {}).get(field)
@@ -751,23 +741,23 @@ def judge(steady: dict[str, dict], skewed: dict[str, dict]) -> list[dict[str, An
     add(
         "steady.computed_per_request_vs_minimum",
         get(steady, ours, "computed_over_minimum"),
-        1.2,
         "<=",
+        1.2,
         f"bounded_hash computed {mine} tokens/request; the minimum is {minimum}",
     )
     rr_value = get(steady, rr, "computed_tokens_per_request")
     add(
         "steady.computed_per_request_vs_round_robin",
         _r(mine / rr_value, 3) if mine and rr_value else None,
-        round(2 / 3, 3),
         "<=",
+        round(2 / 3, 3),
         f"bounded_hash {mine} vs round_robin {rr_value} tokens/request",
     )
     add(
         "skewed.inflight_max_over_mean",
         get(skewed, ours, "inflight_max_over_mean_per_repeat"),
-        1.3,
         "<=",
+        1.3,
         "busiest worker's time-averaged in-flight over the mean of the three, each "
         "repeat's whole phase, averaged over the repeats: " + per_run("inflight_max_over_mean"),
     )
@@ -776,8 +766,8 @@ def judge(steady: dict[str, dict], skewed: dict[str, dict]) -> list[dict[str, An
     add(
         "skewed.latency_p99_vs_consistent_hash",
         get(skewed, ours, "latency_p99_s"),
-        p99_ch,
         "<",
+        p99_ch,
         "client-side total latency p99 (s) over every repeat's requests; per repeat: "
         + per_run("latency_p99_s"),
     )
@@ -786,8 +776,8 @@ def judge(steady: dict[str, dict], skewed: dict[str, dict]) -> list[dict[str, An
     add(
         "skewed.computed_tokens_vs_consistent_hash",
         _r(c_ours / c_ch, 3) if c_ours and c_ch else None,
-        1.1,
         "<=",
+        1.1,
         f"bounded_hash computed {c_ours} tokens vs consistent_hash {c_ch}, all repeats; "
         "per repeat: " + per_run("computed_tokens"),
     )

@@ -1,12 +1,14 @@
 """Run the benchmark suite, print one table, write ``bench/results/REPORT.md`` with plots.
 
-``python -m bench.run_all [--only redis_upsert,pipeline_capacity] [--render]``
+``python -m bench.run_all [--only redis_upsert,pipeline_capacity] [--report-only]``
 
 Each benchmark runs as its own process (``python -m bench.<name>``), under the machine's
 heavy-run lock (``flock /tmp/si-heavy.lock``; ``--no-lock`` when the caller holds it), and
-writes ``bench/results/<name>.json``. Then the report is built from the JSON files present
-(``--render`` only rebuilds it): a table of every target, the key figures of each
-benchmark, PNG plots (matplotlib, when installed) and the machine.
+writes ``bench/results/<name>.json``. Then the suite's PNG plots are drawn (matplotlib,
+when installed) and ``bench.report`` builds ``REPORT.md`` and the figures table of
+``docs/development.md`` from every JSON file present. ``--report-only`` (alias
+``--render``; ``make figures``) runs no benchmark and draws no plot: it only rebuilds the
+two texts, so results written by a benchmark run on its own reach the docs.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from typing import Any
 
 import orjson
 
-from bench._common import RESULTS_DIR, machine_text, targets_table
+from bench import report
+from bench._common import RESULTS_DIR
 
 #: Suite order: quick and independent first, the long routing comparison last.
 BENCHMARKS = ("redis_upsert", "pipeline_capacity", "freshness", "routing")
@@ -55,107 +58,24 @@ def load(out: Path, name: str) -> dict[str, Any] | None:
     return orjson.loads(path.read_bytes()) if path.exists() else None
 
 
-# --- the table and the report ------------------------------------------------------------------
+# --- plots and the report ----------------------------------------------------------------
 
 
-def key_figures(name: str, doc: dict[str, Any]) -> list[tuple[str, Any]]:
-    """The few figures of a benchmark that the summary table shows."""
-    if name == "redis_upsert":
-        rows = [
-            (
-                f"{shape}: upsert / HSET ops/s",
-                f"{s['upsert_ops_per_s']:,} / {s['hset_ops_per_s']:,}",
-            )
-            for shape, s in doc["shapes"].items()
-        ]
-        ref = doc.get("redis_benchmark")
-        if ref:
-            rows.append(
-                (
-                    "redis-benchmark: EVALSHA / HSET rps",
-                    f"{ref['upsert_evalsha']:,.0f} / {ref['hset']:,.0f}"
-                    f" ({ref['upsert_over_hset']})",
-                )
-            )
-        return rows
-    if name == "pipeline_capacity":
-        drain = doc["phases"].get("drain", {})
-        paced = doc["phases"].get("paced", {})
-        rows = [("drain events/s", drain.get("events_per_s"))]
-        cpu = drain.get("cpu_ms_per_event")
-        if cpu:
-            rows.append(
-                (
-                    "drain CPU ms/event: total (Flink JVM, call process)",
-                    f"{cpu['total']} ({cpu.get('flink_jvm')}, {cpu.get('llm_call_process')})",
-                )
-            )
-        floor = doc["phases"].get("floor")
-        if floor:
-            shapes = {shape: p for shape, p in floor.items() if isinstance(p, dict)}
-            rows.append(
-                (
-                    f"PyFlink floor events/s: {' / '.join(shapes)} (job over state_timer)",
-                    " / ".join(str(shapes[s]["events_per_s"]) for s in shapes)
-                    + f" ({floor['job_over_floor']})",
-                )
-            )
-        if paced:
-            lat = paced["event_to_redis_s"]
-            rows.append(
-                (
-                    f"paced {paced['rate_offered']:,.0f}/s event-to-Redis p50/p99 s",
-                    f"{lat['p50']} / {lat['p99']}",
-                )
-            )
-        return rows
-    if name == "freshness":
-        c = doc["calls"]
-        return [
-            ("freshness p50/p99 s", f"{doc['freshness_s']['p50']} / {doc['freshness_s']['p99']}"),
-            ("LLM p50/p99 s", f"{doc['llm_latency_s']['p50']} / {doc['llm_latency_s']['p99']}"),
-            (
-                "LLM calls per event (baseline)",
-                f"{c['llm_calls_per_event']} ({c['baseline_calls_per_event']})",
-            ),
-            (
-                "prompt tokens, run / baseline",
-                f"{c['prompt_tokens']:,} / {c['baseline_prompt_tokens']:,}",
-            ),
-        ]
-    return []
-
-
-def summary_table(docs: dict[str, dict[str, Any]]) -> str:
-    lines = [f"{'benchmark':<18} {'target':<58} {'value':>10} {'limit':>10}  met"]
-    for name, doc in docs.items():
-        for t in doc.get("targets", []):
-            value = "n/a" if t["value"] is None else t["value"]
-            lines.append(
-                f"{name:<18} {t['name'][:58]:<58} {value!s:>10} {t['op']} {t['limit']!s:>7}"
-                f"  {'yes' if t['met'] else 'NO'}"
-            )
-        for label, value in key_figures(name, doc):
-            lines.append(f"{name:<18}   {label[:56]:<56} {value!s:>21}")
-    return "\n".join(lines)
-
-
-def plots(docs: dict[str, dict[str, Any]], out: Path) -> dict[str, list[str]]:
-    """PNG files per benchmark (none when matplotlib is missing)."""
+def plots(docs: dict[str, dict[str, Any]], out: Path) -> None:
+    """The PNG files of ``report.PLOTS`` for the benchmarks in ``docs`` (none when
+    matplotlib is missing)."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return {}
-    made: dict[str, list[str]] = {}
+        return
 
-    def save(fig, name: str, bench: str) -> None:
+    def save(fig, image: str) -> None:
         fig.tight_layout()
-        fig.savefig(out / name, dpi=90)
+        fig.savefig(out / image, dpi=90)
         plt.close(fig)
-        made.setdefault(bench, []).append(name)
 
     doc = docs.get("redis_upsert")
     if doc:
@@ -177,10 +97,12 @@ def plots(docs: dict[str, dict[str, Any]], out: Path) -> dict[str, list[str]]:
         ax.set_yscale("log")
         ax.set_ylabel("writes/s (log)")
         ax.legend()
-        save(fig, "redis_upsert_throughput.png", "redis_upsert")
+        (image,) = report.PLOTS["redis_upsert"]
+        save(fig, image)
 
     doc = docs.get("pipeline_capacity")
     if doc:
+        throughput, latency = report.PLOTS["pipeline_capacity"]
         fig, ax = plt.subplots(figsize=(7, 3.2))
         curves = {
             **{phase: p for phase, p in doc["phases"].items() if isinstance(p, dict)},
@@ -199,7 +121,7 @@ def plots(docs: dict[str, dict[str, Any]], out: Path) -> dict[str, list[str]]:
         if "floor" in doc["phases"]:
             ax.set_yscale("log")  # the floor drains several times faster than the job
         ax.legend()
-        save(fig, "pipeline_capacity_throughput.png", "pipeline_capacity")
+        save(fig, throughput)
         paced = doc["phases"].get("paced")
         if paced and paced.get("event_to_redis_ms"):
             fig, ax = plt.subplots(figsize=(6, 3.2))
@@ -208,17 +130,18 @@ def plots(docs: dict[str, dict[str, Any]], out: Path) -> dict[str, list[str]]:
             ax.set_xlabel("seconds")
             ax.set_ylabel("share of intents")
             ax.legend()
-            save(fig, "pipeline_capacity_latency.png", "pipeline_capacity")
+            save(fig, latency)
 
     doc = docs.get("freshness")
     if doc:
+        latency, progress = report.PLOTS["freshness"]
         fig, ax = plt.subplots(figsize=(6, 3.2))
         _cdf(ax, [v / 1000 for v in doc.get("freshness_ms", [])], "event to intent in Redis")
         _cdf(ax, [v / 1000 for v in doc.get("llm_latency_ms", [])], "LLM call")
         ax.set_xlabel("seconds")
         ax.set_ylabel("share")
         ax.legend()
-        save(fig, "freshness_latency.png", "freshness")
+        save(fig, latency)
         series = doc.get("series") or []
         if series:
             fig, ax = plt.subplots(figsize=(7, 3.2))
@@ -228,8 +151,7 @@ def plots(docs: dict[str, dict[str, Any]], out: Path) -> dict[str, list[str]]:
             ax.set_xlabel("s since the replay started")
             ax.set_ylabel("count")
             ax.legend()
-            save(fig, "freshness_progress.png", "freshness")
-    return made
+            save(fig, progress)
 
 
 def _cdf(ax, values: list[float], label: str) -> None:
@@ -239,90 +161,46 @@ def _cdf(ax, values: list[float], label: str) -> None:
     ax.plot(ordered, [(i + 1) / len(ordered) for i in range(len(ordered))], label=label)
 
 
-def report(docs: dict[str, dict[str, Any]], images: dict[str, list[str]], table: str) -> str:
-    hosts = {machine_text(doc.get("machine") or {}) for doc in docs.values()}
-    where = (
-        f"Machine: {hosts.pop()}."
-        if len(hosts) == 1
-        else "Measured on more than one machine: each section names its own."
-    )
-    lines = [
-        "# Benchmark report",
-        "",
-        f"{where} Shared with other work: absolute times are noisy, so comparisons are "
-        "ratios measured side by side in one run.",
-        "",
-        "```",
-        table,
-        "```",
-        "",
-    ]
-    for name, doc in docs.items():
-        git = doc.get("git") or {}
-        dirty = " + uncommitted changes" if git.get("dirty") else ""
-        lines += [
-            f"## {name}",
-            "",
-            f"Run {doc.get('timestamp')} ({doc.get('runtime_s')} s), commit "
-            f"{(git.get('commit') or '?')[:10]}{dirty}; "
-            f"`{doc.get('command')}`. Figures: `bench/results/{name}.json`.",
-            f"Machine: {machine_text(doc.get('machine') or {})}.",
-            "",
-            targets_table(doc.get("targets", [])),
-            "",
-        ]
-        for label, value in key_figures(name, doc):
-            lines.append(f"- {label}: {value}")
-        if key_figures(name, doc):
-            lines.append("")
-        memory = doc.get("memory_peak")
-        if memory:
-            lines += [
-                "Peak resident memory (VmHWM):",
-                "",
-                "| process | n | largest MiB | sum MiB |",
-            ]
-            lines.append("| --- | --- | --- | --- |")
-            for kind, v in memory.items():
-                lines.append(f"| {kind} | {v['processes']} | {v['max_mib']} | {v['sum_mib']} |")
-            lines.append("")
-        for image in images.get(name, []):
-            lines += [f"![{image}]({image})", ""]
-        for note in doc.get("notes", []):
-            lines.append(f"> {note}")
-        if name == "routing":
-            lines.append("\nDetails: [routing.md](routing.md).")
-        lines.append("")
-    return "\n".join(lines)
-
-
-def render(out: Path, names: Sequence[str] = BENCHMARKS) -> str:
-    docs = {n: d for n in names if (d := load(out, n)) is not None}
-    table = summary_table(docs)
-    images = plots(docs, out)
-    (out / "REPORT.md").write_text(report(docs, images, table))
-    return table
+def render(out: Path, doc: Path | None, draw: bool) -> str:
+    """``REPORT.md`` and the figures table in ``doc`` (none: no doc) from the results files
+    in ``out``, after the plots when ``draw`` (and matplotlib is installed); returns the
+    console summary."""
+    if draw:
+        plots({n: d for n in BENCHMARKS if (d := load(out, n)) is not None}, out)
+    results = report.write(out, doc)
+    return report.summary_table({n: d for n, d in results.items() if report.is_result_doc(d)})
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.run_all", description=__doc__.split("\n")[0])
     p.add_argument("--only", help=f"comma-separated, from {', '.join(BENCHMARKS)}")
-    p.add_argument("--render", action="store_true", help="only rebuild the report from the JSON")
+    p.add_argument(
+        "--report-only",
+        "--render",
+        action="store_true",
+        help="run nothing: rebuild REPORT.md and the figures table from the JSON files",
+    )
     p.add_argument("--no-lock", action="store_true", help="the caller holds the heavy-run lock")
     p.add_argument("--out", type=Path, default=RESULTS_DIR)
+    p.add_argument(
+        "--doc",
+        type=Path,
+        help="the document whose figures table to rewrite (default: "
+        f"{report.FIGURES_DOC.relative_to(report.REPO)} when --out is the default)",
+    )
     args = p.parse_args(argv)
     names = selected(args.only)
+    doc = args.doc or (report.FIGURES_DOC if args.out.resolve() == RESULTS_DIR else None)
     failed = []
-    if not args.render:
+    if not args.report_only:
         for name in names:
             extra = [] if name == "routing" else ["--out", str(args.out)]
             code, seconds = run_one(name, not args.no_lock, extra)
             print(f"=== {name}: exit {code} after {seconds:.0f} s", flush=True)
             if code not in (0, 1):  # 1: ran, some target not met
                 failed.append(name)
-    table = render(args.out)
-    print(table)
-    print(f"report: {args.out / 'REPORT.md'}")
+    print(render(args.out, doc, draw=not args.report_only))
+    print(f"report: {args.out / 'REPORT.md'}" + (f"; figures table: {doc}" if doc else ""))
     return 1 if failed else 0
 
 

@@ -272,8 +272,8 @@ class TestTargets:
         }
 
     def test_missing_values_are_not_met(self):
-        targets = judge({}, {})
-        assert all(t["met"] is None for t in targets)
+        targets = judge({}, {}) + judge_kv({})
+        assert all(t["met"] is False for t in targets)
 
     def test_after_a_join_ours_must_beat_every_peer_within_a_tenth_of_the_minimum(self):
         join = {
@@ -284,7 +284,7 @@ class TestTargets:
         got = {t["name"]: t["met"] for t in judge_kv({"join": join})}
         assert got["kv.join.computed_vs_minimum"] is True
         assert got["kv.join.computed_vs_every_peer"] is False
-        assert got["kv.restart.computed_vs_every_peer"] is None
+        assert got["kv.restart.computed_vs_every_peer"] is False
 
     def test_table_lists_every_router(self):
         row = {"prefix_cache_hit_ratio": 0.5, "errors": 0}

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from bench import _common, freshness, pipeline_capacity, redis_upsert, run_all
+from bench import _common, freshness, pipeline_capacity, redis_upsert, report, run_all
 from flink_jobs.config import AppConfig
 from flink_jobs.core.events import ShopperEvent
 
@@ -46,10 +46,14 @@ def test_the_machine_names_the_cpu_features_that_decide_the_workers_dtype():
 
 def test_a_report_over_results_from_two_machines_says_so_and_names_each():
     docs = {
-        name: {"machine": {"cores": 2, "cpu_model": "AMD EPYC", "cpu_features": features}}
+        name: {
+            "benchmark": name,
+            "targets": [],
+            "machine": {"cores": 2, "cpu_model": "AMD EPYC", "cpu_features": features},
+        }
         for name, features in (("first", ["avx2"]), ("second", ["avx2", "avx512f"]))
     }
-    text = run_all.report(docs, {}, "")
+    text = report.report(docs, {})
     assert "more than one machine" in text
     assert text.count("Machine: 2 cores, AMD EPYC (avx2") == 2
 
@@ -68,6 +72,34 @@ def test_a_nan_value_never_meets_a_target():
 def test_a_target_compares_with_its_operator():
     assert _common.target("t", 0.6, ">=", 0.5)["met"] is True
     assert _common.target("t", 1.2, "<=", 1.0)["met"] is False
+    assert _common.target("t", 1.0, "<", 1.0)["met"] is False
+    assert _common.target("t", 1.1, ">", 1.0)["met"] is True
+
+
+def test_a_missing_limit_never_meets_a_target():
+    assert _common.target("t", 0.6, "<", None)["met"] is False
+
+
+_SHAPES = {"job": {"upsert_over_hset": 1.2}, "batch": {"upsert_over_hset": 1.0}}
+
+
+def test_the_redis_benchmark_reference_is_judged_against_the_same_ratio_as_the_shapes():
+    reference = {"upsert_evalsha": 200_000.0, "hset": 440_000.0, "upsert_over_hset": 0.455}
+    verdicts = {t["name"]: t["met"] for t in redis_upsert.judge(_SHAPES, reference)}
+    assert verdicts == {
+        "job shape: upsert / HSET throughput": True,
+        "batch shape: upsert / HSET throughput": True,
+        "redis-benchmark: EVALSHA upsert / HSET throughput": False,
+    }
+
+
+def test_without_redis_benchmark_only_the_shapes_are_judged():
+    assert len(redis_upsert.judge(_SHAPES, None)) == 2
+
+
+def test_a_redis_benchmark_that_gave_no_figure_misses_its_target():
+    reference = {"upsert_evalsha": None, "hset": 440_000.0, "upsert_over_hset": None}
+    assert redis_upsert.judge(_SHAPES, reference)[-1]["met"] is False
 
 
 def test_nan_is_written_as_null():
