@@ -90,7 +90,8 @@ from inference_sidecar.workers import (
     repo_root,
 )
 
-logger = logging.getLogger("bench.routing")
+# Named, not __name__: run with -m, the module is __main__.
+log = logging.getLogger("bench.routing")
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 MIB = 1024 * 1024
@@ -603,7 +604,7 @@ def restart_first(pool: WorkerProcesses, watch: CacheWatch) -> Callable[[], Awai
     """Worker 0 restarted: its KV cache comes back empty."""
 
     async def disrupt() -> list[str]:
-        logger.info("restarting %s", pool.specs[0].name)
+        log.info("restarting %s", pool.specs[0].name)
         await asyncio.to_thread(pool.restart, pool.specs[0].name)
         await asyncio.to_thread(pool.wait_ready)
         watch.forget([pool.urls[0]])
@@ -619,7 +620,7 @@ def join_fourth(
 
     async def disrupt() -> list[str]:
         worker, events = next(iter(joiner.kv_event_sources.items()))
-        logger.info("adding %s to %s", worker, spec.label)
+        log.info("adding %s to %s", worker, spec.label)
         await asyncio.to_thread(join_worker, spec, router, worker, events)
         return [*pool.urls, worker]
 
@@ -1080,15 +1081,13 @@ async def bench(cfg: BenchConfig, command: str) -> dict[str, Any]:
         kv_events=True,  # for our kv_prefix and vllm-router's kv_aware
     )
     model = cluster.served_model_name
-    logger.info("starting 3 vLLM workers (logs in %s)", log_dir)
+    log.info("starting 3 vLLM workers (logs in %s)", log_dir)
     with WorkerProcesses(cluster, ready_timeout_s=420) as pool:
         workers = pool.urls
         start_s = time.monotonic() - t0
         logs = "\n".join(s.log_path.read_text(errors="replace")[-200_000:] for s in pool.specs[:1])
         kv_tokens, block = kv_cache_tokens(logs), cfg.block_size
-        logger.info(
-            "workers ready in %.0f s; KV cache %s tokens, block %s", start_s, kv_tokens, block
-        )
+        log.info("workers ready in %.0f s; KV cache %s tokens, block %s", start_s, kv_tokens, block)
 
         steady_tokens = await tokenize_all(workers[0], model, steady_requests)
         step = block or 1
@@ -1134,7 +1133,7 @@ async def bench(cfg: BenchConfig, command: str) -> dict[str, Any]:
                     )  # fmt: skip
                 elif kind == "join":
                     if joiner is None:
-                        logger.info("starting the fourth worker, for the join phases")
+                        log.info("starting the fourth worker, for the join phases")
                         joiner = stack.enter_context(
                             WorkerProcesses(joiner_config(cluster, cfg), ready_timeout_s=420)
                         )
@@ -1166,7 +1165,7 @@ async def bench(cfg: BenchConfig, command: str) -> dict[str, Any]:
                     result["seed"] = repeats[r].seed
                     skewed[spec.key][0].append(result)
                     skewed[spec.key][1].append(RunParts(outcomes, delta, sampled, sent_min))
-                logger.info(
+                log.info(
                     "%-28s %-6s %3d/%d req in %5.1f s: hit %.3f, computed/req %.0f "
                     "(min %.0f), p99 %.2f s, in-flight max/mean %.2f",
                     spec.label, f"{kind}{r + 1 if kind == 'skewed' else ''}", len(outcomes),
