@@ -2,8 +2,8 @@
 
 Tokenizing a prompt costs about 1.7 s per MiB of text, and the tokenizer holds the
 interpreter's lock while it runs: in a thread of the router's process the event loop
-waits for it all the same (measured: 6.5 s without an answer while a 4 MiB prompt was
-tokenized in a thread; under 5 ms in a process; ``docs/faults.md``). So ``BlockComputer``
+waits for it all the same, for seconds on a prompt of a few MiB
+(``docs/decisions.md#prompt-blocks-in-processes``). So ``BlockComputer``
 runs ``prompt_blocks`` in worker processes of its own, each with the model folder's
 tokenizer loaded once (``tokenizer_workers``); with 0 of them, or a tokenizer given in
 code (tests), it runs in a thread.
