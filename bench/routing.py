@@ -458,13 +458,13 @@ DEFINITIONS = {
     ),
     "inflight_max_over_mean_until_first_lane_done": (
         "skewed phase only: the same over the samples taken before the first lane ran out "
-        "of requests (the window reported before 2026-11-22 08:00 UTC)"
+        "of requests, while every lane is still sending"
     ),
     "inflight_max_over_mean_per_repeat": (
         "skewed phase only: the mean of the repeats' inflight_max_over_mean, which the "
         "targets judge. The pooled inflight_max_over_mean concatenates the repeats' samples, "
         "so a router whose busiest worker changes from repeat to repeat looks balanced there "
-        "though no repeat was (added 2026-11-28 15:30 UTC)"
+        "though no repeat was"
     ),
     "computed_tokens": "vllm:prompt_tokens_total - vllm:prefix_cache_hits_total, summed",
     "per_request": (

@@ -1,9 +1,9 @@
 """One vLLM worker launched two ways, side by side: prompts per second before and after.
 
 * ``before``: ``python -m vllm.entrypoints.openai.api_server`` (the deprecated module
-  path) with nothing preloaded, as the workers were started until issue 26;
+  path) with nothing preloaded: the plain launch;
 * ``after``: ``vllm serve`` with TCMalloc and Intel OpenMP preloaded, as
-  ``inference_sidecar.workers`` starts them now (the launch vLLM's CPU guide asks for).
+  ``inference_sidecar.workers`` starts them (the launch vLLM's CPU guide asks for).
 
 Both run the same plan (``plan_workers``: one worker pinned to one core, the project's
 flags) and get the same prompts: ``--prompts`` shopper sessions of generated sample
