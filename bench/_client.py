@@ -25,7 +25,7 @@ import orjson
 from bench._metrics import INFLIGHT_GAUGES, parse_samples
 from bench._workload import Request
 
-logger = logging.getLogger(__name__)
+log = logging.getLogger(__name__)
 
 WORKER_HEADER = "x-sidecar-worker"
 

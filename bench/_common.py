@@ -2,7 +2,7 @@
 
 Pure functions except where a name says it reads (``/proc``) or writes (``write_result``).
 A result document has the keys every benchmark shares (``RESULT_KEYS``) plus its own;
-``bench/README.md`` lists them.
+``docs/lab_notebook.md`` lists them.
 """
 
 from __future__ import annotations

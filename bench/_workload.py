@@ -23,7 +23,7 @@ from flink_jobs.core.prompting import PromptRenderer
 from flink_jobs.core.session import History, SessionState
 from flink_jobs.tools.sample_data import BadRecords, SampleConfig, generate_sample
 
-#: The benchmarks' prompts use the v1 template, which their recorded figures (bench/README.md)
+#: The benchmarks' prompts use the v1 template, which their recorded figures (docs/lab_notebook.md)
 #: were measured with; the job's default is v2 since the intent eval chose it.
 WORKLOAD_TEMPLATE = "shopper_intent_v1.j2"
 EVENT_SPACING_MS = 15_000

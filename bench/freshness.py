@@ -533,7 +533,7 @@ def result_figures(
     measured: Measured,
     offline: Offline,
 ) -> dict[str, Any]:
-    """The result document's own keys (``bench/README.md`` lists them), in their order;
+    """The result document's own keys (``docs/lab_notebook.md`` lists them), in their order;
     ``memory_peak`` is added last by :func:`run`."""
     from flink_jobs.tools.run_summary import is_settled, latency_summary
 

@@ -284,7 +284,7 @@ def run(args) -> dict[str, Any]:
 def shape_mean(results: Sequence[dict[str, Any]], label: str) -> dict[str, Any]:
     """A shape's rate, CPU per event (by kind) and core-bound rate, averaged over its rounds:
     one drain per shape on a shared 2-core host moved by a quarter from run to run
-    (bench/README.md), more than the gaps between shapes."""
+    (docs/lab_notebook.md), more than the gaps between shapes."""
     runs = [r for r in results if r["shape"] == label]
 
     def mean(values: Sequence[float | None]) -> float | None:

@@ -1,9 +1,9 @@
 """One vLLM worker launched two ways, side by side: prompts per second before and after.
 
 * ``before``: ``python -m vllm.entrypoints.openai.api_server`` (the deprecated module
-  path) with nothing preloaded, as the workers were started until issue 26;
+  path) with nothing preloaded: the plain launch;
 * ``after``: ``vllm serve`` with TCMalloc and Intel OpenMP preloaded, as
-  ``inference_sidecar.workers`` starts them now (the launch vLLM's CPU guide asks for).
+  ``inference_sidecar.workers`` starts them (the launch vLLM's CPU guide asks for).
 
 Both run the same plan (``plan_workers``: one worker pinned to one core, the project's
 flags) and get the same prompts: ``--prompts`` shopper sessions of generated sample
@@ -52,7 +52,8 @@ from inference_sidecar.workers import (
     plan_workers,
 )
 
-logger = logging.getLogger("bench.worker_launch")
+# Named, not __name__: run with -m, the module is __main__.
+log = logging.getLogger("bench.worker_launch")
 
 LAUNCHES = ("before", "after")
 #: What vLLM writes when a launch is not the one its CPU guide asks for.
@@ -167,7 +168,7 @@ def measure(
         started = time.perf_counter()
         outcomes = asyncio.run(send_all(run.url, prompts, concurrency))
         wall_s = time.perf_counter() - started
-    log = run.log_path.read_text(errors="replace")
+    worker_log = run.log_path.read_text(errors="replace")
     latencies = sorted(o["latency_s"] for o in outcomes)
     return {
         "launch": launch,
@@ -182,7 +183,7 @@ def measure(
         "ready_s": rounded(ready_s, 1),
         "ld_preload": run.env.get("LD_PRELOAD", ""),
         "command": "vllm serve" if launch == "after" else "-m vllm.entrypoints.openai.api_server",
-        "warnings": {name: text in log for name, text in WARNINGS.items()},
+        "warnings": {name: text in worker_log for name, text in WARNINGS.items()},
     }
 
 
@@ -250,10 +251,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     for round_no in range(1, args.rounds + 1):
         order = LAUNCHES if round_no % 2 else LAUNCHES[::-1]
         for launch in order:
-            logger.info("round %d: %s", round_no, launch)
+            log.info("round %d: %s", round_no, launch)
             result = measure(spec, launch, prompts, args.warmup, args.concurrency)
             runs.append({"round": round_no, **result})
-            logger.info("%s", orjson.dumps(runs[-1]).decode())
+            log.info("%s", orjson.dumps(runs[-1]).decode())
     totals = summary(runs)
     text = table(runs, totals)
     print(text)

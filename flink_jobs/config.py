@@ -307,10 +307,7 @@ class TriggerConfig(_Section):
 
     high_signal_types: tuple[str, ...] = ("add_to_cart", "purchase", "remove_from_cart")
     # Short waits: a shopper's material changes rarely come in bursts, so a long quiet
-    # period buys few calls and costs freshness. Replayed over the samples (seven of 30
-    # shoppers for 4 min, one of 300 for an hour), 3 s / 5 s / 2 s sent 2-4% fewer prompts
-    # than these and left a qualifying event up to 5.0 s without a prompt; these, at most
-    # 1.0 s (bench/README.md, "Trigger policy").
+    # period buys few calls and costs freshness (docs/decisions.md#trigger-timings).
     quiet_s: float = bounded(0.5, gt=0)
     max_wait_s: float = bounded(2.0, gt=0)
     min_interval_s: float = bounded(1.0, ge=0)
@@ -382,14 +379,14 @@ class JobConfig(_Section):
     out_of_orderness_s: float = bounded(0.5, ge=0)
     # After this long without a record, a partition's watermark follows the wall clock (so
     # the last prompts fire when traffic stops); 0 turns that off. A prompt due while its
-    # partition is quiet waits about this long plus out_of_orderness_s: bench/freshness.py
-    # measured freshness p99 2.4 s above the LLM's at 2 s, 0.7-1.0 s at 0.5 s, 0.5 s at 0.25 s.
-    # A paused task no longer makes records late through it (EventTimeWatermarks.java).
+    # partition is quiet waits about this long plus out_of_orderness_s, so it is short. A
+    # paused task cannot make records late through it (EventTimeWatermarks.java), which is
+    # what makes a short one safe (docs/decisions.md#watermark-idle-advance).
     watermark_idle_advance_s: float = bounded(0.25, ge=0)
     # A partition that never had a record stops holding the watermark back after this long
     # from the job's start. Long enough for every partition's first fetch, even of a backlog
-    # after a restore; at 30 s, a job started on a quiet topic held its first prompts for
-    # up to 30 s (bench/freshness.py's first prompt: 8.8 s outside its LLM call).
+    # after a restore; short, because until then a job started on a quiet topic holds its
+    # first prompts (docs/decisions.md#source-idleness).
     source_idleness_s: float = bounded(5.0, ge=0)
     # Local runs only (Managed Flink manages both): where checkpoints are kept (empty: a
     # scratch folder, lost with the job), and a checkpoint or savepoint to start from
@@ -397,8 +394,8 @@ class JobConfig(_Section):
     checkpoint_dir: str = ""
     restore_from: str = ""
     # "thread" runs the Python operators inside the TaskManager's JVM (PyFlink's embedded
-    # mode: about an eighth of the cost per keyed state access measured here); "process"
-    # runs them in a separate Python worker over gRPC (Beam).
+    # mode: a keyed state access is a call, not a round trip); "process" runs them in a
+    # separate Python worker over gRPC (Beam) (docs/decisions.md#python-thread-mode).
     python_execution_mode: str = "thread"
     # Session states each operator instance keeps as objects (operators._RecentSessions).
     session_cache_size: int = bounded(20_000, ge=1)
@@ -408,10 +405,9 @@ class JobConfig(_Section):
     python_bundle_size: int = bounded(1000, ge=1)
     python_bundle_time_ms: int = bounded(50, ge=1)
     # How often the source emits its watermark, and how long a network buffer may wait to
-    # fill before it is sent: both add to every prompt's wait while traffic flows. Flink's
-    # defaults (200 and 100 ms), with the Kafka client's 500 ms fetch wait, cost
-    # bench/pipeline_capacity.py's paced run 0.25 s of event-to-Redis p50 at 300 events/s;
-    # these cost no measurable throughput in its drains (bench/README.md).
+    # fill before it is sent: both add to every prompt's wait while traffic flows, so they
+    # are far below Flink's defaults (200 and 100 ms); the extra watermarks and buffers cost
+    # no measurable throughput (docs/decisions.md#short-flush-periods).
     watermark_interval_ms: int = bounded(50, ge=1)
     # -1 would be Flink's "send a buffer only when full": fine for a batch, not here.
     buffer_timeout_ms: int = bounded(10, ge=0)

@@ -116,7 +116,7 @@ class DecodeEvents(ProcessFunction, _Counted):
     Both go out on the main output, and the keyed operator emits the dead letters (it
     has that side output anyway). With a side output of its own, PyFlink does not chain
     this operator with ``key_by``'s key selector: two calls into the interpreter per
-    record instead of one (the cost, in ``bench/README.md``).
+    record instead of one (``docs/decisions.md#decode-without-side-output``).
     """
 
     def __init__(self, config: AppConfig) -> None:

@@ -14,9 +14,8 @@ compared per unit of work: the worker's requests in flight meanwhile, each weigh
 prompt tokens the policy expected it to compute. A worker that sticky routing gave a hot
 shopper's three concurrent requests, or the cold shoppers' whole prompts while a peer
 served cached ones, answers more slowly because it has more to compute, not because it is
-sick, and ejecting it would move every prefix it caches for nothing (judged per request
-in flight, the skewed routing benchmark ejected a worker in every repeat; see
-bench/README.md, "Latency ejection per unit of work").
+sick, and ejecting it would move every prefix it caches for nothing
+(``docs/decisions.md#latency-ejection-per-unit-of-work``).
 An ejected worker stays out for a back-off period that doubles with each ejection, then
 comes back once a probe succeeds. A worker failing its active checks is "down" until a
 probe succeeds again. Ejection never leaves fewer than ``min_healthy`` workers in

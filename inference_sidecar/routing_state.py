@@ -164,9 +164,10 @@ class RoutingState:
         policy's estimate, or the whole prompt while an earlier request of the same key is
         still in prefill there. The policy counts that prefix as the worker's already (it
         is where the key belongs), but the worker has not computed it yet, so a hot
-        shopper's concurrent requests each compute nearly all of it (bench/README.md,
-        "Latency ejection per unit of work"). A request answered whole rather than
-        streamed has no first byte to tell, so it counts as in prefill until it ends."""
+        shopper's concurrent requests each compute nearly all of it
+        (``docs/decisions.md#latency-ejection-per-unit-of-work``). A request answered whole
+        rather than streamed has no first byte to tell, so it counts as in prefill until it
+        ends."""
         if size <= 0:
             return 0
         if key and any(t.key == key and not t.prefilled for t in self._open[worker]):

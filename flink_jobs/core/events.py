@@ -42,8 +42,8 @@ def pickled_by_fields(cls):
 
     The job stores sessions, held events and prompts in Flink state, which pickles them on
     every write; the default pickling of a slotted dataclass goes through Python-level
-    ``__getstate__`` for each object, this through one C ``attrgetter`` call (about four
-    times faster to dump: ``bench/README.md``, "What changed the capacity").
+    ``__getstate__`` for each object, this through one C ``attrgetter`` call, several times
+    faster to dump (``docs/decisions.md#pickled-by-fields``).
     """
     fields = attrgetter(*(f.name for f in dataclasses.fields(cls)))
 

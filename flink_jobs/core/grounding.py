@@ -468,18 +468,18 @@ def reconcile(
     summary says the shopper bought something while the session has no purchase
     (:func:`claims_purchase`); then it is the rules' summary, which the facts state.
 
-    Why the rules lead: scored on the same writes (``make eval``, bench/README.md), records
-    led by the model's labels lost to the rules alone on re-ranking NDCG@10 with every
-    template (the 135M model adds categories and confidences that move the wrong
-    products up) and called sessions that had just bought anything but ``post_purchase``;
-    led by the rules, the model's extra labels and categories ranked about as well as the
-    rules (within a few hundredths either way). A model that beats the rules on its own
-    answers should lead instead.
+    Why the rules lead: scored on the same writes (``make eval``), records led by the
+    model's labels rank products worse than the rules alone (the 135M model adds
+    categories and confidences that move the wrong products up) and call sessions that
+    have just bought anything but ``post_purchase``; led by the rules, the model's extra
+    labels and categories rank about as well as the rules. A model that beats the rules on
+    its own answers should lead instead (``docs/decisions.md#rules-lead-the-record``).
 
-    Why the cart's stage is the rules' alone: the model called sessions with an empty cart
-    ``abandoning_cart`` and rated ``ready_to_buy`` after a purchase, which the facts beside
-    it refute; with those labels taken from the model, the records' purchase foresight fell
-    below the rules' (bench/README.md, "Intent quality").
+    Why the cart's stage is the rules' alone: the session's cart and purchases decide it
+    exactly, and the model calls sessions with an empty cart ``abandoning_cart`` and rates
+    ``ready_to_buy`` after a purchase, which the facts beside it refute; with those labels
+    from the model, the records foresee purchases worse than the rules
+    (``docs/decisions.md#cart-stage-from-rules``).
     """
     if rules is None:
         return answer

@@ -49,8 +49,8 @@ _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u206
 # Syriac number marks, ALM, Mongolian vowel separator, zero-width characters, LRM/RLM,
 # bidi embeddings and isolates, word joiner and invisible operators, BOM, interlinear
 # annotations, Kaithi, Egyptian, shorthand and musical format controls, and the tag
-# characters. tests/unit/test_prompting_hardening.py checks it against the running Python's
-# Unicode database.
+# characters. tests/unit/test_quoted_text_hides_no_characters.py checks it against the
+# running Python's Unicode database.
 _FORMAT = re.compile(
     "[\u00ad\u0600-\u0605\u061c\u06dd\u070f\u0890\u0891\u08e2\u180e\u200b-\u200f"
     "\u202a-\u202e\u2060-\u2064\u2066-\u206f\ufeff\ufff9-\ufffb\U000110bd\U000110cd"

@@ -136,7 +136,7 @@ class ChatTemplateTokens:
 #: Text between special tokens whose counts are remembered: the template's fixed
 #: instructions, the same in every prompt, are tokenized once.
 SEGMENT_CACHE_SIZE = 256
-_PROBE = "Intent: <|x|> 买 ヘッドホン, Наушники 🎧 1234567890 \n\n  end."
+_PROBE = "Intent: <|x|> 买 ヘッドホン, Наушники 🎧 123456 7890 \n\n  end."
 
 
 def _by_segments(tokenizer: Any, whole: Callable[[str], int]) -> Callable[[str], int] | None:

@@ -2,9 +2,9 @@
 
 Why: in PyFlink's thread mode every Python operator of a TaskManager runs in one
 interpreter embedded in the JVM. The calls' HTTP and Redis client work (httpx, redis-py)
-holds that interpreter's lock, and every event waits behind it (how much, in
-``bench/README.md``). In a child process that work runs on another core; the operator's
-side costs a pickle and a socket write per prompt.
+holds that interpreter's lock, and every event waits behind it. In a child process that
+work runs on another core; the operator's side costs a pickle and a socket write per
+prompt (``docs/decisions.md#call-process``).
 
 ``CallProcess`` is an ``outbox.Runner``: ``await call_process.run(task)`` returns the
 ``TaskResult`` the child computed with ``inference.PromptRunner``, or raises

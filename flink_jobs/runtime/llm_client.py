@@ -15,8 +15,8 @@ category the shopper never engaged with. It is a request parameter, not prompt t
 messages, and the prefix the worker caches, are the same whatever the enum.
 
 The requests go through httpx's API over aiohttp's HTTP/1.1 engine (``httpx-aiohttp``),
-which costs a fraction of httpcore's CPU per call (``bench/README.md``); httpx's API stays,
-so tests still script the server with ``httpx.MockTransport``.
+which costs a fraction of httpcore's CPU per call; httpx's API stays, so tests still
+script the server with ``httpx.MockTransport`` (``docs/decisions.md#httpx-over-aiohttp``).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Why not PyFlink's ``AsyncDataStream``: PyFlink 2.2's Python async operator waits
 element in flight at the end of each bundle (``AsyncOperation.finish``), so with calls that
 take seconds the operator stalls for a whole call again and again; and it is refused in
 PyFlink's ``thread`` execution mode, whose keyed state access is much cheaper than
-``process`` mode's (figures in ``bench/README.md``).
+``process`` mode's (``docs/decisions.md#outbox-not-async-datastream``).
 
 So ``operators.ShopperSessions`` hands each prompt to an :class:`Outbox` and returns. The
 outbox runs each prompt through its :class:`Runner` (LLM call, answer check, Redis upsert:

@@ -43,10 +43,8 @@ KV_CACHE_BYTES = 1 << 30
 # timeout (120 s) must also be shorter than the job's, so that the router fails over first.
 CPU_REQUEST_TIMEOUT_S = 300.0
 # The vLLM workers' scheduling niceness on this shared host: the job's rules-only records
-# and event handling need the cores for milliseconds at a time, the model for seconds.
-# Two demo runs back to back (bench/README.md, "Freshness of the rules-only record"): event
-# to rules-only record p50 / p90 / p99 1.25 / 3.88 / 6.63 s at 0, 0.72 / 1.48 / 3.38 s at
-# 19; the model's call p50 12.5 s and 10.6 s.
+# and event handling need the cores for milliseconds at a time, the model for seconds, so
+# the job goes first and the model's calls lose little (docs/decisions.md#llm-niceness).
 LLM_NICENESS = 19
 # A stand-in answers within its configured latency (seconds); a call still waiting after
 # this has met an injected hang.
@@ -56,7 +54,7 @@ _STANDIN_MODULE = "bench.standin_llm"
 #: Partitions of the events topic unless the job's parallelism needs more (a source
 #: subtask without a partition idles). No more than that at the demo's rate: the watermark
 #: is the slowest partition's, and the sparser each partition, the longer every prompt
-#: waits for it (event to rules-only record p99 0.87 s with 2, 2.66 s with 4: bench/README.md).
+#: waits for it (docs/decisions.md#events-partitions).
 EVENTS_PARTITIONS = 2
 _REPO_ROOT = Path(__file__).resolve().parents[2]
 

@@ -1,12 +1,11 @@
 """A request's prompt blocks, computed off the router's event loop.
 
-Tokenizing a prompt costs about 1.7 s per MiB of text, and the tokenizer holds the
+Tokenizing a prompt costs seconds per MiB of text, and the tokenizer holds the
 interpreter's lock while it runs: in a thread of the router's process the event loop
-waits for it all the same (measured: 6.5 s without an answer while a 4 MiB prompt was
-tokenized in a thread; under 5 ms in a process; ``docs/faults.md``). So ``BlockComputer``
-runs ``prompt_blocks`` in worker processes of its own, each with the model folder's
-tokenizer loaded once (``tokenizer_workers``); with 0 of them, or a tokenizer given in
-code (tests), it runs in a thread.
+waits for it all the same (``docs/decisions.md#prompt-blocks-in-processes``). So
+``BlockComputer`` runs ``prompt_blocks`` in worker processes of its own, each with the
+model folder's tokenizer loaded once (``tokenizer_workers``); with 0 of them, or a
+tokenizer given in code (tests), it runs in a thread.
 
 ``prompt_blocks`` never tokenizes past the model's context (``max_tokens``): such a
 prompt cannot be served anyway (``PromptTokenizer``'s ``OverContext``).

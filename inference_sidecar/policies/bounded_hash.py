@@ -11,10 +11,10 @@ hard to soft (the fifth is hard again, for new keys only):
    While the bound is at that floor (a nearly idle cluster), the key's own requests in
    flight on a worker count there as one, up to ``min_bound`` of them: they share its
    prefix and the worker batches their decoding, so moving one away recomputes the whole
-   prefix to relieve a queue the key made itself. That is what spilled a hot shopper at
-   the end of each skewed-phase repeat, once the others were done (bench/README.md, "A
-   key's own requests"). Above the floor, and beyond ``min_bound`` of them, they count
-   as anyone's, so a burst from one key still spreads.
+   prefix to relieve a queue the key made itself, as a hot shopper does once the other
+   shoppers are done. Above the floor, and beyond ``min_bound`` of them, they count as
+   anyone's, so a burst from one key still spreads
+   (``docs/decisions.md#bounded-hash-min-bound``).
 2. **Affinity**: per key, a bounded LRU remembers the last workers that served it and
    its prompt size there; on those only the prompt's new tail is uncached. Keys never seen
    are ordered by rendezvous hashing: a stable preference order without virtual nodes, so
@@ -36,28 +36,24 @@ hard to soft (the fifth is hard again, for new keys only):
    prompt tokens (the last prompt of every key homed there) are at most
    ``residency_factor`` times the mean, rule 1 applied to what the KV caches must hold.
    It comes before speed, which alone herds new keys onto one worker until its cache
-   overflows.
+   overflows (``docs/decisions.md#bounded-hash-speed-and-residency``).
 
 **Placing a new key** (``new_key_placement``): by default (``"fewest_first"``) it goes to
 the workers with the fewest requests in flight, then to the roomy ones among them (rule
 5), and rules 3 and 4 break the remaining ties. Residency cannot see evictions: it counts
-every remembered shopper's last prompt, one-shot shoppers long evicted included, and
-ahead of the load it kept a new hot shopper off the least loaded worker, beside another
-hot one, until both spilled (bench/README.md, "The skewed phase once more"). With
-residency first (``"least_loaded"``, the default from cd56f8e to 77c39d9) the
-skewed phase's p99 was higher in 9 of 13 paired repeats, weak evidence, but the load
-was more even (bench/README.md, "The skewed phase at the new default"). By cost alone
-(``"cost"``), a worker decoding a hot shopper's three requests cost a new shopper 64
-tokens a request, one prefilling a cold prompt all of that prompt's, so cold shoppers
-joined the hot ones and pushed them to the bound, where they spilled (bench/README.md,
-"Placing new shoppers on the fewest requests in flight").
+every remembered shopper's last prompt, one-shot shoppers long evicted included, so ahead
+of the load (residency first: ``"least_loaded"``) it can keep a new hot shopper off the
+least loaded worker, beside another hot one, until both spill; it evens the load at the
+cost of that risk. By cost alone (``"cost"``), a worker decoding a hot shopper's requests
+costs a new shopper ``request_cost`` a request, one prefilling a cold prompt all of that
+prompt, so cold shoppers join the hot ones and push them to the bound, where they spill
+(``docs/decisions.md#bounded-hash-new-key-placement``).
 
 Without a size (``size=0``: the caller could not estimate the prompt) this is plain
 bounded-load hashing: the first worker under the bound in the key's order.
 
 Limits: the history does not see a worker evict a key's blocks (the estimate then errs
-towards staying), and router replicas keep separate histories. The runs behind rules 1,
-4 and 5 are in bench/README.md ("Measurements behind rules in the code").
+towards staying), and router replicas keep separate histories.
 """
 
 from __future__ import annotations
@@ -73,13 +69,16 @@ from dataclasses import dataclass, field
 from inference_sidecar.policies.base import Policy
 
 DEFAULT_LOAD_FACTOR = 1.25
+"""``c`` of rule 1. It must bind on two workers, where any ``c`` of 2 or more lets one
+worker take every request (``docs/decisions.md#bounded-hash-load-factor``)."""
 DEFAULT_RESIDENCY_FACTOR = 1.25
 DEFAULT_MIN_BOUND = 3
 DEFAULT_RECOMPUTE_WEIGHT = 2.0
 DEFAULT_REQUEST_COST = 64
 """Tokens of queue cost per request in flight: a tie-breaker towards fewer requests
-(decoding slots), small next to a prompt of 1-4k tokens. 256 (``routing_state``'s unit of
-work) spilled more in the skewed phase (bench/README.md, "A key's own requests")."""
+(decoding slots), small next to a prompt of 1-4k tokens. A cost near ``routing_state``'s
+unit of work makes the cost rule move hot shoppers off their cached prefix
+(``docs/decisions.md#bounded-hash-request-cost``)."""
 SAME_PROMPT_SHARE = 0.5
 """Share of a new key's prompt one worker must hold beyond another for the key to follow
 it there rather than to fewer requests in flight or a roomier cache (``kv_prefix``: a
@@ -98,7 +97,8 @@ must not herd new keys."""
 LATENCY_MEMORY_S = 60.0
 """How long a worker's latency average is trusted after its last answer. Older, it counts
 as unknown: a worker that new keys avoided gets no answers to refresh its figure, so
-without this it would be starved on one old measurement."""
+without this it would be starved on one old measurement
+(``docs/decisions.md#bounded-hash-speed-and-residency``)."""
 
 
 def rendezvous_score(key: str, worker: str) -> int:

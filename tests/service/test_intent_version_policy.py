@@ -1,4 +1,4 @@
-"""The version edge cases of the intent write (issue 28, finding 5), against a real Redis.
+"""The version edge cases of the intent write, against a real Redis.
 
 Policy (docs/redis_layout.md, "Guarantees"): a refused write extends the stored intent's
 expiry as a landed one would, so an older version cannot land once the newer one would

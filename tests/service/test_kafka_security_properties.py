@@ -1,4 +1,4 @@
-"""Kafka TLS and SASL settings reach the Java connectors (issue 4, item 6).
+"""Kafka TLS and SASL settings reach the Java connectors.
 
 ``kafka.client_properties`` (a JSON object in the configuration) is the one place for the
 Kafka client's security settings. These tests build the job's ``KafkaSource`` and every

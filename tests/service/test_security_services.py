@@ -1,4 +1,4 @@
-"""Security settings, each shown for real (issue 4, item 6); the parts that need no
+"""Security settings, each shown for real; the parts that need no
 service are in ``tests/unit/test_security.py``.
 
 - **Redis AUTH and TLS**: a real ``redis-server`` with ``requirepass`` and a TLS port (a

@@ -1,4 +1,4 @@
-"""Bad input, property by property (issue 4, item 5): whatever bytes, sessions or model
+"""Bad input, property by property: whatever bytes, sessions or model
 answers arrive, the event decoder, the session state machine, the prompt renderer and the
 intent parser never raise, and every input ends in one counted, explained outcome.
 
@@ -498,7 +498,7 @@ QUESTION = "What does this shopper intend right now?"
 
 def cleaned(text: str, max_chars: int) -> str:
     """What ``untrusted`` shows of ``text``: controls blanked, format characters dropped,
-    NFKC, lookalike brackets made plain, cut (issue 28, finding 4)."""
+    NFKC, lookalike brackets made plain, cut."""
     visible = "".join(c for c in _MUST_BLANK.sub(" ", text) if unicodedata.category(c) != "Cf")
     return unicodedata.normalize("NFKC", visible).translate(ANGLE_LOOKALIKES)[:max_chars]
 

@@ -1,6 +1,6 @@
 """The freshness benchmark's steps after the run (no stack, no model): staleness while and
 after it runs, and the result document built from what was measured, in the shape
-``bench/README.md`` describes."""
+``docs/lab_notebook.md`` describes."""
 
 from __future__ import annotations
 

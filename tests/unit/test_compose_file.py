@@ -12,7 +12,7 @@ system steps as root and ends as the base image's ``flink`` user; secrets reach 
 through their environment, never their command lines; the job is submitted by a script
 that restores the newest retained checkpoint.
 
-Hardening (issue 28 #10): published ports listen on the loopback by default; Redis, Kafka
+Exposure: published ports listen on the loopback by default; Redis, Kafka
 and Grafana ask for passwords that come from the env file, none with a default, and the
 committed ``.env.example`` names each; Grafana has no anonymous access; every volume is
 where its service writes (Kafka's log dir, Flink's checkpoint dir); vLLM containers get
@@ -378,7 +378,7 @@ def test_flink_services_run_the_app_image(services):
         assert uses_app_image(services[name]), f"{name} needs PyFlink: build {APP_IMAGE_DOCKERFILE}"
 
 
-# --- hardening ---------------------------------------------------------------------------
+# --- exposure ----------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,5 @@
 """A malformed Managed Flink properties file is reported by the entry's position and keys,
-never its values: the file holds passwords (issue 28 #8)."""
+never its values: the file holds passwords."""
 
 from __future__ import annotations
 

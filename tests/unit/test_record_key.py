@@ -39,7 +39,7 @@ def test_an_event_is_keyed_by_its_shopper() -> None:
 
 
 def test_a_dead_letter_that_names_its_shopper_is_keyed_by_its_kafka_position() -> None:
-    """Its fields failed validation, so none of them becomes a key (issue 28, finding 7)."""
+    """Its fields failed validation, so none of them becomes a key."""
     refused = _decoded(_view(event_type="teleport"))
     assert isinstance(refused, DeadLetter)
     assert record_key(refused) == f"{UNKEYED_DEAD_LETTERS}:shopper-events:2:7"

@@ -1,4 +1,4 @@
-"""Security settings, the parts that need no service (issue 4, item 6); the parts shown
+"""Security settings, the parts that need no service; the parts shown
 against a real Redis, a refusing LLM endpoint and a started router are in
 ``tests/service/test_security_services.py``.
 

@@ -1,4 +1,4 @@
-"""Invisible and lookalike characters in shopper and seller text (issue 28, finding 4).
+"""Invisible and lookalike characters in shopper and seller text.
 
 What ``untrusted`` quotes into a prompt is NFKC-normalised (full-width and small-form
 letters and brackets become their plain forms), holds no format character (Unicode

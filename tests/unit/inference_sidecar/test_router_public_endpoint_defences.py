@@ -1,4 +1,4 @@
-"""The router's defences against what a public endpoint receives (issue 28): malformed
+"""The router's defences against what a public endpoint receives: malformed
 headers, more requests than it should hold at once, workers that never finish, and
 worker URLs that carry credentials."""
 

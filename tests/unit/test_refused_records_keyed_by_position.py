@@ -1,5 +1,5 @@
 """A record that fails validation is keyed by its Kafka position only, and the shopper id
-its dead letter names is one the event schema admits or none (issue 28, finding 7): text
+its dead letter names is one the event schema admits or none: text
 that failed validation never becomes a Flink key or a dead letter's ``shopper_id``."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The intent write's retry uses its whole budget (issue 28, finding 6): attempts go on until
+"""The intent write's retry uses its whole budget: attempts go on until
 the deadline, the last wait cut short to land on it, and only then is the failure raised.
 
 On a fake clock: the store never answers and every wait moves the clock, so the attempt

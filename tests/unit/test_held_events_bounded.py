@@ -1,5 +1,5 @@
 """Events held for the watermark are bounded per shopper, and holding one costs the same
-however many are held (issue 28, finding 3).
+however many are held.
 
 Events stamped up to five minutes ahead are held until the watermark passes them. The
 operator keeps them in a list state it appends to (``hold_event``: the new event and the
