@@ -349,8 +349,9 @@ MIN_AUC_GAIN = 0.05
 
 
 def judge_targets(document: dict[str, Any]) -> list[dict[str, Any]]:
-    """Each target of the adapter's arm on one dataset as name, value, limit, comparison
-    and met (empty without both a v3 arm and a ``template@model`` arm)."""
+    """Each target of the adapter's arm on one dataset as name, value, limit, op (the
+    comparison, the key every results file uses) and met (empty without both a v3 arm and
+    a ``template@model`` arm)."""
     arms = {a["template"]: a for a in document["arms"]}
     adapter = next((name for name in arms if "@" in name), None)
     if V3_ARM not in arms or adapter is None:
@@ -362,9 +363,7 @@ def judge_targets(document: dict[str, Any]) -> list[dict[str, Any]]:
         met = value is not None and (value >= limit if comparison == ">=" else value > limit)
         if comparison == "<=":
             met = value is not None and value <= limit
-        targets.append(
-            {"name": name, "value": value, "limit": limit, "comparison": comparison, "met": met}
-        )
+        targets.append({"name": name, "value": value, "limit": limit, "op": comparison, "met": met})
 
     for metric in intent_eval.METRICS:
         d = diffs.get((f"{adapter} answer", f"{adapter} rules", metric))
@@ -522,7 +521,7 @@ def _target_lines(targets: Sequence[dict[str, Any]]) -> list[str]:
         value = t["value"]
         shown = "" if value is None else f"{value:.3f}" if isinstance(value, float) else str(value)
         met = "yes" if t["met"] else "no"
-        lines.append(f"| {t['name']} | {shown} | {t['comparison']} {t['limit']} | {met} |")
+        lines.append(f"| {t['name']} | {shown} | {t['op']} {t['limit']} | {met} |")
     return [*lines, ""]
 
 
@@ -616,14 +615,15 @@ def writes_path(out_dir: Path, dataset: str) -> Path:
 
 def save_writes(args: argparse.Namespace, now_ms: int, arms: Sequence[ArmRun]) -> Path:
     """Every arm's model writes, with what it takes to rebuild the same events (the file,
-    the shopper cut and the wall-clock time their newest event was moved to), so a change
-    to the scoring is measured on the same answers without running the model again
+    the shopper cut, the split and the wall-clock time their newest event was moved to), so
+    a change to the scoring is measured on the same answers without running the model again
     (``--rescore``)."""
     path = writes_path(args.out, args.dataset)
     document = {
         "dataset": args.dataset,
         "events_file": _from_repo(args.events),
         "shoppers": args.shoppers,
+        "split": args.split or "",
         "now_ms": now_ms,
         "arms": {a.template: [asdict(w) for w in a.writes] for a in arms},
     }
@@ -667,7 +667,9 @@ def rescore(dataset: str, out_dir: Path) -> int:
         raise SystemExit(f"{path} or {results_path} is missing: run the eval on {dataset} first")
     saved, writes = load_writes(path)
     document = orjson.loads(results_path.read_bytes())["datasets"][dataset]
-    values = select_records(_REPO / saved["events_file"], saved["shoppers"])
+    # A writes file saved before the split was recorded: the results entry names it.
+    split = saved.get("split", document.get("split") or "")
+    values = select_records(_REPO / saved["events_file"], saved["shoppers"], split)
     _, events = moved_to_now(values, saved["now_ms"])
     arms = [
         ArmRun(a["template"], "", writes[a["template"]], a["stats"], a["cost"], a["elapsed_s"])

@@ -43,7 +43,7 @@ def test_saved_writes_load_back_as_the_same_writes(tmp_path):
     labels = (IntentLabel("ready_to_buy", 0.7, "Headphones"), IntentLabel("browsing", 0.2, None))
     writes = [IntentWrite("s1", 1_800_000_000_000, labels, "model", "v2.j2", "m")]
     args = argparse.Namespace(
-        out=tmp_path, dataset="sample", events=tmp_path / "e.jsonl", shoppers=3
+        out=tmp_path, dataset="sample", events=tmp_path / "e.jsonl", shoppers=3, split="test"
     )
 
     path = eval_runner.save_writes(
@@ -52,7 +52,7 @@ def test_saved_writes_load_back_as_the_same_writes(tmp_path):
     saved, arms = eval_runner.load_writes(path)
 
     assert arms == {"v2.j2": writes}
-    assert (saved["now_ms"], saved["shoppers"]) == (1_800_000_000_000, 3)
+    assert (saved["now_ms"], saved["shoppers"], saved["split"]) == (1_800_000_000_000, 3, "test")
 
 
 def test_the_report_says_where_the_record_and_the_answer_beat_tie_and_lose_to_the_rules():

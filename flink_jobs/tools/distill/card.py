@@ -162,7 +162,7 @@ def _eval_lines(name: str, results: dict[str, Any] | None) -> list[str]:
         lines.append("")
         for t in doc.get("targets", ()):
             lines.append(
-                f"- {t['name']}: {_num(t['value'])} ({t['comparison']} {t['limit']}):"
+                f"- {t['name']}: {_num(t['value'])} ({t['op']} {t['limit']}):"
                 f" {'met' if t['met'] else 'missed'}"
             )
         lines.append("")
