@@ -31,6 +31,7 @@ Deadlines are sized from the first runs on this 2-core machine (docs/compose.md,
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import time
 from collections import Counter
@@ -58,6 +59,8 @@ JOB_RUNNING_TIMEOUT_S = 600.0
 REPLAY_TIMEOUT_S = 900.0
 #: Seen: the first checkpoint and ten intents within a minute of the replay's start.
 BEFORE_KILL_TIMEOUT_S = 600.0
+#: Six of Prometheus' 10 s scrape intervals (deploy/observability/prometheus.yml).
+METRICS_TIMEOUT_S = 60.0
 RESTART_TIMEOUT_S = 600.0
 #: Every record committed and every newest prompt answered, after the replay's end.
 SETTLE_TIMEOUT_S = 900.0
@@ -191,13 +194,26 @@ def run() -> Run:
             "Prometheus to scrape both TaskManagers", 120, seen=stack.scrape_targets,
         )  # fmt: skip
         result.targets = stack.scrape_targets()
-        found = stack.prometheus(
-            "/api/v1/query",
-            {"query": "flink_taskmanager_job_task_operator_shopper_intents_events_in"},
-        )
-        result.job_metric_instances = {
-            r["metric"]["instance"] for r in (found or {}).get("result", [])
-        }
+
+        def job_metric_instances() -> set[str]:
+            found = stack.prometheus(
+                "/api/v1/query",
+                {"query": "flink_taskmanager_job_task_operator_shopper_intents_events_in"},
+            )
+            result.job_metric_instances = {
+                r["metric"]["instance"] for r in (found or {}).get("result", [])
+            }
+            return result.job_metric_instances
+
+        # A TaskManager's job metrics reach Prometheus at its first scrape after its subtask
+        # registered them, which may come after the target is already up; a timeout leaves
+        # the instances seen for the test that asserts them.
+        with contextlib.suppress(WaitTimeout):
+            wait_for(
+                lambda: len(job_metric_instances()) == PARALLELISM,
+                "both TaskManagers' job metrics in Prometheus", METRICS_TIMEOUT_S,
+                seen=lambda: result.job_metric_instances,
+            )  # fmt: skip
 
         victim = stack.containers("taskmanager")[0]["Name"]
         docker("kill", victim)
