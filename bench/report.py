@@ -71,13 +71,21 @@ def figures_rows(results: Mapping[str, Any]) -> list[list[str]]:
                     [
                         label,
                         str(t["name"]),
-                        "n/a" if t.get("value") is None else str(t["value"]),
+                        _value(t.get("value")),
                         f"{t['op']} {t['limit']}",
                         _verdict(t.get("met")),
                         *run,
                     ]
                 )
     return rows
+
+
+def _value(value: Any) -> str:
+    """A figure as the table shows it: floats to four significant digits (the results file
+    keeps every digit), anything else as written."""
+    if value is None:
+        return "n/a"
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
 def figures_table(results: Mapping[str, Any]) -> str:

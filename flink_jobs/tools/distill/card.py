@@ -75,7 +75,9 @@ def write_card(adapter_dir: Path, command: str = "") -> Path:
         (adapter_dir / "training.json").write_bytes(
             orjson.dumps(training, option=orjson.OPT_INDENT_2) + b"\n"
         )
-    plotted = plot_loss(training, adapter_dir / "loss_curve.png")
+    # Without matplotlib here, the curve drawn when the adapter was trained still shows it.
+    curve = adapter_dir / "loss_curve.png"
+    plotted = plot_loss(training, curve) or curve.exists()
     summary = orjson.loads(SUMMARY.read_bytes()) if SUMMARY.exists() else None
     results = orjson.loads(RESULTS.read_bytes()) if RESULTS.exists() else None
     lines = _card_lines(adapter_dir.name, training, summary, results, plotted)
