@@ -49,8 +49,9 @@ bench: setup
 	$(VENV)/bin/pip install -q "py-spy>=0.3" "matplotlib>=3.8"
 	$(PY) -m bench.run_all $(ARGS)
 
-# The figures table of docs/development.md and bench/results/REPORT.md, rebuilt from
-# bench/results/*.json alone (bench/report.py): no benchmark runs.
+# The figures table of docs/development.md, bench/results/REPORT.md and the sizing example
+# of deploy/README.md, rebuilt from bench/results/*.json alone (bench/report.py): no
+# benchmark runs.
 figures: setup
 	$(PY) -m bench.run_all --report-only
 

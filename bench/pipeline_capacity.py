@@ -27,7 +27,10 @@ Four phases, each on a fresh job (own topic, group, key prefix):
    where shoppers arrive at a steady rate, does not have. Rates of 1.0, 0.8, 0.6, 0.5, 0.4,
    0.3 and 0.25 times the drain rate are tried in turn (or ``--paced-rate`` alone) until one
    keeps up: p99 <= 1 s and every event done within ``MAX_LAG_S`` of the last one sent.
-   That rate is the sustained capacity.
+   That rate is the sustained capacity. Between the warm-up's end and the producer's last
+   event (``steady``), the CPU cores each part of the stack used, the Redis commands per
+   second (``INFO commandstats``) and the LLM calls per event are read too
+   (``bench/plan_check.py`` compares them with ``shopper-intents plan``).
 3. **floor**: the drain's events through jobs of the real job's shape that do none of its
    work (``bench/pyflink_floor.py``, four shapes): the rate no PyFlink job of that shape
    beats on the host, beside the job's own (``job_over_floor``).
@@ -51,7 +54,8 @@ import tempfile
 import threading
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -184,6 +188,59 @@ def _frame_name(frame: str) -> str:
         if marker in path:
             path = path.split(marker, 1)[1]
     return f"{name} ({path})" if path else name
+
+
+def command_calls(commandstats: Mapping[str, Any]) -> dict[str, int]:
+    """Calls per command from ``INFO commandstats``: redis-py's parsed form
+    (``{"cmdstat_evalsha": {"calls": 3, ...}}``) or the raw values (``"calls=3,usec=..."``)."""
+    out: dict[str, int] = {}
+    for key, value in commandstats.items():
+        if not key.startswith("cmdstat_"):
+            continue
+        if isinstance(value, Mapping):
+            calls = value.get("calls")
+        else:
+            fields = dict(part.partition("=")[::2] for part in str(value).split(","))
+            calls = fields.get("calls")
+        if calls is not None:
+            out[key.removeprefix("cmdstat_")] = int(calls)
+    return out
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """The stats hash and Redis's command counts at one poll, ``t`` s into it."""
+
+    t: float
+    stats: Mapping[str, int]
+    commands: Mapping[str, int]
+
+
+def window_figures(start: Snapshot, end: Snapshot, cpu_s: Mapping[str, float]) -> dict[str, Any]:
+    """What the stack did between two polls: events done and LLM calls per second and per
+    event, cores used per part of the stack (``cpu_s``: its CPU seconds in the window) and
+    Redis commands per second."""
+    seconds = end.t - start.t
+    if seconds <= 0:
+        return {}
+
+    def delta(name: str) -> int:
+        return end.stats.get(name, 0) - start.stats.get(name, 0)
+
+    events = events_accounted(dict(end.stats)) - events_accounted(dict(start.stats))
+    commands = {name: calls - start.commands.get(name, 0) for name, calls in end.commands.items()}
+    return {
+        "window_s": rounded(seconds),
+        "events": events,
+        "events_per_s": rounded(events / seconds, 1),
+        "llm_calls_per_s": rounded(delta("llm_calls") / seconds, 1),
+        "llm_calls_per_event": rounded(ratio(delta("llm_calls"), events), 4),
+        "prompts_per_event": rounded(ratio(delta("prompts_sent"), events), 4),
+        "cpu_cores": {kind: rounded(s / seconds, 4) for kind, s in sorted(cpu_s.items())},
+        "redis_commands_per_s": {
+            name: rounded(n / seconds, 1) for name, n in sorted(commands.items()) if n > 0
+        },
+    }
 
 
 # --- events ------------------------------------------------------------------------------------
@@ -353,6 +410,35 @@ def poll_drain(
     return series, counts, cpu_per_event(cpu_s, counts[-1][1] - cpu_from.get("events", 0))
 
 
+class SteadyWindow:
+    """The stack's work from the first poll after the warm-up while the producer runs to
+    the first poll after it stopped: ``observe`` at every poll, then ``figures()``."""
+
+    def __init__(self, clock: CpuClock, client) -> None:
+        self.clock = clock
+        self.client = client
+        self.start: Snapshot | None = None
+        self.end: Snapshot | None = None
+        self.mark: dict[int, tuple[str, float]] = {}
+        self.cpu_s: dict[str, float] = {}
+
+    def observe(self, t: float, stats: Mapping[str, int], warm: bool, producing: bool) -> None:
+        if self.start is None and warm and producing:
+            self.mark = self.clock.mark()
+            self.start = Snapshot(t, dict(stats), self._commands())
+        elif self.start is not None and self.end is None and not producing:
+            self.cpu_s = self.clock.since(self.mark)
+            self.end = Snapshot(t, dict(stats), self._commands())
+
+    def _commands(self) -> dict[str, int]:
+        return command_calls(self.client.info("commandstats"))
+
+    def figures(self) -> dict[str, Any]:
+        if self.start is None or self.end is None:
+            return {}
+        return window_figures(self.start, self.end, self.cpu_s)
+
+
 # --- profiling ---------------------------------------------------------------------------------
 
 
@@ -514,15 +600,20 @@ def kept_up(paced: dict[str, Any]) -> bool:
     return p99 is not None and p99 <= TARGET_P99_S and lag is not None and lag <= MAX_LAG_S
 
 
-def run_paced(stack: Stack, args, memory: PeakMemory) -> dict[str, Any]:
+def run_paced(
+    stack: Stack, args, memory: PeakMemory, latency_settings: bool = True
+) -> dict[str, Any]:
+    """Events at ``args.paced_rate``; with ``latency_settings`` the job's trigger and
+    out-of-orderness are the short ones of the latency measurement, else its defaults."""
     from flink_jobs.runtime.counters import samples_key
     from flink_jobs.tools.replay import ReplayProgress, replay_records
     from flink_jobs.tools.run_summary import is_settled, latency_summary, read_samples
 
     name = f"cap-paced-{int(time.time())}"
     extra = settings(args.set)
-    extra.setdefault("trigger", {}).update(LATENCY_TRIGGER)
-    extra.setdefault("job", {})["out_of_orderness_s"] = "0.2"
+    if latency_settings:
+        extra.setdefault("trigger", {}).update(LATENCY_TRIGGER)
+        extra.setdefault("job", {})["out_of_orderness_s"] = "0.2"
     config = job_config(stack, name, extra)
     create_topics(
         stack.kafka.bootstrap, [config.kafka.events_topic, config.kafka.dead_letter_topic], 1
@@ -544,8 +635,14 @@ def run_paced(stack: Stack, args, memory: PeakMemory) -> dict[str, Any]:
             client.delete(*(samples_key(name, timing) for timing in PACED_TIMINGS))
             measuring = True
 
+    def on_poll(series) -> None:
+        forget_warmup(series)
+        t, stats = series[-1]
+        steady.observe(t, stats, not warm or warmed_up.is_set(), producer.is_alive())
+
     startup = make_events(20, 30, 13, 60)
     client = redis.Redis.from_url(stack.redis.url)
+    steady = SteadyWindow(CpuClock(memory.root), client)
     job = submit(config)
     try:
         # Start-up: wait until the job has written intents, then forget its samples.
@@ -582,7 +679,7 @@ def run_paced(stack: Stack, args, memory: PeakMemory) -> dict[str, Any]:
             lambda s: not producer.is_alive() and is_settled(s, expected),
             args.paced_warmup_s + args.paced_s + args.timeout_s,
             memory,
-            on_poll=forget_warmup,
+            on_poll=on_poll,
         )
         producer.join(timeout=5)
     finally:
@@ -604,7 +701,7 @@ def run_paced(stack: Stack, args, memory: PeakMemory) -> dict[str, Any]:
         "rate_produced": rounded(len(records) / produced_s if produced_s else None, 0),
         "all_in_s": rounded(in_all),
         "lag_at_end_s": rounded(in_all - produced_s if in_all and produced_s else None),
-        "trigger": LATENCY_TRIGGER,
+        "trigger": dict(extra.get("trigger", {})),
         "event_to_redis_samples": len(samples),
         "event_to_redis_s": latency_summary(samples),
         "event_to_redis_p90_s": rounded(percentile([v / 1000 for v in samples], 90)),
@@ -617,6 +714,7 @@ def run_paced(stack: Stack, args, memory: PeakMemory) -> dict[str, Any]:
             (final.get("prompts_sent", 0) - base.get("prompts_sent", 0)) / max(1, len(records))
         ),
         "settled": is_settled(final, base.get("events_in", 0) + len(records)),
+        "steady": steady.figures(),
     }
 
 

@@ -17,9 +17,14 @@ It runs once with the tokenizer in a process of its own (``--tokenizer-workers 1
 default) and once in a thread of the router (``0``), and reports per run the latency of
 ``/health`` (p50, p99, max) and the statuses every kind of client got. The targets are
 judged on the default run: ``/health`` p99 under 100 ms, and no legitimate request
-refused while the slow clients hold their connections. Figures go to
-``bench/results/router_load.json``. CPU-bound for about a minute: run it under the heavy
-lock::
+refused while the slow clients hold their connections.
+
+Then, for ``--throughput-s``, the router as the embedded stack starts it (its default
+policy, no tokenizer) in front of two stand-ins answers ordinary prompts from
+``--throughput-clients`` loops, and its process's CPU time gives its cost per request
+(``throughput.cpu_ms_per_request``: what ``shopper-intents plan`` sizes the router
+replicas by). Figures go to ``bench/results/router_load.json``. CPU-bound for about a
+minute: run it under the heavy lock::
 
     flock /tmp/si-heavy.lock .cache/venv/bin/python -m bench.router_load
 """
@@ -41,8 +46,17 @@ from typing import Any
 import httpx
 import orjson
 
-from bench._common import percentile, result_doc, rounded, target, targets_table, write_result
-from flink_jobs.tools.embedded_stack import start_standin_workers
+from bench._common import (
+    CpuClock,
+    percentile,
+    ratio,
+    result_doc,
+    rounded,
+    target,
+    targets_table,
+    write_result,
+)
+from flink_jobs.tools.embedded_stack import start_standin_tier, start_standin_workers
 from flink_jobs.tools.local_services import LocalProcess, free_port
 from inference_sidecar.workers import default_cache_dir, find_model_dir, repo_root
 
@@ -256,6 +270,71 @@ async def run_load(router_url: str, seconds: float, slots: int = SLOTS) -> LoadF
     return figures
 
 
+# ----- the router's cost per request ----------------------------------------------------
+
+
+THROUGHPUT_CLIENTS = 8
+STANDIN_LATENCY = "0.01"
+
+
+def throughput_figures(requests: int, wall_s: float, router_cpu_s: float) -> dict[str, Any]:
+    """Requests/s, the router's CPU ms per request and the requests/s one core of it
+    would carry at that cost; None for the last two when no router CPU was read."""
+    per_request = ratio(1000 * router_cpu_s, requests) if router_cpu_s > 0 else None
+    return {
+        "requests": requests,
+        "wall_s": rounded(wall_s),
+        "requests_per_s": rounded(ratio(requests, wall_s), 1),
+        "router_cpu_s": rounded(router_cpu_s),
+        "router_cores": rounded(ratio(router_cpu_s, wall_s)),
+        "cpu_ms_per_request": rounded(per_request, 4),
+        "requests_per_s_per_core": rounded(ratio(1000, per_request), 0),
+    }
+
+
+async def _answered(router_url: str, seconds: float, clients: int) -> tuple[int, int, float]:
+    """Ordinary prompts from ``clients`` loops for ``seconds``: (answered, refused, wall s)."""
+    counts: Counter[bool] = Counter()
+    stop = asyncio.Event()
+
+    async def lane(client: httpx.AsyncClient, i: int) -> None:
+        n = 0
+        while not stop.is_set():
+            body = chat_body(_shopper_prompt(n % 20), f"shopper-{i}-{n % 50}")
+            reply = await client.post("/v1/chat/completions", content=body)
+            counts[reply.status_code == 200] += 1
+            n += 1
+
+    limits = httpx.Limits(max_connections=clients)
+    async with httpx.AsyncClient(base_url=router_url, timeout=60.0, limits=limits) as client:
+        started = time.monotonic()
+        lanes = [asyncio.create_task(lane(client, i)) for i in range(clients)]
+        await asyncio.sleep(seconds)
+        stop.set()
+        await asyncio.gather(*lanes)
+        wall = time.monotonic() - started
+    return counts[True], counts[False], wall
+
+
+def run_throughput(workdir: Path, seconds: float, clients: int) -> dict[str, Any]:
+    """The default router in front of two stand-ins under ``clients`` loops of ordinary
+    prompts: its CPU per request (the ``router`` processes under this one)."""
+    tier = start_standin_tier(workdir, workers=2, latency=STANDIN_LATENCY)
+    try:
+        clock = CpuClock()
+        mark = clock.mark()
+        answered, refused, wall = asyncio.run(_answered(tier.router_url, seconds, clients))
+        cpu_s = clock.since(mark).get("router", 0.0)
+    finally:
+        tier.stop()
+    return {
+        **throughput_figures(answered, wall, cpu_s),
+        "refused": refused,
+        "clients": clients,
+        "standin_latency_s": float(STANDIN_LATENCY),
+    }
+
+
 # ----- the benchmark -------------------------------------------------------------------
 
 
@@ -266,6 +345,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.router_load", description=__doc__)
     p.add_argument("--seconds", type=float, default=20.0, help="load per run (default 20)")
     p.add_argument("--modes", default="process,thread", help="tokenizer in: process,thread")
+    p.add_argument(
+        "--throughput-s", type=float, default=20.0, help="the cost-per-request run (0: none)"
+    )
+    p.add_argument("--throughput-clients", type=int, default=THROUGHPUT_CLIENTS)
     p.add_argument("--workdir", type=Path, default=default_cache_dir() / "bench" / "router_load")
     a = p.parse_args(argv)
     started = time.monotonic()
@@ -278,6 +361,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             stack.close()
         runs[mode] = figures.summary()
         print(f"{mode:8s} {runs[mode]}")
+    throughput: dict[str, Any] = {}
+    if a.throughput_s > 0:
+        throughput = run_throughput(a.workdir / "throughput", a.throughput_s, a.throughput_clients)
+        print(f"throughput {throughput}")
     default = runs.get("process", {})
     targets = [
         target(
@@ -302,7 +389,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         "runs: 'process' tokenizes in a process of its own (--tokenizer-workers 1), 'thread' "
         "in a thread of the router (--tokenizer-workers 0)",
     ]
-    doc = result_doc("router_load", started, targets, notes, seconds=a.seconds, runs=runs)
+    if throughput:
+        notes.append(
+            f"throughput: the router with its default policy before two stand-ins answering"
+            f" after {STANDIN_LATENCY} s, {a.throughput_clients} clients of ordinary prompts;"
+            " CPU of the router process only (the clients and stand-ins share the host)"
+        )
+    figures: dict[str, Any] = {"seconds": a.seconds, "runs": runs}
+    if throughput:
+        figures["throughput"] = throughput
+    doc = result_doc("router_load", started, targets, notes, **figures)
     path = write_result(doc)
     print(targets_table(targets))
     print(f"written to {path}")

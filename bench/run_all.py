@@ -5,10 +5,12 @@
 Each benchmark runs as its own process (``python -m bench.<name>``), under the machine's
 heavy-run lock (``flock /tmp/si-heavy.lock``; ``--no-lock`` when the caller holds it), and
 writes ``bench/results/<name>.json``. Then the suite's PNG plots are drawn (matplotlib,
-when installed) and ``bench.report`` builds ``REPORT.md`` and the figures table of
-``docs/development.md`` from every JSON file present. ``--report-only`` (alias
-``--render``; ``make figures``) runs no benchmark and draws no plot: it only rebuilds the
-two texts, so results written by a benchmark run on its own reach the docs.
+when installed) and ``bench.report`` builds ``REPORT.md``, the figures table of
+``docs/development.md`` and the sizing example of ``deploy/README.md`` from every JSON
+file present.
+``--report-only`` (alias ``--render``; ``make figures``) runs no benchmark and draws no
+plot: it only rebuilds the three texts, so results written by a benchmark run on its own
+reach the docs.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from bench import report
 from bench._common import RESULTS_DIR
 
 #: Suite order: quick and independent first, the long routing comparison last.
-BENCHMARKS = ("redis_upsert", "pipeline_capacity", "freshness", "routing")
+BENCHMARKS = ("redis_upsert", "pipeline_capacity", "freshness", "plan_check", "routing")
 LOCK = "/tmp/si-heavy.lock"
 
 
@@ -161,13 +163,13 @@ def _cdf(ax, values: list[float], label: str) -> None:
     ax.plot(ordered, [(i + 1) / len(ordered) for i in range(len(ordered))], label=label)
 
 
-def render(out: Path, doc: Path | None, draw: bool) -> str:
-    """``REPORT.md`` and the figures table in ``doc`` (none: no doc) from the results files
-    in ``out``, after the plots when ``draw`` (and matplotlib is installed); returns the
-    console summary."""
+def render(out: Path, doc: Path | None, draw: bool, sizing_doc: Path | None = None) -> str:
+    """``REPORT.md``, the figures table in ``doc`` and the sizing example in ``sizing_doc``
+    (none: not that one) from the results files in ``out``, after the plots when ``draw``
+    (and matplotlib is installed); returns the console summary."""
     if draw:
         plots({n: d for n in BENCHMARKS if (d := load(out, n)) is not None}, out)
-    results = report.write(out, doc)
+    results = report.write(out, doc, sizing_doc)
     return report.summary_table({n: d for n, d in results.items() if report.is_result_doc(d)})
 
 
@@ -190,7 +192,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = p.parse_args(argv)
     names = selected(args.only)
-    doc = args.doc or (report.FIGURES_DOC if args.out.resolve() == RESULTS_DIR else None)
+    default_out = args.out.resolve() == RESULTS_DIR
+    doc = args.doc or (report.FIGURES_DOC if default_out else None)
+    sizing_doc = report.SIZING_DOC if default_out else None
     failed = []
     if not args.report_only:
         for name in names:
@@ -199,8 +203,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"=== {name}: exit {code} after {seconds:.0f} s", flush=True)
             if code not in (0, 1):  # 1: ran, some target not met
                 failed.append(name)
-    print(render(args.out, doc, draw=not args.report_only))
-    print(f"report: {args.out / 'REPORT.md'}" + (f"; figures table: {doc}" if doc else ""))
+    print(render(args.out, doc, draw=not args.report_only, sizing_doc=sizing_doc))
+    print(
+        f"report: {args.out / 'REPORT.md'}"
+        + (f"; figures table: {doc}" if doc else "")
+        + (f"; sizing example: {sizing_doc}" if sizing_doc else "")
+    )
     return 1 if failed else 0
 
 

@@ -1,7 +1,8 @@
 """Builders of the data the tests feed and expect, shared by every tier: catalogue products,
 shopper events (decoded, and as raw JSON as they arrive on Kafka), sessions, prompt tasks,
-chat-completion answers and intent records. Real shapes (the sample generator's catalogue,
-the event schema, vLLM's OpenAI-compatible answer); a test names only what it is about.
+chat-completion answers, intent records and a plan's unit costs. Real shapes (the sample
+generator's catalogue, the event schema, vLLM's OpenAI-compatible answer); a test names
+only what it is about.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from flink_jobs.core.prompting import RenderedPrompt
 from flink_jobs.core.session import SessionState, apply_event, new_session_state
 from flink_jobs.core.tasks import PromptTask
 from flink_jobs.runtime.intent_store import IntentRecord
+from flink_jobs.tools.sizing.costs import MEASURED, Figure, UnitCosts
 
 T0 = 1_780_304_400_000  # 2026-06-01T09:00:00Z
 SHOPPER = "shopper-00146"
@@ -227,4 +229,38 @@ def intent_record(
         template=template,
         template_hash=template_hash,
         model=model,
+    )
+
+
+#: Round figures: 0.75 ms of job CPU per event; 500 uncached prompt tokens and 200 output
+#: tokens per call; 0.3 upserts per event.
+UNIT_COSTS = {
+    "jvm_cpu_ms_per_event": 0.5,
+    "call_process_cpu_ms_per_call": 1.0,
+    "llm_calls_per_event": 0.25,
+    "prompts_per_event": 0.05,
+    "rules_writes_per_prompt": 1.0,
+    "job_to_prompt_p99_s": 1.0,
+    "prompt_tokens_per_call": 2000.0,
+    "output_tokens_per_call": 200.0,
+    "prefix_cache_hit_ratio": 0.75,
+    "redis_writes_per_node_per_s": 10_000.0,
+    "router_cpu_ms_per_request": 0.5,
+    "trigger_max_wait_s": 2.0,
+    "freshness_target_s": 5.0,
+    "max_parallelism": 128.0,
+}
+
+
+def unit_costs(**changes: float | None) -> UnitCosts:
+    """``UNIT_COSTS`` with ``changes``, each from ``test.json``; None: absent, with that
+    reason."""
+    values = {**UNIT_COSTS, **changes}
+    return UnitCosts(
+        **{
+            name: Figure(v, "test.json", name, MEASURED)
+            for name, v in values.items()
+            if v is not None
+        },
+        absent={name: f"test.json: no {name}" for name, v in values.items() if v is None},
     )

@@ -19,6 +19,10 @@
 ``shopper-intents distill data|train``
     Builds training examples from recorded events (trigger points, compact prompts,
     hindsight targets) and trains a LoRA adapter on them (``distill``).
+
+``shopper-intents plan --events-per-s N``
+    Sizes Managed Flink KPUs, vLLM GPUs, router replicas and Redis shards for a rate of
+    events from the unit costs measured in ``bench/results`` (``sizing``).
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ from flink_jobs.tools.run_summary import (
     read_stats,
     wait_for_task_starts,
 )
+from flink_jobs.tools.sizing import command as sizing_command
 
 log = logging.getLogger("shopper-intents")
 
@@ -119,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("run", help="run the job against the configured endpoints")
     eval_runner.add_parser(sub)
     distill_commands.add_parser(sub)
+    sizing_command.add_parser(sub)
     args = parser.parse_args(argv)
     stop_on_sigterm()
     logging.basicConfig(
@@ -136,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
             return eval_runner.run_eval(args)
         if args.command == "distill":
             return distill_commands.run(args)
+        if args.command == "plan":
+            return sizing_command.run(args)
         return run_demo(args)
     except ConfigError as exc:
         log.error("configuration error: %s", exc)

@@ -96,3 +96,22 @@ def test_the_report_has_a_section_per_benchmark_run_and_none_for_other_files():
     text = report.report(results, {})
     assert "## b" in text and "## q" not in text
     assert "| q (one) | no target judged |" in text
+
+
+def test_the_sizing_example_in_the_deploy_readme_is_the_one_the_results_files_give():
+    expected = report.sizing_example(report.load_results(RESULTS_DIR))
+    text = report.SIZING_DOC.read_text()
+    assert report.table_in(text, report.SIZING_BEGIN, report.SIZING_END) == expected, REGENERATE
+
+
+def test_the_sizing_example_is_the_plan_at_its_rate_with_the_default_inputs():
+    example = report.sizing_example(report.load_results(RESULTS_DIR))
+    assert f"--events-per-s {report.SIZING_EVENTS_PER_S}`" in example
+    assert "| Managed Flink |" in example and "| vLLM workers |" in example
+
+
+def test_each_pair_of_markers_replaces_only_its_own_block():
+    text = f"{report.BEGIN}\na\n{report.END}\n{report.SIZING_BEGIN}\nb\n{report.SIZING_END}\n"
+    new = report.with_table(text, "c", report.SIZING_BEGIN, report.SIZING_END)
+    assert report.table_in(new) == "a"
+    assert report.table_in(new, report.SIZING_BEGIN, report.SIZING_END) == "c"

@@ -1,0 +1,9 @@
+"""``shopper-intents plan``: the resources a rate of events needs, from measured unit costs.
+
+- ``costs``: the unit costs read from the benchmarks' results files, each with the file
+  and key it came from (pure: parsed documents in);
+- ``gpus``: the GPU throughputs the plan assumes when none is given;
+- ``model``: the plan's arithmetic (pure);
+- ``render``: the plan as a text table, as markdown and as JSON;
+- ``command``: the command line, the only part that reads files.
+"""
