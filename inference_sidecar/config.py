@@ -218,7 +218,7 @@ class RouterConfig:
             _check_int(self, "admin_port", 1, 65535)
             if self.admin_port == self.port:
                 raise ConfigError("admin_port", "must differ from the router's own port")
-        token = self.admin_token
+        token: object = self.admin_token  # as given: a config file's string is the token
         if token is None:
             return
         if isinstance(token, str):

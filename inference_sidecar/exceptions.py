@@ -37,7 +37,7 @@ class RequestError(SidecarError):
         *,
         status: int = 400,
         param: str | None = None,
-        code: str | None = None,
+        code: str | int | None = None,
         error_type: str = "invalid_request_error",
     ) -> None:
         super().__init__(message)

@@ -54,7 +54,7 @@ import math
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, TypedDict
 
 import redis
 import redis.asyncio
@@ -348,7 +348,12 @@ class _ReaderSettings:
         return out
 
 
-def _client_timeouts(timeout_s: float) -> dict[str, float]:
+class _Timeouts(TypedDict):
+    socket_timeout: float
+    socket_connect_timeout: float
+
+
+def _client_timeouts(timeout_s: float) -> _Timeouts:
     """Timeouts that suit a ranking request's budget."""
     return {"socket_timeout": timeout_s, "socket_connect_timeout": max(timeout_s, 0.5)}
 
@@ -419,9 +424,11 @@ def _requested(shopper_ids: Iterable[str], stale: StalePolicy | None) -> list[st
 
 
 def _check_policy(stale: str) -> StalePolicy:
-    if stale not in ("flag", "drop"):
-        raise ValueError(f"stale must be 'flag' or 'drop', got {stale!r}")
-    return stale  # type: ignore[return-value]
+    if stale == "flag":
+        return "flag"
+    if stale == "drop":
+        return "drop"
+    raise ValueError(f"stale must be 'flag' or 'drop', got {stale!r}")
 
 
 class AsyncIntentReader(_ReaderSettings):

@@ -11,7 +11,7 @@ import bisect
 import copy
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cache
 from typing import Any
@@ -46,7 +46,7 @@ class IntentError:
 
 
 @cache
-def _validator():
+def _validator() -> Callable[[Any], Any]:
     return fastjsonschema.compile(load_schema(INTENT_SCHEMA_NAME))
 
 

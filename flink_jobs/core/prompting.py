@@ -204,7 +204,11 @@ class PromptRenderer:
             )
 
     def _render_parts(
-        self, state: SessionState, events: list, facts: GroundedFacts, rules: dict[str, Any]
+        self,
+        state: SessionState,
+        events: list[ShopperEvent],
+        facts: GroundedFacts,
+        rules: dict[str, Any],
     ) -> tuple[str, str]:
         start = state.session_started_ms or (events[0].event_time_ms if events else 0)
         context = {
@@ -218,7 +222,10 @@ class PromptRenderer:
         }
         try:
             module = self._template.make_module(context)
-            return str(module.system()).strip(), str(module.user()).strip()
+            # The template's macros are its module's attributes, which jinja's types cannot name.
+            system = module.system()  # type: ignore[attr-defined]
+            user = module.user()  # type: ignore[attr-defined]
+            return str(system).strip(), str(user).strip()
         except jinja2.UndefinedError as exc:
             raise PromptError(f"prompt template {self.template_name!r}: {exc.message}") from exc
 
@@ -267,7 +274,7 @@ class EventView(NamedTuple):
     quantity: int
 
 
-def _event_view(e, session_start_ms: int) -> EventView:
+def _event_view(e: ShopperEvent, session_start_ms: int) -> EventView:
     offset_s = max(0, (e.event_time_ms - session_start_ms) // 1000)
     return EventView(
         f"+{offset_s // 60:02d}:{offset_s % 60:02d}",

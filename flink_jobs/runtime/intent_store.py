@@ -96,9 +96,9 @@ Errors::
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import orjson
 import redis
@@ -509,7 +509,7 @@ def server_error(error: redis.ResponseError, shopper_id: str | None = None) -> I
 def check_notify_stream(client: redis.Redis, stream: str) -> None:
     """Refuse a notification stream key that exists and is not a stream
     (:class:`NotifyStreamError`); a missing key is fine (the first write makes it)."""
-    kind = _text(client.type(stream))
+    kind = _text(cast(bytes, client.type(stream)))
     if kind not in ("stream", "none"):
         raise NotifyStreamError(
             f"redis.notify_stream {stream!r} holds a {kind}, not a stream: name another key "
@@ -662,7 +662,7 @@ class IntentStore(_StoreCore):
     def read(self, shopper_id: str) -> StoredIntent | None:
         """The stored intent of ``shopper_id``, or None."""
         try:
-            fields = self.client.hgetall(self.key(shopper_id))
+            fields = cast(dict[bytes | str, bytes | str], self.client.hgetall(self.key(shopper_id)))
         except _UNAVAILABLE as e:
             raise StoreUnavailableError(f"Redis unavailable: {e}") from e
         return parse_stored(shopper_id, fields)
@@ -707,7 +707,9 @@ class AsyncIntentStore(_StoreCore):
 
     async def read(self, shopper_id: str) -> StoredIntent | None:
         try:
-            fields = await self.client.hgetall(self.key(shopper_id))
+            fields = await cast(
+                Awaitable[dict[bytes | str, bytes | str]], self.client.hgetall(self.key(shopper_id))
+            )
         except _UNAVAILABLE as e:
             raise StoreUnavailableError(f"Redis unavailable: {e}") from e
         return parse_stored(shopper_id, fields)

@@ -136,7 +136,7 @@ def backoff_delay(
     attempt: int, config: LlmConfig, rand: Callable[[], float] = random.random
 ) -> float:
     """Full-jitter exponential backoff before attempt ``attempt + 1`` (attempt counts from 1)."""
-    ceiling = min(config.backoff_max_s, config.backoff_initial_s * 2 ** (attempt - 1))
+    ceiling = min(config.backoff_max_s, config.backoff_initial_s * 2.0 ** (attempt - 1))
     return ceiling * (0.5 + rand() / 2)
 
 
@@ -207,7 +207,8 @@ def proxy_for(url: httpx.URL, proxy_url: str = "") -> httpx.Proxy | None:
     if (
         not chosen
         or _is_loopback(url.host)
-        or urllib.request.proxy_bypass_environment(host, proxies)
+        # urllib's NO_PROXY matcher, which typeshed does not list.
+        or urllib.request.proxy_bypass_environment(host, proxies)  # type: ignore[attr-defined]
     ):
         return None
     return httpx.Proxy(chosen)

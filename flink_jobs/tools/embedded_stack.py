@@ -10,6 +10,7 @@ subject is the stream, not the model. Nothing imports PyFlink here.
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 import time
@@ -171,7 +172,8 @@ class StandInTier(LlmTier):
             httpx.post(f"{url}/admin/inject", json=body, timeout=5).raise_for_status()
 
     def stats(self, worker_url: str) -> dict[str, Any]:
-        return httpx.get(f"{worker_url}/stats", timeout=5).json()
+        stats: dict[str, Any] = httpx.get(f"{worker_url}/stats", timeout=5).json()
+        return stats
 
     @contextmanager
     def configured(self, **settings: Any) -> Iterator[StandInTier]:
@@ -220,7 +222,8 @@ def start_standin_workers(
         process = standin_process(workdir, port, "--latency", latency, "--seed", str(seed + i))
         exit_stack.enter_context(process)
         url = f"http://127.0.0.1:{port}"
-        process.wait_ready(lambda u=url: _answers(f"{u}/health"), timeout_s=STANDIN_READY_TIMEOUT_S)
+        health = functools.partial(_answers, f"{url}/health")
+        process.wait_ready(health, timeout_s=STANDIN_READY_TIMEOUT_S)
         started.append(StandInWorker(url, process))
     return started
 

@@ -34,7 +34,7 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import orjson
 import redis
@@ -50,6 +50,7 @@ from flink_jobs.tools.run_summary import (
     read_stats,
     read_vllm_totals,
 )
+from intent_reader.client import IntentLabel
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +75,7 @@ class ArmRun:
     prefix: str
     writes: list[intent_eval.IntentWrite]
     stats: dict[str, int]
-    cost: dict[str, float]
+    cost: dict[str, Any]  # counts and ratios (None without data), the latency summary
     elapsed_s: float
     dead_letters: dict[str, int] = field(default_factory=dict)
     # The answers the job refused (stage llm or intent): reason, detail and the answer's text.
@@ -138,8 +139,9 @@ def read_vllm_counters(worker_urls: Sequence[str]) -> dict[str, float]:
 
 def read_writes(client: redis.Redis, stream: str) -> list[intent_eval.IntentWrite]:
     """Every landed write announced on the arm's notification stream, oldest first."""
-    writes = []
-    for _entry_id, fields in client.xrange(stream):
+    writes: list[intent_eval.IntentWrite] = []
+    entries = cast(list[tuple[bytes, dict[bytes, bytes]]], client.xrange(stream))
+    for _entry_id, fields in entries:
         record = {k.decode(): v.decode() for k, v in fields.items()}
         if "intent" not in record:
             raise RuntimeError(
@@ -166,7 +168,7 @@ def run_arm(
     (arm,) = parse_arms(f"{arm_name}:1", arm_name)
     template = arm.template
     prefix = f"eval{index}-{time.strftime('%H%M%S')}"
-    arm = {
+    settings = {
         **overrides,
         "kafka": {
             **overrides["kafka"],
@@ -190,7 +192,7 @@ def run_arm(
             **({"model": arm.model} if arm.model else {}),
         },
     }
-    config = load_config(overrides=arm)
+    config = load_config(overrides=settings)
     before = read_vllm_counters(workers)
     started = time.monotonic()
     log.info("arm %s: running the job bounded over %s", template, topic)
@@ -315,11 +317,21 @@ def differences(
     intent (and the answer against no intent, for re-ranking), and every later arm's answer
     and record against the first arm's."""
     per_group = intent_eval.point_scores(events, shared, session_gap_s=session_gap_s)
-    keyed = [(arm.template, arm_key(arm)) for arm in arms]
-    keyed = [(name, key) for name, key in keyed if key in per_group]
+    keyed: list[tuple[str, tuple[str, str, str]]] = []
+    for run in arms:
+        key = arm_key(run)
+        if key is not None and key in per_group:
+            keyed.append((run.template, key))
     out: list[dict[str, Any]] = []
 
-    def add(name_a: str, arm_a: str, pa, name_b: str, arm_b: str, pb) -> None:
+    def add(
+        name_a: str,
+        arm_a: str,
+        pa: Sequence[intent_eval.PointScores],
+        name_b: str,
+        arm_b: str,
+        pb: Sequence[intent_eval.PointScores],
+    ) -> None:
         for metric in intent_eval.METRICS:
             d = intent_eval.bootstrap_difference(pa, pb, metric, resamples=resamples)
             if d.difference is None:
@@ -532,7 +544,9 @@ def _verdict_lines(groups: Sequence[dict[str, Any]]) -> list[str]:
     lines = []
     for g in groups:
         for arm, name in (("record", "the record"), ("answer", "the model's answer alone")):
-            wins, ties, losses = [], [], []
+            wins: list[str] = []
+            ties: list[str] = []
+            losses: list[str] = []
             for metric in intent_eval.METRICS:
                 ours, rules = g[arm].get(metric), g["rules"].get(metric)
                 if ours is None or rules is None:
@@ -544,8 +558,8 @@ def _verdict_lines(groups: Sequence[dict[str, Any]]) -> list[str]:
                 f"- {g['template']}: {name} beats the rules-only intent on "
                 f"{_listed(wins)}; ties on {_listed(ties)}; loses on {_listed(losses)}."
             )
-    first = groups[0] if groups else None
     for later in groups[1:]:
+        first = groups[0]
         for metric in ("next_category_top1", "ndcg_at_10"):
             a, b = first["answer"].get(metric), later["answer"].get(metric)
             if a is None or b is None:
@@ -648,9 +662,7 @@ def load_writes(path: Path) -> tuple[dict[str, Any], dict[str, list[intent_eval.
     document = orjson.loads(path.read_bytes())
     arms = {
         template: [
-            intent_eval.IntentWrite(
-                **{**w, "labels": tuple(intent_eval.IntentLabel(**x) for x in w["labels"])}
-            )
+            intent_eval.IntentWrite(**{**w, "labels": tuple(IntentLabel(**x) for x in w["labels"])})
             for w in writes
         ]
         for template, writes in document["arms"].items()

@@ -251,7 +251,9 @@ def ndcg_at(rank: int, k: int = TOP_K) -> float:
     return 1.0 / math.log2(rank + 1) if 1 <= rank <= k else 0.0
 
 
-def purchase_score(labels: Iterable[IntentLabel], purchase_labels=PURCHASE_LABELS) -> float:
+def purchase_score(
+    labels: Iterable[IntentLabel], purchase_labels: tuple[str, ...] = PURCHASE_LABELS
+) -> float:
     return sum(x.confidence for x in labels if x.label in purchase_labels)
 
 
@@ -293,7 +295,12 @@ def draw_candidates(
     return [Candidate(p, rng.uniform(*BASE_SCORES), catalogue.get(p) or None) for p in chosen]
 
 
-def rank_of(product_id: str, candidates: Sequence[Candidate], labels, shopper_id: str) -> int:
+def rank_of(
+    product_id: str,
+    candidates: Sequence[Candidate],
+    labels: Iterable[IntentLabel] | None,
+    shopper_id: str,
+) -> int:
     """The 1-based place of ``product_id`` once ``candidates`` are re-ranked by an intent
     with ``labels`` (None: no intent)."""
     intent = None if labels is None else as_shopper_intent(shopper_id, tuple(labels))
@@ -495,7 +502,11 @@ def _arm_labels(arm: str, p: _Point) -> tuple[IntentLabel, ...] | None:
 
 
 def _point_scores(
-    p: _Point, catalogue, n_candidates: int, seed: int, purchase_labels
+    p: _Point,
+    catalogue: Mapping[str, str],
+    n_candidates: int,
+    seed: int,
+    purchase_labels: tuple[str, ...],
 ) -> dict[str, PointScores]:
     """Every arm's figures for one write (the same candidates for every arm)."""
     shopper = p.write.shopper_id
@@ -510,7 +521,7 @@ def _point_scores(
         p.facts.cart or p.facts.last_purchase or any(c.count >= 2 for c in p.facts.categories)
     )
     cart_left = p.session_ends and bool(p.facts.cart)
-    out = {}
+    out: dict[str, PointScores] = {}
     for arm in ARMS:
         labels = _arm_labels(arm, p)
         figures: dict[str, Any] = {}
@@ -539,10 +550,17 @@ def _point_scores(
     return out
 
 
-def _score_group(key, points, catalogue, n_candidates, seed, purchase_labels) -> GroupReport:
+def _score_group(
+    key: tuple[str, str, str],
+    points: Sequence[_Point],
+    catalogue: Mapping[str, str],
+    n_candidates: int,
+    seed: int,
+    purchase_labels: tuple[str, ...],
+) -> GroupReport:
     template, model, source = key
     per_arm = _per_arm(points, catalogue, n_candidates, seed, purchase_labels)
-    counts = defaultdict(int)
+    counts: dict[str, int] = defaultdict(int)
     for p in points:
         engaged = p.next_engagement
         counts["followed_by_engagement"] += engaged is not None
@@ -568,7 +586,11 @@ def _score_group(key, points, catalogue, n_candidates, seed, purchase_labels) ->
 
 
 def _per_arm(
-    points, catalogue, n_candidates, seed, purchase_labels
+    points: Iterable[_Point],
+    catalogue: Mapping[str, str],
+    n_candidates: int,
+    seed: int,
+    purchase_labels: tuple[str, ...],
 ) -> dict[str, list[PointScores]]:
     per_arm: dict[str, list[PointScores]] = {arm: [] for arm in ARMS}
     for p in points:
@@ -645,7 +667,8 @@ def bootstrap_difference(
     ]
 
     def value(scores: Sequence[PointScores]) -> float | None:
-        return getattr(aggregate(scores), metric)
+        figure: float | None = getattr(aggregate(scores), metric)
+        return figure
 
     va, vb = value([x for x, _ in pairs]), value([y for _, y in pairs])
     diff = None if va is None or vb is None else va - vb

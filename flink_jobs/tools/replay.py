@@ -62,7 +62,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal, NamedTuple, cast
 
 import orjson
 
@@ -211,12 +211,12 @@ def plan_replay(
     plan: list[PlannedSend] = []
     due = 0.0
     for i, source in enumerate(sources):
+        timestamp = times[i]
         if rate is not None:
             due = i / rate
-        elif speed is not None and times[i] is not None and first_time is not None:
-            due = max(due, (times[i] - first_time) / 1000.0 / speed)
+        elif speed is not None and timestamp is not None and first_time is not None:
+            due = max(due, (timestamp - first_time) / 1000.0 / speed)
         value = source.value
-        timestamp = times[i]
         if shift is not None:
             shift_this = functools.partial(shift, i)
             value = _rebased_value(source.value, docs[i], shift_this, max_record_bytes, is_valid)
@@ -410,7 +410,12 @@ def _number(cell: str, kind: type[int] | type[float]) -> Any:
         number = kind(cell)
     except ValueError:
         return cell
-    if kind is float and number.is_integer() and "." not in cell and "e" not in cell.lower():
+    if (
+        isinstance(number, float)
+        and number.is_integer()
+        and "." not in cell
+        and "e" not in cell.lower()
+    ):
         return int(number)
     return number
 
@@ -849,18 +854,20 @@ def record_topic(
                 break
             batch_size = 500 if max_records is None else max(1, min(500, max_records - count))
             for msg in consumer.consume(num_messages=batch_size, timeout=min(0.5, idle_s)):
-                if msg.error():
-                    if msg.error().code() == KafkaError._PARTITION_EOF:
+                error = msg.error()
+                if error is not None:
+                    if error.code() == KafkaError._PARTITION_EOF:
                         continue
-                    raise ReplayError(f"reading {topic!r} failed: {msg.error()}")
+                    raise ReplayError(f"reading {topic!r} failed: {error}")
                 ts_type, ts = msg.timestamp()
-                by_partition.setdefault(msg.partition(), []).append(
+                partition = cast(int, msg.partition())  # a consumed record names its partition
+                by_partition.setdefault(partition, []).append(
                     SourceRecord(
                         value=msg.value() or b"",
                         key=msg.key(),
                         timestamp_ms=None if ts_type == TIMESTAMP_NOT_AVAILABLE else ts,
                         recorded=True,
-                        partition=msg.partition(),
+                        partition=partition,
                         offset=msg.offset(),
                     )
                 )

@@ -254,9 +254,12 @@ class KVEventSubscriber:
             return
         worker = self._subs.get(sock)
         replay = None if worker is not None else self._replay_of(sock)
-        if worker is None and replay is None:
+        if worker is not None:
+            name = worker
+        elif replay is not None:
+            name = replay.worker
+        else:
             return
-        name = worker if worker is not None else replay.worker  # type: ignore[union-attr]
         try:
             frames = sock.recv_multipart()
             if replay is not None:

@@ -148,7 +148,8 @@ class ClusterConfig:
         object.__setattr__(self, "gpus", tuple(self.gpus))
         object.__setattr__(self, "extra_args", tuple(self.extra_args))
         if self.ld_preload is not None:
-            if isinstance(self.ld_preload, str):
+            given: object = self.ld_preload  # a config file's string is refused, not split
+            if isinstance(given, str):
                 raise ConfigError("ld_preload", "must be a list of library paths")
             object.__setattr__(self, "ld_preload", tuple(str(p) for p in self.ld_preload))
         object.__setattr__(self, "env", MappingProxyType(dict(self.env)))
