@@ -24,12 +24,16 @@ import dataclasses
 import json
 import math
 import os
-import re
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
+
+# The one ConfigError of every package (docs/decisions.md#shared-config-errors), re-exported:
+# the job's errors of its settings.
+from intent_reader.config_errors import ConfigError as ConfigError
+from intent_reader.config_errors import redact_url
 
 MANAGED_FLINK_PROPERTIES = Path("/etc/flink/application_properties.json")
 ENV_PREFIX = "SI_"
@@ -39,10 +43,6 @@ BUNDLED_MODEL = "SmolLM2-135M-Instruct"
 #: ``prompt.tokenizer_path``'s default: the bundled model's tokenizer, shipped with the
 #: templates.
 AUTO_TOKENIZER = "auto"
-
-
-class ConfigError(ValueError):
-    """A configuration value is missing, unknown or malformed; the message says which."""
 
 
 #: The metadata key of a field's :class:`Bounds`.
@@ -113,8 +113,8 @@ def check_bounds(section: Any, group: str) -> None:
         numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
         if not numeric or not bounds.admits(value):
             raise ConfigError(
-                f"{group}.{f.name} must be {bounds.describe()} "
-                f"({env_name(group, f.name)}; got {value!r})"
+                f"{group}.{f.name}",
+                f"must be {bounds.describe()} ({env_name(group, f.name)}; got {value!r})",
             )
 
 
@@ -197,15 +197,16 @@ class RedisConfig(_Section):
     def _check(self) -> None:
         if not self.url.startswith(("redis://", "rediss://", "unix://")):
             raise ConfigError(
-                "redis.url must start with redis://, rediss:// or unix:// "
-                f"(got {redact_url(self.url)!r})"
+                "redis.url",
+                f"must start with redis://, rediss:// or unix:// (got {redact_url(self.url)!r})",
             )
         if self.notify_stream:
             taken = layout_key_named(self.notify_stream, self.key_prefix)
             if taken:
                 raise ConfigError(
-                    f"redis.notify_stream {self.notify_stream!r} would be {taken}; "
-                    f"use e.g. {self.key_prefix}:intent-updates"
+                    "redis.notify_stream",
+                    f"{self.notify_stream!r} would be {taken}; "
+                    f"use e.g. {self.key_prefix}:intent-updates",
                 )
 
 
@@ -314,7 +315,7 @@ class TriggerConfig(_Section):
 
     def _check(self) -> None:
         if self.max_wait_s < self.quiet_s:
-            raise ConfigError("trigger.max_wait_s must be >= trigger.quiet_s")
+            raise ConfigError("trigger.max_wait_s", "must be >= trigger.quiet_s")
 
 
 @dataclass(frozen=True)
@@ -345,16 +346,17 @@ class PromptConfig(_Section):
             and not Path(self.tokenizer_path).exists()
         ):
             raise ConfigError(
-                f"prompt.tokenizer_path {self.tokenizer_path!r} does not exist: name the model "
-                f"folder (with tokenizer.json) or a tokenizer.json, or leave it empty "
-                f"({env_name('prompt', 'tokenizer_path')})"
+                "prompt.tokenizer_path",
+                f"{self.tokenizer_path!r} does not exist: name the model folder (with "
+                "tokenizer.json) or a tokenizer.json, or leave it empty "
+                f"({env_name('prompt', 'tokenizer_path')})",
             )
         from flink_jobs.core.arms import ArmsError, parse_arms
 
         try:
             parse_arms(self.arms, self.template)
         except ArmsError as exc:
-            raise ConfigError(f"prompt.arms: {exc} (got {self.arms!r})") from None
+            raise ConfigError("prompt.arms", f"{exc} (got {self.arms!r})") from None
 
 
 @dataclass(frozen=True)
@@ -430,15 +432,16 @@ class JobConfig(_Section):
         _one_of(self.python_execution_mode, ("thread", "process"), "job", "python_execution_mode")
         if self.parallelism > self.max_parallelism:
             raise ConfigError(
-                f"job.parallelism ({self.parallelism}) must be <= job.max_parallelism"
-                f" ({self.max_parallelism})"
+                "job.parallelism",
+                f"{self.parallelism} must be <= job.max_parallelism ({self.max_parallelism})",
             )
         if self.restore_from == "latest" and not self.checkpoint_dir:
-            raise ConfigError('job.restore_from "latest" needs job.checkpoint_dir')
+            raise ConfigError("job.restore_from", '"latest" needs job.checkpoint_dir')
         if self.restart_strategy and "type" not in self.restart_strategy:
             raise ConfigError(
-                'job.restart_strategy needs a "type" (e.g. {"type": "fixed-delay", '
-                f'"fixed-delay.attempts": "10"}}); got keys {sorted(self.restart_strategy)}'
+                "job.restart_strategy",
+                'needs a "type" (e.g. {"type": "fixed-delay", "fixed-delay.attempts": "10"}); '
+                f"got keys {sorted(self.restart_strategy)}",
             )
 
 
@@ -458,11 +461,12 @@ class AppConfig:
         context = self.prompt.max_prompt_tokens + self.llm.max_tokens
         if context > self.llm.max_model_len:
             raise ConfigError(
-                f"prompt.max_prompt_tokens ({self.prompt.max_prompt_tokens}) + llm.max_tokens "
-                f"({self.llm.max_tokens}) = {context} must be <= llm.max_model_len "
-                f"({self.llm.max_model_len}), or the model refuses every full prompt: lower "
+                "prompt.max_prompt_tokens",
+                f"{self.prompt.max_prompt_tokens} plus llm.max_tokens ({self.llm.max_tokens}) "
+                f"is {context}, over llm.max_model_len ({self.llm.max_model_len}), so the "
+                "model would refuse every full prompt: lower "
                 f"one of the first two, or raise {env_name('llm', 'max_model_len')} to the "
-                "context the workers serve"
+                "context the workers serve",
             )
         return self
 
@@ -471,9 +475,7 @@ class AppConfig:
         sections = {}
         for group, values in groups.items():
             if group not in _SECTIONS:
-                raise ConfigError(
-                    f"unknown property group {group!r}; known: {', '.join(_SECTIONS)}"
-                )
+                raise ConfigError(group, f"no such property group; known: {', '.join(_SECTIONS)}")
             current = getattr(self, group)
             sections[group] = dataclasses.replace(
                 current, **{k: _coerce(type(current), group, k, v) for k, v in values.items()}
@@ -506,22 +508,23 @@ def read_property_groups(path: Path) -> dict[str, dict[str, Any]]:
     try:
         raw = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"cannot read properties file {path}: {exc}") from exc
+        raise ConfigError(str(path), f"cannot read the properties file: {exc}") from exc
     if not isinstance(raw, list):
         raise ConfigError(
-            f"{path}: expected a JSON list of {{PropertyGroupId, PropertyMap}} objects"
+            str(path), "expected a JSON list of {PropertyGroupId, PropertyMap} objects"
         )
     groups: dict[str, dict[str, Any]] = {}
     for position, entry in enumerate(raw, start=1):
         # Named by position and keys only: the values may be passwords.
         if not isinstance(entry, dict):
             raise ConfigError(
-                f"{path}: entry {position} is a {type(entry).__name__}, not an object"
-                " with a PropertyGroupId"
+                str(path),
+                f"entry {position} is a {type(entry).__name__}, not an object"
+                " with a PropertyGroupId",
             )
         if "PropertyGroupId" not in entry:
             raise ConfigError(
-                f"{path}: entry {position} has no PropertyGroupId (its keys: {sorted(entry)})"
+                str(path), f"entry {position} has no PropertyGroupId (its keys: {sorted(entry)})"
             )
         group = entry["PropertyGroupId"]
         if group in _SECTIONS:
@@ -553,7 +556,7 @@ def _properties_path(environ: Mapping[str, str]) -> Path | None:
     if named:
         path = Path(named)
         if not path.exists():
-            raise ConfigError(f"SI_PROPERTIES_FILE names {path}, which does not exist")
+            raise ConfigError("SI_PROPERTIES_FILE", f"names {path}, which does not exist")
         return path
     return None
 
@@ -573,43 +576,25 @@ def _coerce(cls: type, group: str, name: str, value: Any) -> Any:
     hints = typing.get_type_hints(cls)
     if name not in {f.name for f in dataclasses.fields(cls)}:
         known = ", ".join(f.name for f in dataclasses.fields(cls))
-        raise ConfigError(f"unknown key {group}.{name}; known keys of {group!r}: {known}")
+        raise ConfigError(f"{group}.{name}", f"unknown key; known keys of {group!r}: {known}")
     target = hints[name]
     try:
         return _convert(target, value)
     except (TypeError, ValueError) as exc:
         if _is_secret(cls, name):  # the value (and the parser's view of it) may hold a password
             raise ConfigError(
-                f"{group}.{name}: cannot use the value given as {_type_name(target)} "
-                f"({type(exc).__name__}; value not shown, it may hold a secret)"
+                f"{group}.{name}",
+                f"cannot use the value given as {_type_name(target)} "
+                f"({type(exc).__name__}; value not shown, it may hold a secret)",
             ) from None
         raise ConfigError(
-            f"{group}.{name}: cannot use {value!r} as {_type_name(target)} ({exc})"
+            f"{group}.{name}", f"cannot use {value!r} as {_type_name(target)} ({exc})"
         ) from exc
 
 
 def _is_secret(cls: type, name: str) -> bool:
     """Fields declared with ``repr=False`` may hold secrets: never echoed in errors."""
     return any(f.name == name and not f.repr for f in dataclasses.fields(cls))
-
-
-def redact_url(url: str) -> str:
-    """``url`` for messages and logs: the secret part of its userinfo (the password of
-    ``user:password@``, or all of a lone ``secret@``) and any ``password=`` query parameter
-    replaced by ``***``. Unencoded passwords holding ``/`` or ``@`` are masked whole."""
-    scheme, sep, rest = url.partition("://")
-    if not sep:
-        return url
-    head, query, tail = rest.partition("?")
-    tail = _PASSWORD_PARAM.sub(r"\1***", tail)  # redis-py also takes ?password=
-    userinfo, at, hostpart = head.rpartition("@")
-    if at:
-        user, colon, _password = userinfo.partition(":")
-        head = f"{user}:***@{hostpart}" if colon else f"***@{hostpart}"
-    return f"{scheme}://{head}{query}{tail}"
-
-
-_PASSWORD_PARAM = re.compile(r"((?:^|&)password=)[^&]*", re.IGNORECASE)
 
 
 def _convert(target: Any, value: Any) -> Any:
@@ -644,14 +629,14 @@ def _type_name(target: Any) -> str:
 
 def _require(value: str, group: str, name: str) -> None:
     if not value:
-        raise ConfigError(f"{group}.{name} must be set (env {env_name(group, name)})")
+        raise ConfigError(f"{group}.{name}", f"must be set (env {env_name(group, name)})")
 
 
 def _http_url(url: str, group: str, name: str) -> None:
     if not url.startswith(("http://", "https://")):
-        raise ConfigError(f"{group}.{name} must be an http(s) URL (got {redact_url(url)!r})")
+        raise ConfigError(f"{group}.{name}", f"must be an http(s) URL (got {redact_url(url)!r})")
 
 
 def _one_of(value: str, allowed: tuple[str, ...], group: str, name: str) -> None:
     if value not in allowed:
-        raise ConfigError(f"{group}.{name} must be one of {', '.join(allowed)} (got {value!r})")
+        raise ConfigError(f"{group}.{name}", f"must be one of {', '.join(allowed)} (got {value!r})")

@@ -27,6 +27,7 @@ from inference_sidecar.policies.bounded_hash import (
     NEW_KEY_PLACEMENTS,
 )
 from inference_sidecar.routing_key import DEFAULT_KEY_HEADERS
+from intent_reader.config_errors import redact_url
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
@@ -67,18 +68,6 @@ class Secret:
 
     def reveal(self) -> str:
         return self._value
-
-
-def redact_url(url: str) -> str:
-    """``url`` as it may be shown (logs, errors, ``/health``, metric labels): a user name
-    and password, which httpx sends to the worker as Basic auth, become ``***``. Works on
-    strings that do not parse as URLs too, since it also guards error messages."""
-    scheme, sep, rest = url.partition("://")
-    if not sep:
-        scheme, rest = "", url
-    if "@" not in rest:
-        return url
-    return f"{scheme}{sep}***@{rest.rpartition('@')[2]}"
 
 
 def normalise_url(url: str, key: str) -> str:

@@ -512,8 +512,7 @@ def check_notify_stream(client: redis.Redis, stream: str) -> None:
     kind = _text(cast(bytes, client.type(stream)))
     if kind not in ("stream", "none"):
         raise NotifyStreamError(
-            f"redis.notify_stream {stream!r} holds a {kind}, not a stream: name another key "
-            "or remove this one"
+            f"{stream!r} holds a {kind}, not a stream: name another key or remove this one"
         )
 
 

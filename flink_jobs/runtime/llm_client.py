@@ -36,9 +36,10 @@ import httpx
 import orjson
 from httpx_aiohttp import AiohttpTransport
 
-from flink_jobs.config import LlmConfig, redact_url
+from flink_jobs.config import LlmConfig
 from flink_jobs.core.intents import TokenLogprob, intent_response_format
 from flink_jobs.core.prompting import RenderedPrompt
+from intent_reader.config_errors import redact_url
 
 log = logging.getLogger(__name__)
 
