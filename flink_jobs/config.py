@@ -144,24 +144,24 @@ class KafkaConfig(_Section):
     bootstrap_servers: str = "127.0.0.1:9092"
     events_topic: str = "shopper-events"
     dead_letter_topic: str = "shopper-events-dlq"
-    # Optional copies, off when empty: every event that arrived behind the watermark, with
-    # what became of it; every prompt rendered (for audits, evaluation sets and replay checks).
+    #: Optional copies, off when empty: every event that arrived behind the watermark, with
+    #: what became of it; every prompt rendered (for audits, evaluation sets and replay checks).
     late_events_topic: str = ""
     prompts_topic: str = ""
     group_id: str = "shopper-intents"
-    # "committed" resumes from the group's offsets (earliest when it has none); "earliest"
-    # and "latest" ignore them.
+    #: "committed" resumes from the group's offsets (earliest when it has none); "earliest"
+    #: and "latest" ignore them.
     starting_offsets: str = "committed"
-    # A bounded replay (backfills, replay checks): read up to the offsets that are latest at
-    # start, then fire every pending trigger (end of input passes every event time) and
-    # finish. Unbounded (false) is the live service.
+    #: A bounded replay (backfills, replay checks): read up to the offsets that are latest at
+    #: start, then fire every pending trigger (end of input passes every event time) and
+    #: finish. Unbounded (false) is the live service.
     bounded: bool = False
-    # Passed to both the source and the sink as Kafka client properties (security settings,
-    # e.g. security.protocol, sasl.mechanism, sasl.jaas.config). JSON object.
+    #: Passed to both the source and the sink as Kafka client properties (security settings,
+    #: e.g. security.protocol, sasl.mechanism, sasl.jaas.config). JSON object.
     client_properties: Mapping[str, str] = field(default_factory=dict, repr=False)
-    # Passed to the source only, after client_properties: consumer tuning for a broker
-    # (e.g. {"fetch.max.wait.ms": "50"}, which the embedded stack sets for its broker,
-    # Tansu, which holds a fetch even with records waiting). JSON object.
+    #: Passed to the source only, after client_properties: consumer tuning for a broker
+    #: (e.g. {"fetch.max.wait.ms": "50"}, which the embedded stack sets for its broker,
+    #: Tansu, which holds a fetch even with records waiting). JSON object.
     source_properties: Mapping[str, str] = field(default_factory=dict)
 
     def _check(self) -> None:
@@ -175,23 +175,23 @@ class KafkaConfig(_Section):
 class RedisConfig(_Section):
     group: ClassVar[str] = "redis"
 
-    # May carry a password (redis://:secret@host): kept out of reprs and logs.
+    #: May carry a password (redis://:secret@host): kept out of reprs and logs.
     url: str = field(default="redis://127.0.0.1:6379/0", repr=False)
     key_prefix: str = "si"
     intent_ttl_s: int = bounded(24 * 3600, gt=0)
-    # Per command: 0 would time out every write.
+    #: Per command: 0 would time out every write.
     write_timeout_s: float = bounded(2.0, gt=0)
-    # How long writes are retried (with backoff) before the job fails and restarts from
-    # its last checkpoint: back-pressure and a loud failure, never a silent loss.
+    #: How long writes are retried (with backoff) before the job fails and restarts from
+    #: its last checkpoint: back-pressure and a loud failure, never a silent loss.
     write_retry_budget_s: float = bounded(30.0, gt=0)
-    # Stream key that each landed intent write is also appended to, in the same script
-    # (docs/redis_layout.md, "Update notifications"); empty: off. Needs a non-cluster Redis.
+    #: Stream key that each landed intent write is also appended to, in the same script
+    #: (docs/redis_layout.md, "Update notifications"); empty: off. Needs a non-cluster Redis.
     notify_stream: str = ""
-    # Approximate length the stream is trimmed to (XADD MAXLEN ~).
+    #: Approximate length the stream is trimmed to (XADD MAXLEN ~).
     notify_stream_maxlen: int = bounded(100_000, gt=0)
-    # For a backfill that re-evaluates recorded events with a new prompt template or model:
-    # at an equal version, replace an intent made by another template or model (normally
-    # an equal version is a no-op). Off for the live job (docs/redis_layout.md).
+    #: For a backfill that re-evaluates recorded events with a new prompt template or model:
+    #: at an equal version, replace an intent made by another template or model (normally
+    #: an equal version is a no-op). Off for the live job (docs/redis_layout.md).
     reevaluate: bool = False
 
     def _check(self) -> None:
@@ -230,51 +230,51 @@ class LlmConfig(_Section):
     model: str = BUNDLED_MODEL
     api_key: str = field(default="", repr=False)
     max_tokens: int = bounded(192, gt=0)
-    # The context of the model the workers serve (vLLM's --max-model-len): a prompt's
-    # tokens and max_tokens must fit in it together, or the server refuses the request.
+    #: The context of the model the workers serve (vLLM's --max-model-len): a prompt's
+    #: tokens and max_tokens must fit in it together, or the server refuses the request.
     max_model_len: int = bounded(4096, gt=0)
     temperature: float = bounded(0.0, ge=0, le=2)
     request_timeout_s: float = bounded(60.0, gt=0)
-    # With full-jitter backoff (0.5 s doubling to 8 s) six attempts ride out about 8 s of
-    # outage on average, enough for a router or worker restart.
+    #: With full-jitter backoff (0.5 s doubling to 8 s) six attempts ride out about 8 s of
+    #: outage on average, enough for a router or worker restart.
     max_attempts: int = bounded(6, ge=1, le=100)
     backoff_initial_s: float = bounded(0.5, gt=0)
     backoff_max_s: float = bounded(8.0, gt=0)
-    # Prompts queued or in flight per operator instance (outbox.Outbox): the bound on
-    # waiting work; beyond it the job back-pressures into Kafka. A queued prompt that a
-    # newer one of the same shopper supersedes is dropped, not sent, and takes no place.
+    #: Prompts queued or in flight per operator instance (outbox.Outbox): the bound on
+    #: waiting work; beyond it the job back-pressures into Kafka. A queued prompt that a
+    #: newer one of the same shopper supersedes is dropped, not sent, and takes no place.
     capacity: int = bounded(128, ge=1)
-    # Requests in flight to the LLM endpoint per operator instance.
+    #: Requests in flight to the LLM endpoint per operator instance.
     max_concurrency: int = bounded(8, ge=1)
-    # How often the operator collects the outcomes of a shopper's prompts (dead letters,
-    # counts). Intents reach Redis as soon as they are answered, whatever this is.
+    #: How often the operator collects the outcomes of a shopper's prompts (dead letters,
+    #: counts). Intents reach Redis as soon as they are answered, whatever this is.
     poll_interval_s: float = bounded(0.5, gt=0)
-    # An answer that is not a valid intent is asked for again this many times before it
-    # is dead-lettered.
+    #: An answer that is not a valid intent is asked for again this many times before it
+    #: is dead-lettered.
     invalid_answer_retries: int = bounded(1, ge=0, le=10)
-    # Send the JSON Schema as response_format so the server constrains decoding to it.
+    #: Send the JSON Schema as response_format so the server constrains decoding to it.
     guided_json: bool = True
-    # Make the calls (HTTP, answer check, Redis upsert) in a helper process with its own
-    # interpreter (call_process.py) instead of the job's, which they would share with
-    # every event in thread mode.
+    #: Make the calls (HTTP, answer check, Redis upsert) in a helper process with its own
+    #: interpreter (call_process.py) instead of the job's, which they would share with
+    #: every event in thread mode.
     call_process: bool = True
-    # Latest context wins (outbox.py): a shopper's queued prompt is replaced by its newer one
-    # and a call still waiting for the LLM is stopped for it. false: every prompt is
-    # answered, in order (evaluation runs that need a model answer at every trigger point;
-    # slower to catch up, each queued prompt takes a place of llm.capacity).
+    #: Latest context wins (outbox.py): a shopper's queued prompt is replaced by its newer one
+    #: and a call still waiting for the LLM is stopped for it. false: every prompt is
+    #: answered, in order (evaluation runs that need a model answer at every trigger point;
+    #: slower to catch up, each queued prompt takes a place of llm.capacity).
     latest_wins: bool = True
-    # Two speeds: write each prompt's rules-only intent the moment it fires, before the
-    # model answers. false: only model answers are written (an evaluation run, where the
-    # next prompt's rules-only record would otherwise outrank the model's earlier answers
-    # and leave them unwritten).
+    #: Two speeds: write each prompt's rules-only intent the moment it fires, before the
+    #: model answers. false: only model answers are written (an evaluation run, where the
+    #: next prompt's rules-only record would otherwise outrank the model's earlier answers
+    #: and leave them unwritten).
     rules_first: bool = True
-    # The HTTP proxy the calls go through; empty: the one the environment names, as
-    # other HTTP clients read it (llm_client.proxy_for). May carry credentials.
+    #: The HTTP proxy the calls go through; empty: the one the environment names, as
+    #: other HTTP clients read it (llm_client.proxy_for). May carry credentials.
     proxy_url: str = field(default="", repr=False)
-    # Ask for the answer's token log-probabilities and make each label's confidence the
-    # model's probability of it (core.intents.with_label_scores): a ranking score from the
-    # model, not the digits it wrote. top_logprobs: alternatives read per token (vLLM's
-    # default allows up to 20).
+    #: Ask for the answer's token log-probabilities and make each label's confidence the
+    #: model's probability of it (core.intents.with_label_scores): a ranking score from the
+    #: model, not the digits it wrote. top_logprobs: alternatives read per token (vLLM's
+    #: default allows up to 20).
     label_scores: bool = True
     top_logprobs: int = bounded(20, ge=1, le=20)
 
@@ -291,14 +291,14 @@ class SessionConfig(_Section):
 
     max_events: int = bounded(40, ge=1)
     gap_s: float = bounded(30 * 60, gt=0)
-    # Keyed state of a shopper idle for this long is dropped by Flink's state TTL.
+    #: Keyed state of a shopper idle for this long is dropped by Flink's state TTL.
     state_ttl_s: int = bounded(24 * 3600, gt=0)
-    # Events older than this behind the shopper's newest one are too late to matter.
+    #: Events older than this behind the shopper's newest one are too late to matter.
     max_lateness_s: float = bounded(10 * 60, gt=0)
-    # Events of one shopper held until the watermark passes them (up to 5 min ahead of the
-    # clock are accepted); beyond this the next one is dead-lettered (timeline.hold_event).
-    # A person's events while the watermark waits are a few; 500 is a clock 5 min ahead at
-    # more than one event a second.
+    #: Events of one shopper held until the watermark passes them (up to 5 min ahead of the
+    #: clock are accepted); beyond this the next one is dead-lettered (timeline.hold_event).
+    #: A person's events while the watermark waits are a few; 500 is a clock 5 min ahead at
+    #: more than one event a second.
     max_held_events: int = bounded(500, ge=1)
 
 
@@ -307,8 +307,8 @@ class TriggerConfig(_Section):
     group: ClassVar[str] = "trigger"
 
     high_signal_types: tuple[str, ...] = ("add_to_cart", "purchase", "remove_from_cart")
-    # Short waits: a shopper's material changes rarely come in bursts, so a long quiet
-    # period buys few calls and costs freshness (docs/decisions.md#trigger-timings).
+    #: Short waits: a shopper's material changes rarely come in bursts, so a long quiet
+    #: period buys few calls and costs freshness (docs/decisions.md#trigger-timings).
     quiet_s: float = bounded(0.5, gt=0)
     max_wait_s: float = bounded(2.0, gt=0)
     min_interval_s: float = bounded(1.0, ge=0)
@@ -323,21 +323,21 @@ class PromptConfig(_Section):
     group: ClassVar[str] = "prompt"
 
     template: str = "shopper_intent_v3.j2"
-    templates_dir: str = ""  # empty: the prompts/ folder shipped with the job
-    # The budget a rendered prompt is kept within (oldest events dropped first); with
-    # llm.max_tokens it must fit in llm.max_model_len.
+    templates_dir: str = ""  #: empty: the prompts/ folder shipped with the job
+    #: The budget a rendered prompt is kept within (oldest events dropped first); with
+    #: llm.max_tokens it must fit in llm.max_model_len.
     max_prompt_tokens: int = bounded(3500, gt=0)
     max_text_chars: int = bounded(120, gt=0)
-    # What counts the budget's tokens (core/token_budget.py): a model folder (its
-    # tokenizer.json and chat template) or a tokenizer.json, counted exactly; "auto" (the
-    # default): the bundled model's (SmolLM2-135M-Instruct) tokenizer, shipped with the
-    # templates (prompts/tokenizer/), so the count is exact on Managed Flink too; empty:
-    # the bound, UTF-8 bytes, which never undercounts but counts English about four times
-    # over. Serving another model, name its folder (or leave it empty).
+    #: What counts the budget's tokens (core/token_budget.py): a model folder (its
+    #: tokenizer.json and chat template) or a tokenizer.json, counted exactly; "auto" (the
+    #: default): the bundled model's (SmolLM2-135M-Instruct) tokenizer, shipped with the
+    #: templates (prompts/tokenizer/), so the count is exact on Managed Flink too; empty:
+    #: the bound, UTF-8 bytes, which never undercounts but counts English about four times
+    #: over. Serving another model, name its folder (or leave it empty).
     tokenizer_path: str = AUTO_TOKENIZER
-    # Template A/B (core/arms.py): "template[@model]:weight,..." splits shoppers between
-    # templates (and optionally models) by a stable hash of the shopper id, e.g.
-    # "shopper_intent_v1.j2:50,shopper_intent_v2.j2:50". Empty: template for everyone.
+    #: Template A/B (core/arms.py): "template[@model]:weight,..." splits shoppers between
+    #: templates (and optionally models) by a stable hash of the shopper id, e.g.
+    #: "shopper_intent_v1.j2:50,shopper_intent_v2.j2:50". Empty: template for everyone.
     arms: str = ""
 
     def _check(self) -> None:
@@ -364,68 +364,68 @@ class JobConfig(_Section):
     group: ClassVar[str] = "job"
 
     name: str = "shopper-intents"
-    # 0 leaves it to whoever runs the job: ``flink run -p``, or Managed Flink's
-    # ParallelismConfiguration (which autoscaling changes; a parallelism set in the code
-    # would pin it). A mini-cluster would take one per core, so local runs default to 1.
+    #: 0 leaves it to whoever runs the job: ``flink run -p``, or Managed Flink's
+    #: ParallelismConfiguration (which autoscaling changes; a parallelism set in the code
+    #: would pin it). A mini-cluster would take one per core, so local runs default to 1.
     parallelism: int = bounded(1, ge=0)
-    # The number of key groups the shoppers' state is split into, fixed for the job's life:
-    # a snapshot restores at any parallelism up to it, and only at the same value (a new
-    # one cannot restore the keyed state). 128 is what Flink derives for any parallelism
-    # up to 85 when none is set, so snapshots taken before this setting existed restore.
-    # Flink's own limit on key groups is 32768.
+    #: The number of key groups the shoppers' state is split into, fixed for the job's life:
+    #: a snapshot restores at any parallelism up to it, and only at the same value (a new
+    #: one cannot restore the keyed state). 128 is what Flink derives for any parallelism
+    #: up to 85 when none is set, so snapshots taken before this setting existed restore.
+    #: Flink's own limit on key groups is 32768.
     max_parallelism: int = bounded(128, ge=1, le=32768)
     checkpoint_interval_s: float = bounded(10.0, gt=0)
     max_event_bytes: int = bounded(16 * 1024, gt=0)
-    # Watermark = newest record timestamp - out_of_orderness_s. Events are held until the
-    # watermark passes them (timeline.py), so this is also the delay it adds to every prompt.
+    #: Watermark = newest record timestamp - out_of_orderness_s. Events are held until the
+    #: watermark passes them (timeline.py), so this is also the delay it adds to every prompt.
     out_of_orderness_s: float = bounded(0.5, ge=0)
-    # After this long without a record, a partition's watermark follows the wall clock (so
-    # the last prompts fire when traffic stops); 0 turns that off. A prompt due while its
-    # partition is quiet waits about this long plus out_of_orderness_s, so it is short. A
-    # paused task cannot make records late through it (EventTimeWatermarks.java), which is
-    # what makes a short one safe (docs/decisions.md#watermark-idle-advance).
+    #: After this long without a record, a partition's watermark follows the wall clock (so
+    #: the last prompts fire when traffic stops); 0 turns that off. A prompt due while its
+    #: partition is quiet waits about this long plus out_of_orderness_s, so it is short. A
+    #: paused task cannot make records late through it (EventTimeWatermarks.java), which is
+    #: what makes a short one safe (docs/decisions.md#watermark-idle-advance).
     watermark_idle_advance_s: float = bounded(0.25, ge=0)
-    # A partition that never had a record stops holding the watermark back after this long
-    # from the job's start. Long enough for every partition's first fetch, even of a backlog
-    # after a restore; short, because until then a job started on a quiet topic holds its
-    # first prompts (docs/decisions.md#source-idleness).
+    #: A partition that never had a record stops holding the watermark back after this long
+    #: from the job's start. Long enough for every partition's first fetch, even of a backlog
+    #: after a restore; short, because until then a job started on a quiet topic holds its
+    #: first prompts (docs/decisions.md#source-idleness).
     source_idleness_s: float = bounded(5.0, ge=0)
-    # Local runs only (Managed Flink manages both): where checkpoints are kept (empty: a
-    # scratch folder, lost with the job), and a checkpoint or savepoint to start from
-    # ("latest": the newest completed checkpoint under checkpoint_dir).
+    #: Local runs only (Managed Flink manages both): where checkpoints are kept (empty: a
+    #: scratch folder, lost with the job), and a checkpoint or savepoint to start from
+    #: ("latest": the newest completed checkpoint under checkpoint_dir).
     checkpoint_dir: str = ""
     restore_from: str = ""
-    # "thread" runs the Python operators inside the TaskManager's JVM (PyFlink's embedded
-    # mode: a keyed state access is a call, not a round trip); "process" runs them in a
-    # separate Python worker over gRPC (Beam) (docs/decisions.md#python-thread-mode).
+    #: "thread" runs the Python operators inside the TaskManager's JVM (PyFlink's embedded
+    #: mode: a keyed state access is a call, not a round trip); "process" runs them in a
+    #: separate Python worker over gRPC (Beam) (docs/decisions.md#python-thread-mode).
     python_execution_mode: str = "thread"
-    # Session states each operator instance keeps as objects (operators._RecentSessions).
+    #: Session states each operator instance keeps as objects (operators._RecentSessions).
     session_cache_size: int = bounded(20_000, ge=1)
-    # Process mode only: PyFlink keeps this many keys' state in the Python worker; too
-    # small and every state access becomes a round trip to the JVM.
+    #: Process mode only: PyFlink keeps this many keys' state in the Python worker; too
+    #: small and every state access becomes a round trip to the JVM.
     python_state_cache_size: int = bounded(50_000, ge=1)
     python_bundle_size: int = bounded(1000, ge=1)
     python_bundle_time_ms: int = bounded(50, ge=1)
-    # How often the source emits its watermark, and how long a network buffer may wait to
-    # fill before it is sent: both add to every prompt's wait while traffic flows, so they
-    # are far below Flink's defaults (200 and 100 ms); the extra watermarks and buffers cost
-    # no measurable throughput (docs/decisions.md#short-flush-periods).
+    #: How often the source emits its watermark, and how long a network buffer may wait to
+    #: fill before it is sent: both add to every prompt's wait while traffic flows, so they
+    #: are far below Flink's defaults (200 and 100 ms); the extra watermarks and buffers cost
+    #: no measurable throughput (docs/decisions.md#short-flush-periods).
     watermark_interval_ms: int = bounded(50, ge=1)
-    # -1 would be Flink's "send a buffer only when full": fine for a batch, not here.
+    #: -1 would be Flink's "send a buffer only when full": fine for a batch, not here.
     buffer_timeout_ms: int = bounded(10, ge=0)
     stats_flush_s: float = bounded(1.0, gt=0)
-    # Extra jars (Kafka connector, our deserializer); empty: found under the cache folder.
+    #: Extra jars (Kafka connector, our deserializer); empty: found under the cache folder.
     jars: tuple[str, ...] = ()
-    # Flink's restart strategy for this job, as Flink's ``restart-strategy.*`` settings
-    # without that prefix (JSON object), e.g. {"type": "fixed-delay",
-    # "fixed-delay.attempts": "10", "fixed-delay.delay": "10 s"}. Empty: the cluster's.
-    # A strategy the job sets overrides the cluster's, so it stays empty unless wanted:
-    # Managed Flink's own restarts without limit, and Flink's default with checkpointing
-    # (exponential-delay) does too.
+    #: Flink's restart strategy for this job, as Flink's ``restart-strategy.*`` settings
+    #: without that prefix (JSON object), e.g. {"type": "fixed-delay",
+    #: "fixed-delay.attempts": "10", "fixed-delay.delay": "10 s"}. Empty: the cluster's.
+    #: A strategy the job sets overrides the cluster's, so it stays empty unless wanted:
+    #: Managed Flink's own restarts without limit, and Flink's default with checkpointing
+    #: (exponential-delay) does too.
     restart_strategy: Mapping[str, str] = field(default_factory=dict)
-    # The metric group of the operators' metrics. Empty: the deployment's. The Managed Flink
-    # zip's main file names KinesisAnalytics (the group CloudWatch receives); every other
-    # run, shopper_intents (the Prometheus names the dashboards read). metrics.py.
+    #: The metric group of the operators' metrics. Empty: the deployment's. The Managed Flink
+    #: zip's main file names KinesisAnalytics (the group CloudWatch receives); every other
+    #: run, shopper_intents (the Prometheus names the dashboards read). metrics.py.
     metric_group: str = ""
 
     def _check(self) -> None:

@@ -58,13 +58,13 @@ from flink_jobs.runtime.outbox import Outbox, Settled
 log = logging.getLogger(__name__)
 
 DEAD_LETTERS = OutputTag("dead-letters", Types.STRING())
-# Events that arrived behind the watermark, with what became of them (see timeline.py).
+#: Events that arrived behind the watermark, with what became of them (see timeline.py).
 LATE_EVENTS = OutputTag("late-events", Types.STRING())
-# Every prompt rendered (PromptTask.audit_json), when kafka.prompts_topic is set.
+#: Every prompt rendered (PromptTask.audit_json), when kafka.prompts_topic is set.
 PROMPTS = OutputTag("prompts", Types.STRING())
-# What the session operator emits: a record for a side output, as (its tag, the JSON).
+#: What the session operator emits: a record for a side output, as (its tag, the JSON).
 Output = tuple[OutputTag, str]
-# The watermark at the end of a bounded input (Flink's MAX_WATERMARK).
+#: The watermark at the end of a bounded input (Flink's MAX_WATERMARK).
 END_OF_INPUT_MS = END_OF_TIME_MS
 
 
@@ -145,8 +145,8 @@ class DecodeEvents(ProcessFunction, _Counted):
         yield result
 
 
-# Flink's default for how often RocksDB's compaction filter re-reads the time while it
-# drops expired state (entries); the heap backend's default is 5 keys checked per access.
+#: Flink's default for how often RocksDB's compaction filter re-reads the time while it
+#: drops expired state (entries); the heap backend's default is 5 keys checked per access.
 _ROCKSDB_TTL_QUERY_TIME_AFTER = 1000
 _INCREMENTAL_TTL_CLEANUP_SIZE = 5
 

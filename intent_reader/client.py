@@ -131,12 +131,12 @@ class ShopperIntent:
     written_age_ms: int
     stale: bool
     intent_json: str
-    # What made the intent: "model", or "rules" (see the module docstring).
+    #: What made the intent: "model", or "rules" (see the module docstring).
     source: str = DEFAULT_SOURCE
-    # The session's grounded facts (decoded JSON, docs/redis_layout.md); None when absent.
+    #: The session's grounded facts (decoded JSON, docs/redis_layout.md); None when absent.
     facts: Any = None
-    # The model's own answer (JSON) before the job held it to the cart's facts; "" on a
-    # rules-only record. A record written before the field existed stored the answer as is.
+    #: The model's own answer (JSON) before the job held it to the cart's facts; "" on a
+    #: rules-only record. A record written before the field existed stored the answer as is.
     answer_json: str = ""
 
     @property

@@ -76,17 +76,17 @@ class MalformedUpdateError(IntentReaderError):
 class IntentUpdate:
     """One landed intent write, as announced on the stream."""
 
-    entry_id: str  # the stream entry ID, "<ms>-<seq>"
+    entry_id: str  #: the stream entry ID, "<ms>-<seq>"
     shopper_id: str
     version_ts: int
     version_seq: int
     top_label: str
     written_at_ms: int
-    source: str = DEFAULT_SOURCE  # "model" or "rules"
+    source: str = DEFAULT_SOURCE  #: "model" or "rules"
     template: str = ""
     model: str = ""
-    intent_json: str = ""  # the intent written (JSON), "" in entries that predate it
-    answer_json: str = ""  # the model's own answer (JSON); "" on rules-only writes
+    intent_json: str = ""  #: the intent written (JSON), "" in entries that predate it
+    answer_json: str = ""  #: the model's own answer (JSON); "" on rules-only writes
 
     @property
     def version(self) -> tuple[int, int]:

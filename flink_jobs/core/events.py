@@ -31,17 +31,17 @@ SCHEMAS_DIR = resource_dir("schemas")
 
 EVENT_TYPES = ("view", "click", "add_to_cart", "remove_from_cart", "purchase", "search")
 
-# Events stamped further ahead of the clock than this are refused: a far-future time would
-# push the shopper's session and the watermark forward and make every later event late.
+#: Events stamped further ahead of the clock than this are refused: a far-future time would
+#: push the shopper's session and the watermark forward and make every later event late.
 MAX_CLOCK_SKEW_MS = 5 * 60 * 1000
-# Raw bytes kept in a dead letter; the rest is cut so one huge record can't bloat the topic.
+#: Raw bytes kept in a dead letter; the rest is cut so one huge record can't bloat the topic.
 MAX_DEAD_LETTER_RAW_BYTES = 64 * 1024
-# A shopper id as the event schema admits it: a refused record's dead letter names its
-# shopper only when the id has this shape (the record's bytes keep whatever it held).
+#: A shopper id as the event schema admits it: a refused record's dead letter names its
+#: shopper only when the id has this shape (the record's bytes keep whatever it held).
 _SHOPPER_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")
 
 
-# A dataclass's class, for the decorator below.
+#: A dataclass's class, for the decorator below.
 _Dataclass = TypeVar("_Dataclass", bound="DataclassInstance")
 
 
@@ -91,9 +91,9 @@ class ShopperEvent:
 class DeadLetter:
     """Why a record was refused, with everything needed to find and replay it."""
 
-    stage: str  # decode | late | hold | prompt | llm | intent | store
-    reason: str  # a stable code, e.g. malformed_json
-    detail: str  # a human sentence: what is wrong and what to fix
+    stage: str  #: decode | late | hold | prompt | llm | intent | store
+    reason: str  #: a stable code, e.g. malformed_json
+    detail: str  #: a human sentence: what is wrong and what to fix
     shopper_id: str = ""
     source: SourcePosition | None = None
     raw: bytes = b""

@@ -88,7 +88,7 @@ class Completion:
     completion_tokens: int = 0
     model: str = ""
     finish_reason: str = ""
-    # The generated tokens with their log-probabilities, when asked for (llm.label_scores).
+    #: The generated tokens with their log-probabilities, when asked for (llm.label_scores).
     logprobs: tuple[TokenLogprob, ...] = ()
 
 

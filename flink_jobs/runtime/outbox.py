@@ -95,9 +95,9 @@ class Settled:
     task: PromptTask
     result: TaskResult
     settled_at_ms: int
-    # Waiting for a free call slot or for the shopper's previous call (0: never waited, or
-    # never started): the part of a prompt's time outside its LLM call that the job's own
-    # timings cannot show.
+    #: Waiting for a free call slot or for the shopper's previous call (0: never waited, or
+    #: never started): the part of a prompt's time outside its LLM call that the job's own
+    #: timings cannot show.
     queued_ms: int = 0
 
 

@@ -71,14 +71,14 @@ VLLM_COUNTERS = (
 
 @dataclass
 class ArmRun:
-    template: str  # the arm: ``template[@model]`` (core.arms)
+    template: str  #: the arm: ``template[@model]`` (core.arms)
     prefix: str
     writes: list[intent_eval.IntentWrite]
     stats: dict[str, int]
-    cost: dict[str, Any]  # counts and ratios (None without data), the latency summary
+    cost: dict[str, Any]  #: counts and ratios (None without data), the latency summary
     elapsed_s: float
     dead_letters: dict[str, int] = field(default_factory=dict)
-    # The answers the job refused (stage llm or intent): reason, detail and the answer's text.
+    #: The answers the job refused (stage llm or intent): reason, detail and the answer's text.
     refused_answers: list[dict[str, Any]] = field(default_factory=list)
 
 

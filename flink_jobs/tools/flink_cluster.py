@@ -54,8 +54,8 @@ log = logging.getLogger(__name__)
 READY_TIMEOUT_S = 90.0
 SUBMIT_TIMEOUT_S = 180.0
 SAVEPOINT_TIMEOUT_S = 120.0
-# A killed TaskManager is noticed through its heartbeat: Flink's default (50 s) would make
-# every crash test wait most of a minute before the job restarts.
+#: A killed TaskManager is noticed through its heartbeat: Flink's default (50 s) would make
+#: every crash test wait most of a minute before the job restarts.
 HEARTBEAT_INTERVAL_MS = 1000
 HEARTBEAT_TIMEOUT_MS = 8000
 PROMETHEUS_REPORTER = "org.apache.flink.metrics.prometheus.PrometheusReporterFactory"
@@ -87,8 +87,8 @@ class ClusterSpec:
     jobmanager_memory: str = "1024m"
     taskmanager_memory: str = "1280m"
     python_executable: str = sys.executable
-    # Flink's Prometheus reporter in every process, each on the first free port of this
-    # range (as docker-compose configures it).
+    #: Flink's Prometheus reporter in every process, each on the first free port of this
+    #: range (as docker-compose configures it).
     reporter_ports: range | None = None
     extra: Mapping[str, str] = field(default_factory=dict)
 

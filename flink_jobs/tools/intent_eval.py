@@ -108,9 +108,9 @@ class IntentWrite:
     """One intent that landed in Redis (or would have), as the eval needs it."""
 
     shopper_id: str
-    version_ts: int  # event time of the newest event the intent covers
-    labels: tuple[IntentLabel, ...]  # most confident first
-    source: str = "model"  # model | rules
+    version_ts: int  #: event time of the newest event the intent covers
+    labels: tuple[IntentLabel, ...]  #: most confident first
+    source: str = "model"  #: model | rules
     template: str = ""
     model: str = ""
 
@@ -174,7 +174,7 @@ class Counts:
 
     writes: int = 0
     followed_by_engagement: int = 0
-    next_category_offered: int = 0  # of those, the engaged category was in the enum
+    next_category_offered: int = 0  #: of those, the engaged category was in the enum
     purchase_after: int = 0
     just_purchased: int = 0
     cart_left: int = 0
@@ -187,10 +187,10 @@ class GroupReport:
     model: str
     source: str
     counts: Counts
-    answer: Scores  # the model's answers, as the writes carry them
-    record: Scores  # the records the job stores for them (``grounding.reconcile``)
-    rules: Scores  # the rules-only intent of the same writes
-    no_intent: Scores  # re-ranking without an intent (its other figures are None)
+    answer: Scores  #: the model's answers, as the writes carry them
+    record: Scores  #: the records the job stores for them (``grounding.reconcile``)
+    rules: Scores  #: the rules-only intent of the same writes
+    no_intent: Scores  #: re-ranking without an intent (its other figures are None)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -208,7 +208,7 @@ class GroupReport:
 @dataclass(frozen=True, slots=True)
 class EvalResult:
     groups: tuple[GroupReport, ...]
-    unmatched_writes: int  # writes covering none of the shopper's events (not scored)
+    unmatched_writes: int  #: writes covering none of the shopper's events (not scored)
     candidates: int
     seed: int
 
@@ -319,7 +319,7 @@ class _Point:
     facts: GroundedFacts
     rules: Intent
     newest_type: str
-    events_covered: int  # the shopper's events up to the write: a run-independent position
+    events_covered: int  #: the shopper's events up to the write: a run-independent position
     next_engagement: ShopperEvent | None
     purchase_after: bool
     session_ends: bool
@@ -460,7 +460,7 @@ class PointScores:
     shopper_id: str
     version_ts: int
     purchase_after: bool
-    purchase_score: float | None = None  # None: the arm has no purchase foresight (no intent)
+    purchase_score: float | None = None  #: None: the arm has no purchase foresight (no intent)
     next_category_top1: float | None = None
     next_category_any: float | None = None
     post_purchase_consistency: float | None = None

@@ -55,7 +55,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 LOOPBACK = "127.0.0.1"
-_START_ATTEMPTS_ON_FREE_PORT = 3  # a port picked by free_port() can be taken before bind
+_START_ATTEMPTS_ON_FREE_PORT = 3  #: a port picked by free_port() can be taken before bind
 
 
 # --- errors ------------------------------------------------------------------------------

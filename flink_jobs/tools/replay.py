@@ -97,9 +97,9 @@ log = logging.getLogger(__name__)
 
 RECORDING_FORMAT = "shopper-intents-recording/1"
 SCHEMA_PATH = resource_dir("schemas") / "shopper_event.schema.json"
-# Records bigger than this are never rewritten by rebasing (the pipeline refuses them anyway).
+#: Records bigger than this are never rewritten by rebasing (the pipeline refuses them anyway).
 DEFAULT_MAX_RECORD_BYTES = 64 * 1024
-MAX_EPOCH_MS = 32_503_680_000_000  # year 3000, the schema's bound
+MAX_EPOCH_MS = 32_503_680_000_000  #: year 3000, the schema's bound
 
 RebaseAnchor = Literal["first", "last", "send"]
 
@@ -134,10 +134,10 @@ class SourceRecord:
 
 
 class PlannedSend(NamedTuple):
-    send_at_s: float  # seconds after the replay starts
+    send_at_s: float  #: seconds after the replay starts
     key: bytes | None
     value: bytes
-    timestamp_ms: int | None  # Kafka record timestamp; None: the producer's clock
+    timestamp_ms: int | None  #: Kafka record timestamp; None: the producer's clock
 
 
 def shopper_key(value: bytes) -> bytes | None:
@@ -323,7 +323,7 @@ def _rebased_value(
 
 InputFormat = Literal["auto", "jsonl", "csv", "recording"]
 
-# CSV columns that belong inside "product" and the types of non-string fields.
+#: CSV columns that belong inside "product" and the types of non-string fields.
 _PRODUCT_COLUMNS = ("product_id", "title", "category", "brand", "price")
 
 
@@ -483,8 +483,8 @@ def write_recording(path: Path | str, topic: str, records: Sequence[SourceRecord
 @dataclass(frozen=True, slots=True)
 class ReplayProgress:
     total: int
-    produced: int  # handed to the producer
-    sent: int  # acknowledged by the broker
+    produced: int  #: handed to the producer
+    sent: int  #: acknowledged by the broker
     failed: int
     bytes: int
     elapsed_s: float
@@ -495,9 +495,9 @@ class ReplaySummary:
     records: int
     sent: int
     failed: int
-    bytes: int  # value bytes of the acknowledged records
+    bytes: int  #: value bytes of the acknowledged records
     elapsed_s: float
-    errors: Mapping[str, int] = field(default_factory=dict)  # Kafka error name -> count
+    errors: Mapping[str, int] = field(default_factory=dict)  #: Kafka error name -> count
     first_error: str | None = None
 
     @property
@@ -583,11 +583,11 @@ class ReplayCounts:
     ``poll`` and ``flush``), and mirrored into ``metrics`` when given."""
 
     metrics: ReplayMetrics | None = None
-    produced: int = 0  # handed to the producer, failed or not
-    sent: int = 0  # acknowledged by the broker
+    produced: int = 0  #: handed to the producer, failed or not
+    sent: int = 0  #: acknowledged by the broker
     failed: int = 0
     sent_bytes: int = 0
-    errors: Counter[str] = field(default_factory=Counter)  # Kafka error name -> count
+    errors: Counter[str] = field(default_factory=Counter)  #: Kafka error name -> count
     first_error: str | None = None
 
     def count_produced(self) -> None:
@@ -791,7 +791,7 @@ class RecordSummary:
     records: list[SourceRecord]
     partitions: int
     elapsed_s: float
-    stopped_by: str  # idle | max_records | timeout
+    stopped_by: str  #: idle | max_records | timeout
 
 
 def record_topic(

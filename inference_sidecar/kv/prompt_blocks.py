@@ -37,9 +37,9 @@ class PromptBlocks:
 
     tokens: int = 0
     blocks: tuple[int, ...] = ()
+    #: ``unreproducible``, ``unknown_model``, ``over_context`` or ``tokenizer_failed`` when
+    #: not computed.
     unhashed: str | None = None
-    """``unreproducible``, ``unknown_model``, ``over_context`` or ``tokenizer_failed``
-    when not computed."""
 
 
 def prompt_blocks(

@@ -57,11 +57,11 @@ class WorkerSpec:
     host: str
     port: int
     argv: tuple[str, ...]
+    #: Variables added to the parent's environment.
     env: Mapping[str, str]
-    """Variables added to the parent's environment."""
     log_path: Path
+    #: Where the router subscribes to its KV cache events (None: it publishes none).
     kv_events: str | None = None
-    """Where the router subscribes to its KV cache events (None: it publishes none)."""
     kv_replay: str | None = None
 
     @property

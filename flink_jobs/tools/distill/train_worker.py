@@ -110,7 +110,7 @@ def choose(
     return kept[:limit] if limit else kept
 
 
-# An example as (input ids, labels).
+#: An example as (input ids, labels).
 Encoded = tuple[list[int], list[int]]
 
 
