@@ -37,11 +37,11 @@ ROUTER_READY_TIMEOUT_S = 30.0
 #: Room for every in-flight prompt's KV blocks: a cache that is nearly full makes vLLM
 #: preempt and recompute requests, which costs more than the memory.
 KV_CACHE_BYTES = 1 << 30
-#: CPU workers are slow and their speed varies tenfold between hosts: SmolLM2-135M answers
-#: in about 1 s on a core with AMX, but takes 10-60 s under load on an AVX2-only core
-#: (prefill at ~70 tokens/s). A job timeout below that resends a prompt vLLM is still
-#: computing, doubling the load exactly when it is highest; the router's own per-attempt
-#: timeout (120 s) must also be shorter than the job's, so that the router fails over first.
+#: The job's LLM timeout on CPU workers: above the slowest answer a loaded CPU worker gives,
+#: since a timeout below it resends a prompt vLLM is still computing and doubles the load
+#: exactly when it is highest; and above the router's own per-attempt timeout
+#: (``DEFAULT_REQUEST_TIMEOUT_S``), so that the router fails over first
+#: (docs/decisions.md#cpu-request-timeout).
 CPU_REQUEST_TIMEOUT_S = 300.0
 #: The vLLM workers' scheduling niceness on this shared host: the job's rules-only records
 #: and event handling need the cores for milliseconds at a time, the model for seconds, so

@@ -352,7 +352,7 @@ def differences(
 
 
 #: The base model's v3 arm and the adapter's arm (a ``template@model`` arm) the targets
-#: compare; the issue's targets, each judged per dataset.
+#: compare; the targets, each judged per dataset.
 V3_ARM = "shopper_intent_v3.j2"
 MIN_POINTS = 200
 MAX_PROMPT_TOKEN_RATIO = 0.3
@@ -527,7 +527,12 @@ def _cell3(value: float | None) -> str:
 def _target_lines(targets: Sequence[dict[str, Any]]) -> list[str]:
     if not targets:
         return []
-    lines = ["Targets (issue 44), this dataset:", "", "| target | value | limit | met |"]
+    lines = [
+        "Targets of the distilled adapter (against the rules-only intent and the v3 arm), "
+        "this dataset:",
+        "",
+        "| target | value | limit | met |",
+    ]
     lines.append("| --- | --- | --- | --- |")
     for t in targets:
         value = t["value"]
