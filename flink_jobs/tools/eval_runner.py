@@ -18,8 +18,9 @@ Steps, in the order :func:`run_eval` takes them:
 4. score with :func:`flink_jobs.tools.intent_eval.evaluate`: every arm's model writes
    beside the rules-only intent and no intent on the same writes, both over each arm's
    own writes and over the trigger points every arm answered (like with like);
-5. write ``bench/results/intent_quality.json`` (one entry per dataset), a markdown
-   report beside it and a plot.
+5. write ``bench/results/intent_quality.json`` (one entry per dataset, with the commit the
+   run started on, as the benchmarks record theirs), a markdown report beside it and a
+   plot.
 
 Greedy decoding (``llm.temperature`` 0) and seeded candidates make a rerun on the same
 host give the same figures, up to the order in which a worker batches requests.
@@ -30,6 +31,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import platform
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -44,6 +46,7 @@ from flink_jobs.core.events import ShopperEvent, decode_event
 from flink_jobs.paths import cache_dir, resource_dir
 from flink_jobs.tools import intent_eval
 from flink_jobs.tools.embedded_stack import ServedModel
+from flink_jobs.tools.provenance import git_state
 from flink_jobs.tools.run_summary import (
     latency_summary,
     read_samples,
@@ -454,7 +457,7 @@ def render_markdown(results: dict[str, Any]) -> str:
             f"## {name}: {doc['events']} events of {doc['shoppers']} shoppers, "
             f"{doc['scores']['common_points']} trigger points answered by every arm",
             "",
-            f"Run {doc['when']} on {doc['host']}; {doc['elapsed_s']:.0f} s.",
+            _run_line(doc),
             "",
             "Like with like (the points every arm answered):",
             "",
@@ -494,6 +497,16 @@ def render_markdown(results: dict[str, Any]) -> str:
                 )
         lines.append("")
     return "\n".join(lines)
+
+
+def _run_line(doc: dict[str, Any]) -> str:
+    """When and where the run was, and on which commit when it was recorded."""
+    git = doc.get("git") or {}
+    commit = ""
+    if git.get("commit"):
+        dirty = " with uncommitted changes" if git.get("dirty") else ""
+        commit = f", commit {git['commit'][:10]}{dirty}"
+    return f"Run {doc['when']} on {doc['host']}{commit}; {doc['elapsed_s']:.0f} s."
 
 
 def _seconds(value: float | None) -> str:
@@ -694,6 +707,8 @@ def rescore(dataset: str, out_dir: Path) -> int:
     ]
     document["scores"] = score(events, arms, load_config(environ={}).session.gap_s)
     document["targets"] = judge_targets(document)
+    # The answers are the run's (its ``git``); the scores are this code's.
+    document["rescored"] = {"when": time.strftime("%Y-%m-%d %H:%M"), "git": git_state()}
     write_results(dataset, document, out_dir)
     print(document["scores"]["table_same"])
     return 0
@@ -703,13 +718,12 @@ def rescore(dataset: str, out_dir: Path) -> int:
 
 
 def run_eval(args: argparse.Namespace) -> int:
-    import platform
-
     from flink_jobs.tools.embedded_stack import start_embedded_stack, start_llm_tier
     from flink_jobs.tools.replay import replay_records
 
     if args.rescore:
         return rescore(args.dataset, args.out)
+    code = git_state()  # now: the files may change while the run goes on
     values = select_records(args.events, args.shoppers, args.split)
     now_ms = int(time.time() * 1000)
     records, events = moved_to_now(values, now_ms)
@@ -742,6 +756,29 @@ def run_eval(args: argparse.Namespace) -> int:
         if tier is not stack.llm:
             tier.stop()
     config = load_config(environ={})
+    scores = score(events, arms, config.session.gap_s)
+    document = eval_document(
+        args, len(events), shoppers, arms, scores, code, time.monotonic() - started
+    )
+    save_writes(args, now_ms, arms)
+    path = write_results(args.dataset, document, args.out)
+    print(document["scores"]["table_same"])
+    print(f"\nwritten to {path} and {path.with_suffix('.md')}")
+    return 0
+
+
+def eval_document(
+    args: argparse.Namespace,
+    events: int,
+    shoppers: int,
+    arms: Sequence[ArmRun],
+    scores: dict[str, Any],
+    code: dict[str, Any],
+    elapsed_s: float,
+) -> dict[str, Any]:
+    """One dataset's entry of ``intent_quality.json``: what ran (``code``: the commit and
+    whether the tree had changes, :func:`~flink_jobs.tools.provenance.git_state`), what it
+    cost, its scores and the targets judged on them."""
     document = {
         "dataset": args.dataset,
         "events_file": str(args.events),
@@ -755,11 +792,12 @@ def run_eval(args: argparse.Namespace) -> int:
                 " number of workers on the same cores after the base model's arms"
             ),
         },
-        "events": len(events),
+        "events": events,
         "shoppers": shoppers,
         "when": time.strftime("%Y-%m-%d %H:%M"),
+        "git": code,
         "host": platform.processor() or platform.machine(),
-        "elapsed_s": time.monotonic() - started,
+        "elapsed_s": elapsed_s,
         "arms": [
             {
                 "template": a.template,
@@ -772,14 +810,10 @@ def run_eval(args: argparse.Namespace) -> int:
             }
             for a in arms
         ],
-        "scores": score(events, arms, config.session.gap_s),
+        "scores": scores,
     }
     document["targets"] = judge_targets(document)
-    save_writes(args, now_ms, arms)
-    path = write_results(args.dataset, document, args.out)
-    print(document["scores"]["table_same"])
-    print(f"\nwritten to {path} and {path.with_suffix('.md')}")
-    return 0
+    return document
 
 
 def served_model(arms: Sequence[str], adapter: Path, serve: str = "merged") -> ServedModel:
