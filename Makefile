@@ -1,7 +1,8 @@
 # Two commands on a fresh machine: `make demo` and `make test`. Both run the idempotent
 # setup step first (everything lands in .cache/, ignored by git; reruns take seconds).
 SHELL := /bin/bash
-VENV := $(or $(SI_CACHE_DIR),$(CURDIR)/.cache)/venv
+CACHE := $(or $(SI_CACHE_DIR),$(CURDIR)/.cache)
+VENV := $(CACHE)/venv
 PY := $(VENV)/bin/python
 
 .PHONY: setup demo eval test unit service model lint format bench bench-routing figures
@@ -36,8 +37,11 @@ service: setup
 model: setup
 	$(PY) -m pytest tests/model $(ARGS)
 
+# ruff, then mypy over the three packages ([tool.mypy] in pyproject.toml; its cache in
+# $(CACHE)/mypy makes a rerun take seconds).
 lint: setup
-	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check . \
+		&& $(VENV)/bin/mypy --cache-dir $(CACHE)/mypy
 
 format: setup
 	$(VENV)/bin/ruff format . && $(VENV)/bin/ruff check --fix .

@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 import os
 import platform
-import subprocess
 import sys
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -18,6 +17,9 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+
+# The commit a run measured, as the eval records it too.
+from flink_jobs.tools.provenance import git_state as git_state
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS_DIR = REPO / "bench" / "results"
@@ -122,24 +124,6 @@ def machine_text(m: Mapping[str, Any]) -> str:
         + f", {m.get('memory_gib')} GiB RAM, Python {m.get('python')}"
         + (f", Linux {m['kernel']}" if m.get("kernel") else "")
     )
-
-
-def git_state() -> dict[str, Any]:
-    """The commit measured and whether the tree had uncommitted changes (other than the
-    results a benchmark run before this one just wrote)."""
-
-    def run(*args: str) -> str:
-        try:
-            return subprocess.run(
-                ["git", *args], cwd=REPO, capture_output=True, text=True, timeout=10
-            ).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            return ""
-
-    return {
-        "commit": run("rev-parse", "HEAD") or None,
-        "dirty": bool(run("status", "--short", "--", ".", ":!bench/results")),
-    }
 
 
 def result_doc(

@@ -29,7 +29,8 @@ Steps, in the order ``main()`` runs them:
    a minimum given what the serving workers' caches held then (``bench._cache_watch``,
    from their KV events); token counts from vLLM's counters (deltas), latencies
    client-side, in-flight per worker sampled from the workers' gauges;
-5. judge the targets of issue 3, print a table, write ``bench/results/routing.json``
+5. judge the router's targets (its tokens computed against the minimum and round-robin, its
+   balance and its tail latency under skew), print a table, write ``bench/results/routing.json``
    (keys documented in ``docs/lab_notebook.md``) and ``bench/results/routing.md``.
 """
 
@@ -643,7 +644,9 @@ def joiner_config(cluster: ClusterConfig, cfg: BenchConfig) -> ClusterConfig:
 
 
 def judge_kv(phases: dict[str, dict[str, dict]]) -> list[dict[str, Any]]:
-    """Issue 30's targets for our kv_prefix policy against every peer in the same run."""
+    """The targets of our kv_prefix policy, against the minimum and every peer in the same
+    run: tokens computed (steady, skewed, after a restart or a join), in-flight balance and
+    tail latency under skew."""
     ours = "sidecar_kv_prefix"
     targets: list[dict[str, Any]] = []
 
@@ -722,7 +725,9 @@ def judge_kv(phases: dict[str, dict[str, dict]]) -> list[dict[str, Any]]:
 
 
 def judge(steady: dict[str, dict], skewed: dict[str, dict]) -> list[dict[str, Any]]:
-    """Issue 3's targets, each with its measured value, its limit and whether it was met."""
+    """The router's targets (computed tokens near the minimum and well under round-robin's,
+    in-flight balance and tail latency under skew), each with its measured value, its limit
+    and whether it was met."""
     ours, rr, ch = "sidecar_bounded_hash", "sidecar_round_robin", "vllm_router_consistent_hash"
     targets = []
 
@@ -884,7 +889,7 @@ def markdown(doc: dict[str, Any], text_table: str) -> str:
         text_table,
         "```",
         "",
-        "## Targets (issue 3)",
+        "## Targets: tokens computed, balance and tail latency of our router",
         "",
         "| target | measured | limit | met |",
         "| --- | --- | --- | --- |",

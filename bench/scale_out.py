@@ -210,7 +210,7 @@ def means_table(means: Sequence[dict[str, Any]]) -> str:
 
 
 def shape_targets(one: dict[str, Any], two: dict[str, Any], shared: dict[str, Any]) -> list[dict]:
-    """Issue 29's targets for distribution: the second TaskManager costs at most 10 % more
+    """The targets of scaling out: the second TaskManager costs at most 10 % more
     CPU per event, and drains at 85 % or more of what the cores allow at its CPU per event
     (the machine, not the job, is then the limit); the two slots' rate beside them."""
     cpu_one, cpu_two = (s["cpu_ms_per_event"].get("total") for s in (one, two))

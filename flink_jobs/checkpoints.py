@@ -25,11 +25,11 @@ def restore_path(checkpoint_dir: str, restore_from: str) -> str | None:
         return None
     if restore_from != "latest":
         if not Path(restore_from).exists():
-            raise ConfigError(f"job.restore_from {restore_from!r} does not exist")
+            raise ConfigError("job.restore_from", f"{restore_from!r} does not exist")
         return restore_from
     found = latest_checkpoint(checkpoint_dir)
     if found is None:
         raise ConfigError(
-            f"job.restore_from is 'latest' but {checkpoint_dir!r} holds no completed checkpoint"
+            "job.restore_from", f"is 'latest' but {checkpoint_dir!r} holds no completed checkpoint"
         )
     return str(found)

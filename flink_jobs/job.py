@@ -214,7 +214,7 @@ def check_redis_layout(config: AppConfig) -> None:
     try:
         check_notify_stream(client, config.redis.notify_stream)
     except NotifyStreamError as exc:
-        raise ConfigError(str(exc)) from None
+        raise ConfigError("redis.notify_stream", str(exc)) from None
     except (redis.ConnectionError, redis.TimeoutError) as exc:
         log.warning(
             "could not check redis.notify_stream's type at start (%s); each write checks it", exc
@@ -230,8 +230,10 @@ def check_prompts(config: AppConfig) -> None:
     to open, and again after every restart."""
     try:
         ArmRenderer(config.prompt)
-    except (PromptError, TokenizerError) as exc:
-        raise ConfigError(str(exc)) from None
+    except PromptError as exc:
+        raise ConfigError("prompt", str(exc)) from None
+    except TokenizerError as exc:
+        raise ConfigError("prompt.tokenizer_path", str(exc)) from None
 
 
 def build_pipeline(env: StreamExecutionEnvironment, config: AppConfig) -> None:

@@ -38,6 +38,7 @@ PyFlink gives them.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import threading
@@ -129,7 +130,7 @@ class GaugeBoard:
     def gauge(self, group: MetricGroup, name: str, read: Callable[[], int]) -> None:
         java = self._java_group(group)
         gauge = self._published_gauge() if java is not None else None
-        if gauge is None:
+        if java is None or gauge is None:
             group.gauge(name, read)
             return
         java.gauge(name, gauge)
@@ -195,7 +196,7 @@ class GaugeCounters:
         with self._lock:
             if name not in self._counts:
                 self._counts[name] = 0
-                self._group.gauge(name, lambda n=name: self._counts[n])
+                self._group.gauge(name, functools.partial(self._counts.__getitem__, name))
             self._counts[name] += amount
 
     def value(self, name: str) -> int:
@@ -289,11 +290,11 @@ class Tally:
         """Add a gauge per count and per timing statistic to ``group``; returns the names."""
         names = []
         for name in self._counts:
-            group.gauge(name, lambda n=name: self.count(n))
+            group.gauge(name, functools.partial(self.count, name))
             names.append(name)
         for name in self._windows:
             for what in TIMING_SUFFIXES:
-                group.gauge(f"{name}_{what}", lambda n=name, w=what: self.timing(n, w))
+                group.gauge(f"{name}_{what}", functools.partial(self.timing, name, what))
                 names.append(f"{name}_{what}")
         return names
 

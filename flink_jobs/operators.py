@@ -18,6 +18,7 @@ import logging
 import time
 import weakref
 from collections import OrderedDict
+from collections.abc import Iterator
 
 import orjson
 from pyflink.common import Duration, Row, Time
@@ -57,11 +58,13 @@ from flink_jobs.runtime.outbox import Outbox, Settled
 log = logging.getLogger(__name__)
 
 DEAD_LETTERS = OutputTag("dead-letters", Types.STRING())
-# Events that arrived behind the watermark, with what became of them (see timeline.py).
+#: Events that arrived behind the watermark, with what became of them (see timeline.py).
 LATE_EVENTS = OutputTag("late-events", Types.STRING())
-# Every prompt rendered (PromptTask.audit_json), when kafka.prompts_topic is set.
+#: Every prompt rendered (PromptTask.audit_json), when kafka.prompts_topic is set.
 PROMPTS = OutputTag("prompts", Types.STRING())
-# The watermark at the end of a bounded input (Flink's MAX_WATERMARK).
+#: What the session operator emits: a record for a side output, as (its tag, the JSON).
+Output = tuple[OutputTag, str]
+#: The watermark at the end of a bounded input (Flink's MAX_WATERMARK).
 END_OF_INPUT_MS = END_OF_TIME_MS
 
 
@@ -107,7 +110,6 @@ class _Counted:
             self._gauges.publish_now()
         if getattr(self, "_retire_stats", None) is not None:
             self._retire_stats()
-        self._stats = None
 
 
 class DecodeEvents(ProcessFunction, _Counted):
@@ -130,7 +132,9 @@ class DecodeEvents(ProcessFunction, _Counted):
     def close(self) -> None:
         self._close_counters()
 
-    def process_element(self, value: Row, ctx: ProcessFunction.Context):
+    def process_element(
+        self, value: Row, ctx: ProcessFunction.Context
+    ) -> Iterator[ShopperEvent | DeadLetter]:
         self._gauges.publish()
         self._count("events_in")
         source = SourcePosition(value[0], value[1], value[2], value[3])
@@ -141,8 +145,8 @@ class DecodeEvents(ProcessFunction, _Counted):
         yield result
 
 
-# Flink's default for how often RocksDB's compaction filter re-reads the time while it
-# drops expired state (entries); the heap backend's default is 5 keys checked per access.
+#: Flink's default for how often RocksDB's compaction filter re-reads the time while it
+#: drops expired state (entries); the heap backend's default is 5 keys checked per access.
 _ROCKSDB_TTL_QUERY_TIME_AFTER = 1000
 _INCREMENTAL_TTL_CLEANUP_SIZE = 5
 
@@ -253,7 +257,7 @@ class ShopperSessions(KeyedProcessFunction, _Counted):
         self._outcomes.register(self._metrics)
         quiet_http_logs()
         runner = (CallProcess if self._config.llm.call_process else PromptRunner)(self._config)
-        self._outbox = Outbox(
+        self._outbox: Outbox | None = Outbox(
             runner,
             self._config.llm.capacity,
             self._config.llm.max_concurrency,
@@ -264,7 +268,7 @@ class ShopperSessions(KeyedProcessFunction, _Counted):
         # and an instance released late (collected) logs its end beside a newer one's start.
         task = f"shopper sessions #{next(_INSTANCES)}"
         log.info("%s opened: its LLM calls start with its first prompt", task)
-        self._retire_outbox = weakref.finalize(self, _stop_outbox, self._outbox, task)
+        self._retire_outbox = weakref.finalize(self, _stop_outbox, self._live_outbox(), task)
         self._poll_ms = int(self._config.llm.poll_interval_s * 1000)
 
     def close(self) -> None:
@@ -273,7 +277,15 @@ class ShopperSessions(KeyedProcessFunction, _Counted):
         self._outbox = None
         self._close_counters()
 
-    def process_element(self, event: ShopperEvent | DeadLetter, ctx: KeyedProcessFunction.Context):
+    def _live_outbox(self) -> Outbox:
+        """The outbox, which the operator has from ``open`` until ``close``."""
+        if self._outbox is None:
+            raise RuntimeError("the shopper sessions operator is closed: it has no outbox")
+        return self._outbox
+
+    def process_element(
+        self, event: ShopperEvent | DeadLetter, ctx: KeyedProcessFunction.Context
+    ) -> Iterator[Output]:
         if isinstance(event, DeadLetter):  # counted by DecodeEvents
             yield DEAD_LETTERS, _dead_letter_json(event)
             return
@@ -287,7 +299,9 @@ class ShopperSessions(KeyedProcessFunction, _Counted):
             step = on_event(loaded, held, event, watermark, self._config, self._renderer.render)
         yield from self._commit(step, ctx, loaded)
 
-    def on_timer(self, timestamp: int, ctx: KeyedProcessFunction.OnTimerContext):
+    def on_timer(
+        self, timestamp: int, ctx: KeyedProcessFunction.OnTimerContext
+    ) -> Iterator[Output]:
         poll = ctx.time_domain() == TimeDomain.PROCESSING_TIME
         if poll and self._outbox is None:
             # A poll that fires after close: a bounded input's end waited for every
@@ -321,7 +335,9 @@ class ShopperSessions(KeyedProcessFunction, _Counted):
                 self._legacy_held.clear()
         return state, held
 
-    def _commit(self, step: Step, ctx, loaded: SessionState | None = None):
+    def _commit(
+        self, step: Step, ctx: KeyedProcessFunction.Context, loaded: SessionState | None = None
+    ) -> Iterator[Output]:
         """Store what ``step`` changed; ``loaded``: the session it started from, which the
         state already holds (sessions are immutable: a changed one is another object)."""
         if step.state is not None:
@@ -354,36 +370,38 @@ class ShopperSessions(KeyedProcessFunction, _Counted):
                 yield PROMPTS, task.audit_json()
             yield from self._send(task, ctx)
 
-    def _send(self, task: PromptTask, ctx):
+    def _send(self, task: PromptTask, ctx: KeyedProcessFunction.Context) -> Iterator[Output]:
+        outbox = self._live_outbox()
         replaced = self._pending.value()
-        if replaced is not None and not self._outbox.tracks(task.shopper_id, replaced.seq):
+        if replaced is not None and not outbox.tracks(task.shopper_id, replaced.seq):
             # Sent before a restart and not yet sent again: this newer prompt replaces it.
             yield from self._record(Settled(replaced, TaskResult("superseded"), _now_ms()))
         # The job's own share of the freshness (Kafka, watermark, trigger, rendering); the
         # rest of event_to_intent_ms is the outbox's queue, the LLM call and the upsert.
         waited_ms = _now_ms() - task.event_time_ms
         self._pending.update(task)
-        self._outbox.submit(task)
-        self._outcomes.sent(waited_ms, self._outbox.in_system, task)
+        outbox.submit(task)
+        self._outcomes.sent(waited_ms, outbox.in_system, task)
         if ctx.timer_service().current_watermark() >= END_OF_INPUT_MS:
             yield from self._settle(ctx, wait=True)
             return
         self._poll_later(ctx)
         ctx.timer_service().register_event_time_timer(END_OF_INPUT_MS)
 
-    def _settle(self, ctx, wait: bool):
+    def _settle(self, ctx: KeyedProcessFunction.Context, wait: bool) -> Iterator[Output]:
         """Record the outcomes of the shopper's prompts that settled (model answers and
         rules-only records); keep polling while its newest prompt or a rules write is out,
         and send the prompt again if the outbox has never seen it."""
+        outbox = self._live_outbox()
         shopper_id = ctx.get_current_key()
         pending: PromptTask | None = self._pending.value()
-        if pending is not None and not self._outbox.tracks(shopper_id, pending.seq):
+        if pending is not None and not outbox.tracks(shopper_id, pending.seq):
             self._count("prompts_resent")
-            self._outbox.submit(pending)
+            outbox.submit(pending)
         if wait and pending is not None:
-            settled = self._outbox.wait(shopper_id, pending.seq, self._drain_timeout_s())
+            settled = outbox.wait(shopper_id, pending.seq, self._drain_timeout_s())
         else:
-            settled = self._outbox.collect(shopper_id)
+            settled = outbox.collect(shopper_id)
         for outcome in settled:
             yield from self._record(outcome)
         answered = pending is None or any(
@@ -392,10 +410,10 @@ class ShopperSessions(KeyedProcessFunction, _Counted):
         if pending is not None and answered:
             self._pending.clear()
             ctx.timer_service().delete_event_time_timer(END_OF_INPUT_MS)
-        if not answered or self._outbox.writing_rules(shopper_id):
+        if not answered or outbox.writing_rules(shopper_id):
             self._poll_later(ctx)
 
-    def _poll_later(self, ctx) -> None:
+    def _poll_later(self, ctx: KeyedProcessFunction.Context) -> None:
         ctx.timer_service().register_processing_time_timer(
             ctx.timer_service().current_processing_time() + self._poll_ms
         )
@@ -407,10 +425,10 @@ class ShopperSessions(KeyedProcessFunction, _Counted):
         llm = self._config.llm
         per_call = llm.request_timeout_s * llm.max_attempts + llm.backoff_max_s * llm.max_attempts
         attempts = 1 + llm.invalid_answer_retries
-        rounds = 1 + -(-self._outbox.in_system // llm.max_concurrency)
+        rounds = 1 + -(-self._live_outbox().in_system // llm.max_concurrency)
         return per_call * attempts * rounds + self._config.redis.write_retry_budget_s
 
-    def _record(self, settled: Settled):
+    def _record(self, settled: Settled) -> Iterator[Output]:
         self._outcomes.settled(settled)
         if settled.result.dead_letter is not None:
             yield DEAD_LETTERS, _dead_letter_json(settled.result.dead_letter)

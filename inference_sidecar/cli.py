@@ -25,11 +25,11 @@ from inference_sidecar.config import (
     ADMIN_HOST,
     RouterConfig,
     Secret,
-    redact_url,
 )
 from inference_sidecar.exceptions import ConfigError, SidecarError
 from inference_sidecar.kv.sources import EventSource
 from inference_sidecar.workers import ClusterConfig, WorkerProcesses, specs_summary
+from intent_reader.config_errors import redact_url
 
 log = logging.getLogger("inference_sidecar")
 

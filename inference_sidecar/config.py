@@ -27,20 +27,21 @@ from inference_sidecar.policies.bounded_hash import (
     NEW_KEY_PLACEMENTS,
 )
 from inference_sidecar.routing_key import DEFAULT_KEY_HEADERS
+from intent_reader.config_errors import redact_url
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 DEFAULT_REQUEST_TIMEOUT_S = 120.0
+#: Far above what the job sends (8 calls in flight per operator instance); with
+#: ``DEFAULT_MAX_BODY_BYTES`` it also bounds the request bodies held at once (1 GiB).
 DEFAULT_MAX_CONCURRENT_REQUESTS = 256
-"""Far above what the job sends (8 calls in flight per operator instance); with
-``DEFAULT_MAX_BODY_BYTES`` it also bounds the request bodies held at once (1 GiB)."""
+#: A 4 MiB body at about 1 Mbit/s; the job's prompts take milliseconds on a LAN.
 DEFAULT_BODY_TIMEOUT_S = 30.0
-"""A 4 MiB body at about 1 Mbit/s; the job's prompts take milliseconds on a LAN."""
 DEFAULT_TOKENIZER_WORKERS = 1
 MIN_ADMIN_TOKEN_CHARS = 16
+#: The admin port listens on the loopback interface only.
 ADMIN_HOST = "127.0.0.1"
-"""The admin port listens on the loopback interface only."""
 
 
 class Secret:
@@ -69,18 +70,6 @@ class Secret:
         return self._value
 
 
-def redact_url(url: str) -> str:
-    """``url`` as it may be shown (logs, errors, ``/health``, metric labels): a user name
-    and password, which httpx sends to the worker as Basic auth, become ``***``. Works on
-    strings that do not parse as URLs too, since it also guards error messages."""
-    scheme, sep, rest = url.partition("://")
-    if not sep:
-        scheme, rest = "", url
-    if "@" not in rest:
-        return url
-    return f"{scheme}{sep}***@{rest.rpartition('@')[2]}"
-
-
 def normalise_url(url: str, key: str) -> str:
     """``http://host:port`` without a trailing slash; raises ``ConfigError`` naming ``key``."""
     url = url.strip().rstrip("/")
@@ -102,63 +91,63 @@ class RouterConfig:
     host: str = DEFAULT_HOST
     port: int = DEFAULT_PORT
     policy: str = "bounded_hash"
+    #: bounded_hash: bound on a worker's requests in flight, as a multiple of the mean.
     load_factor: float = 1.25
-    """bounded_hash: bound on a worker's requests in flight, as a multiple of the mean."""
     min_load_bound: int = 3
+    #: bounded_hash: bound on a worker's resident prompt tokens, as a multiple of the mean,
+    #: for where a new key may go.
     residency_factor: float = 1.25
-    """bounded_hash: bound on a worker's resident prompt tokens, as a multiple of the
-    mean, for where a new key may go."""
+    #: bounded_hash: weight of a prompt's uncached tokens against a worker's queued ones.
     recompute_weight: float = 2.0
-    """bounded_hash: weight of a prompt's uncached tokens against a worker's queued ones."""
+    #: bounded_hash: queue cost of one request in flight, in prompt tokens.
     request_cost: int = DEFAULT_REQUEST_COST
-    """bounded_hash: queue cost of one request in flight, in prompt tokens."""
+    #: bounded_hash: where a new key goes: "fewest_first" (the fewest requests in flight,
+    #: then the roomy workers among them, then cost), "least_loaded" (the roomy workers with
+    #: the fewest requests in flight, then cost) or "cost" (cost alone).
     new_key_placement: str = DEFAULT_NEW_KEY_PLACEMENT
-    """bounded_hash: where a new key goes: "fewest_first" (the fewest requests in flight,
-    then the roomy workers among them, then cost), "least_loaded" (the roomy workers with
-    the fewest requests in flight, then cost) or "cost" (cost alone)."""
     key_headers: tuple[str, ...] = DEFAULT_KEY_HEADERS
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    #: Seconds a client may take to send a request's body; past it the request is a 408.
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
-    """Seconds a client may take to send a request's body; past it the request is a 408."""
     connect_timeout_s: float = 2.0
+    #: Total seconds one attempt on one worker may take, streamed or not (httpx's own
+    #: timeouts bound each read, not a worker that trickles bytes).
     request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S
-    """Total seconds one attempt on one worker may take, streamed or not (httpx's own
-    timeouts bound each read, not a worker that trickles bytes)."""
+    #: Client completion requests served at once; more are refused with a 429 and
+    #: ``Retry-After`` instead of each holding a body and a connection while they wait.
     max_concurrent_requests: int = DEFAULT_MAX_CONCURRENT_REQUESTS
-    """Client completion requests served at once; more are refused with a 429 and
-    ``Retry-After`` instead of each holding a body and a connection while they wait."""
+    #: Workers tried per request (per step in disaggregated mode) before giving up.
     max_attempts: int = 3
-    """Workers tried per request (per step in disaggregated mode) before giving up."""
+    #: Seconds between active ``GET /health`` probes of every worker; 0 disables them.
     health_interval_s: float = 2.0
-    """Seconds between active ``GET /health`` probes of every worker; 0 disables them."""
     health_timeout_s: float = 1.0
     health: HealthConfig = field(default_factory=HealthConfig)
     max_connections: int = 512
+    #: kv_prefix: each worker's KV event stream (worker URL -> where it publishes).
     kv_events: Mapping[str, EventSource] = field(default_factory=dict)
-    """kv_prefix: each worker's KV event stream (worker URL -> where it publishes)."""
+    #: kv_prefix: the model folder the workers serve (its tokenizer and chat template).
     tokenizer_dir: str | None = None
-    """kv_prefix: the model folder the workers serve (its tokenizer and chat template)."""
+    #: kv_prefix: silence after a request, in seconds, after which a worker's events are no
+    #: longer trusted and its cache is estimated by hashing.
     kv_stale_after_s: float = DEFAULT_STALE_AFTER_S
-    """kv_prefix: silence after a request, in seconds, after which a worker's events are
-    no longer trusted and its cache is estimated by hashing."""
+    #: kv_prefix: the workers' KV block size; None reads it (and the hash algorithm) from a
+    #: worker's ``/metrics``.
     kv_block_size: int | None = None
-    """kv_prefix: the workers' KV block size; None reads it (and the hash algorithm) from
-    a worker's ``/metrics``."""
+    #: kv_prefix, with ``kv_block_size``: the workers' ``prefix_caching_hash_algo``.
     kv_hash_algo: str = "sha256"
-    """kv_prefix, with ``kv_block_size``: the workers' ``prefix_caching_hash_algo``."""
+    #: kv_prefix: the workers' context in tokens; None reads it from a worker's
+    #: ``/v1/models``. A prompt that cannot fit is never tokenized.
     max_model_len: int | None = None
-    """kv_prefix: the workers' context in tokens; None reads it from a worker's
-    ``/v1/models``. A prompt that cannot fit is never tokenized."""
+    #: kv_prefix: processes that tokenize and hash prompts, off the event loop; 0 does it in
+    #: a thread of the router's process (the tokenizer holds the interpreter's lock, so the
+    #: event loop then waits for it: for tests and tiny prompts).
     tokenizer_workers: int = DEFAULT_TOKENIZER_WORKERS
-    """kv_prefix: processes that tokenize and hash prompts, off the event loop; 0 does it
-    in a thread of the router's process (the tokenizer holds the interpreter's lock, so
-    the event loop then waits for it: for tests and tiny prompts)."""
+    #: Enables the admin routes (``POST``/``DELETE /workers``): a request must carry
+    #: ``Authorization: Bearer <token>``.
     admin_token: Secret | None = None
-    """Enables the admin routes (``POST``/``DELETE /workers``): a request must carry
-    ``Authorization: Bearer <token>``."""
+    #: Serves the admin routes on this port of the loopback interface only (and not on
+    #: ``port``); with ``admin_token`` too, the token is required there as well.
     admin_port: int | None = None
-    """Serves the admin routes on this port of the loopback interface only (and not on
-    ``port``); with ``admin_token`` too, the token is required there as well."""
 
     def __post_init__(self) -> None:
         shown_as: dict[str, str] = {}
@@ -218,7 +207,7 @@ class RouterConfig:
             _check_int(self, "admin_port", 1, 65535)
             if self.admin_port == self.port:
                 raise ConfigError("admin_port", "must differ from the router's own port")
-        token = self.admin_token
+        token: object = self.admin_token  # as given: a config file's string is the token
         if token is None:
             return
         if isinstance(token, str):

@@ -3,7 +3,9 @@
 Hierarchy::
 
     SidecarError
-    ├── ConfigError          a configuration value is missing or wrong (names the key)
+    ├── ConfigError          a configuration value is missing or wrong (names the key); also
+    │                        an ``intent_reader.config_errors.ConfigError``, the one every
+    │                        package raises, so ``except`` on either catches it
     ├── RequestError         the client sent something the router cannot route (HTTP 4xx)
     ├── UpstreamError        every worker tried for a request failed (carries the workers)
     │   └── NoWorkerAvailable  a pool has no worker to try at all
@@ -15,17 +17,16 @@ boundary and raised ``from`` the original, so callers handle one family.
 
 from __future__ import annotations
 
+from intent_reader import config_errors
+
 
 class SidecarError(Exception):
     """Base class of every error this package raises on purpose."""
 
 
-class ConfigError(SidecarError, ValueError):
-    """A configuration value is missing or invalid; ``key`` names it."""
-
-    def __init__(self, key: str, message: str) -> None:
-        super().__init__(f"{key}: {message}")
-        self.key = key
+class ConfigError(SidecarError, config_errors.ConfigError):
+    """A configuration value is missing or invalid; ``key`` names it. The shared
+    ``ConfigError`` (constructor, ``key``, message) as one of this package's errors."""
 
 
 class RequestError(SidecarError):
@@ -37,7 +38,7 @@ class RequestError(SidecarError):
         *,
         status: int = 400,
         param: str | None = None,
-        code: str | None = None,
+        code: str | int | None = None,
         error_type: str = "invalid_request_error",
     ) -> None:
         super().__init__(message)

@@ -41,26 +41,26 @@ EventKind = Literal["ejected", "readmitted", "down", "up"]
 class HealthConfig:
     """Thresholds of outlier ejection and active checks (defaults suit 2-16 workers)."""
 
+    #: Recent outcomes kept per worker.
     window: int = 32
-    """Recent outcomes kept per worker."""
+    #: Outcomes a worker needs before its rates are judged at all.
     min_requests: int = 6
-    """Outcomes a worker needs before its rates are judged at all."""
+    #: An error rate at or above this may eject...
     max_error_rate: float = 0.5
-    """An error rate at or above this may eject..."""
+    #: ...if it also exceeds the peers' mean error rate by this much.
     error_rate_margin: float = 0.3
-    """...if it also exceeds the peers' mean error rate by this much."""
+    #: A median latency per request in flight above this multiple of the peers' may eject...
     latency_factor: float = 4.0
-    """A median latency per request in flight above this multiple of the peers' may eject..."""
+    #: ...if it is also this much slower in absolute terms (ignores jitter on fast calls).
     latency_floor_s: float = 1.0
-    """...if it is also this much slower in absolute terms (ignores jitter on fast calls)."""
+    #: This many failures in a row eject whatever the peers do.
     consecutive_failures: int = 3
-    """This many failures in a row eject whatever the peers do."""
     base_ejection_s: float = 5.0
     max_ejection_s: float = 120.0
+    #: Ejection never leaves fewer workers in service than this.
     min_healthy: int = 1
-    """Ejection never leaves fewer workers in service than this."""
+    #: Consecutive failed active probes that mark a worker down.
     unhealthy_probes: int = 2
-    """Consecutive failed active probes that mark a worker down."""
 
     def __post_init__(self) -> None:
         if self.window < 1 or self.min_requests < 1:
@@ -74,8 +74,8 @@ class HealthConfig:
 @dataclass(frozen=True, slots=True)
 class Outcome:
     ok: bool
+    #: Per unit of work: the latency over the work the worker had in hand meanwhile.
     latency_s: float
-    """Per unit of work: the latency over the work the worker had in hand meanwhile."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,8 +99,8 @@ class HealthEvent:
     kind: EventKind
     worker: str
     reason: str = ""
+    #: The figures behind ``reason``, for the log (not a metric label).
     detail: str = field(default="", compare=False)
-    """The figures behind ``reason``, for the log (not a metric label)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -67,7 +67,7 @@ def read_log_tail(path: Path, lines: int, max_bytes: int = LOG_TAIL_BYTES) -> st
     return "\n".join(text.splitlines()[-lines:])
 
 
-_live: set[SupervisedProcess] = set()  # started and not stopped yet
+_live: set[SupervisedProcess] = set()  #: started and not stopped yet
 _live_lock = threading.Lock()
 _atexit_registered = False
 

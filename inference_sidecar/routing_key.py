@@ -35,12 +35,12 @@ class RoutingKey:
 
     value: str
     source: KeySource
+    #: Estimated prompt tokens of the request carrying the key (0: unknown); the router sets
+    #: it from the body (``estimate_prompt_tokens``) for the routing policy.
     size: int = 0
-    """Estimated prompt tokens of the request carrying the key (0: unknown); the router
-    sets it from the body (``estimate_prompt_tokens``) for the routing policy."""
+    #: The prompt's KV block hashes (``kv.blocks``) when the policy asks for them and the
+    #: router could tokenize the prompt; ``size`` is then the exact token count.
     blocks: tuple[int, ...] = ()
-    """The prompt's KV block hashes (``kv.blocks``) when the policy asks for them and the
-    router could tokenize the prompt; ``size`` is then the exact token count."""
 
 
 def _digest(data: bytes) -> str:

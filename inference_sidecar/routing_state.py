@@ -18,9 +18,9 @@ from inference_sidecar.policies import Policy
 Decision = Literal["sticky", "placed", "spilled", "failed_over", "balanced"]
 
 
+#: Prompt tokens worth one request's fixed cost (scheduling, decode steps, HTTP): the unit
+#: in which a worker's work is counted for outlier detection.
 REQUEST_TOKENS = 256
-"""Prompt tokens worth one request's fixed cost (scheduling, decode steps, HTTP): the unit
-in which a worker's work is counted for outlier detection."""
 
 
 def work_units(uncached_tokens: int) -> float:
@@ -33,15 +33,15 @@ class Ticket:
     """One request in flight: the policy's own ticket and the worker's work meanwhile."""
 
     policy_ticket: Any
+    #: This request's work (``work_units`` of the prompt tokens the policy expects the
+    #: worker to compute).
     own_work: float
-    """This request's work (``work_units`` of the prompt tokens the policy expects the
-    worker to compute)."""
+    #: The work of every request the worker served while this one was in flight, this one
+    #: included: what its latency is divided by before it is compared with the peers'.
     work: float
-    """The work of every request the worker served while this one was in flight, this
-    one included: what its latency is divided by before it is compared with the peers'."""
     key: str = ""
+    #: The worker sent its first byte: the prompt's prefix is in its cache from then on.
     prefilled: bool = False
-    """The worker sent its first byte: the prompt's prefix is in its cache from then on."""
 
 
 @dataclass(frozen=True, slots=True)

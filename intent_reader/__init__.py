@@ -29,9 +29,9 @@ from intent_reader.client import (
     MalformedIntentError,
     ReaderUnavailableError,
     ShopperIntent,
-    intent_key,
     parse_intent,
 )
+from intent_reader.layout import intent_key
 from intent_reader.rerank import Candidate, Ranked, RerankWeights, rerank
 from intent_reader.updates import IntentUpdate, IntentUpdates, MalformedUpdateError
 

@@ -54,7 +54,7 @@ import math
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, TypedDict
 
 import redis
 import redis.asyncio
@@ -131,12 +131,12 @@ class ShopperIntent:
     written_age_ms: int
     stale: bool
     intent_json: str
-    # What made the intent: "model", or "rules" (see the module docstring).
+    #: What made the intent: "model", or "rules" (see the module docstring).
     source: str = DEFAULT_SOURCE
-    # The session's grounded facts (decoded JSON, docs/redis_layout.md); None when absent.
+    #: The session's grounded facts (decoded JSON, docs/redis_layout.md); None when absent.
     facts: Any = None
-    # The model's own answer (JSON) before the job held it to the cart's facts; "" on a
-    # rules-only record. A record written before the field existed stored the answer as is.
+    #: The model's own answer (JSON) before the job held it to the cart's facts; "" on a
+    #: rules-only record. A record written before the field existed stored the answer as is.
     answer_json: str = ""
 
     @property
@@ -348,7 +348,12 @@ class _ReaderSettings:
         return out
 
 
-def _client_timeouts(timeout_s: float) -> dict[str, float]:
+class _Timeouts(TypedDict):
+    socket_timeout: float
+    socket_connect_timeout: float
+
+
+def _client_timeouts(timeout_s: float) -> _Timeouts:
     """Timeouts that suit a ranking request's budget."""
     return {"socket_timeout": timeout_s, "socket_connect_timeout": max(timeout_s, 0.5)}
 
@@ -419,9 +424,11 @@ def _requested(shopper_ids: Iterable[str], stale: StalePolicy | None) -> list[st
 
 
 def _check_policy(stale: str) -> StalePolicy:
-    if stale not in ("flag", "drop"):
-        raise ValueError(f"stale must be 'flag' or 'drop', got {stale!r}")
-    return stale  # type: ignore[return-value]
+    if stale == "flag":
+        return "flag"
+    if stale == "drop":
+        return "drop"
+    raise ValueError(f"stale must be 'flag' or 'drop', got {stale!r}")
 
 
 class AsyncIntentReader(_ReaderSettings):

@@ -44,7 +44,7 @@ import logging
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import redis
 
@@ -76,17 +76,17 @@ class MalformedUpdateError(IntentReaderError):
 class IntentUpdate:
     """One landed intent write, as announced on the stream."""
 
-    entry_id: str  # the stream entry ID, "<ms>-<seq>"
+    entry_id: str  #: the stream entry ID, "<ms>-<seq>"
     shopper_id: str
     version_ts: int
     version_seq: int
     top_label: str
     written_at_ms: int
-    source: str = DEFAULT_SOURCE  # "model" or "rules"
+    source: str = DEFAULT_SOURCE  #: "model" or "rules"
     template: str = ""
     model: str = ""
-    intent_json: str = ""  # the intent written (JSON), "" in entries that predate it
-    answer_json: str = ""  # the model's own answer (JSON); "" on rules-only writes
+    intent_json: str = ""  #: the intent written (JSON), "" in entries that predate it
+    answer_json: str = ""  #: the model's own answer (JSON); "" on rules-only writes
 
     @property
     def version(self) -> tuple[int, int]:
@@ -190,7 +190,9 @@ class IntentUpdates:
             self.last_id = start
 
     @classmethod
-    def from_url(cls, url: str, stream: str, block_timeout_s: float = 60.0, **kwargs: Any):
+    def from_url(
+        cls, url: str, stream: str, block_timeout_s: float = 60.0, **kwargs: Any
+    ) -> IntentUpdates:
         """A follower with its own client, which :meth:`close` closes; the socket timeout
         outlasts any blocking read."""
         client = redis.Redis.from_url(
@@ -216,7 +218,8 @@ class IntentUpdates:
     def _info(self) -> dict[str, Any] | None:
         """``XINFO STREAM`` (one atomic view of the stream), or None when it does not exist."""
         try:
-            return {_text(k): v for k, v in self.client.xinfo_stream(self.stream).items()}
+            info = cast(dict[bytes | str, Any], self.client.xinfo_stream(self.stream))
+            return {_text(k): v for k, v in info.items()}
         except redis.ResponseError:
             return None
         except (redis.ConnectionError, redis.TimeoutError) as e:
@@ -232,7 +235,10 @@ class IntentUpdates:
         """
         block = None if block_s is None else max(1, int(block_s * 1000))
         try:
-            reply = self.client.xread({self.stream: self.last_id}, count=self.batch, block=block)
+            reply = cast(
+                "list[Any] | dict[Any, Any]",
+                self.client.xread({self.stream: self.last_id}, count=self.batch, block=block),
+            )
         except (redis.ConnectionError, redis.TimeoutError) as e:
             raise ReaderUnavailableError(f"Redis unavailable: {e}") from e
         if not reply:
@@ -291,7 +297,8 @@ class IntentUpdates:
             return None  # Redis < 7 does not number entries
         trimmed = int(info["entries-added"]) - int(info["length"])  # gone from the front
         if self._position is None:
-            ahead = len(self.client.xrange(self.stream, min=f"({self.last_id}", max="+"))
+            after = self.client.xrange(self.stream, min=f"({self.last_id}", max="+")
+            ahead = len(cast(list[Any], after))
             self._position = int(info["entries-added"]) - ahead
             return None
         lost = max(0, trimmed - self._position)

@@ -40,7 +40,7 @@ class ArmsError(ValueError):
 class Arm:
     template: str
     weight: int
-    model: str = ""  # empty: llm.model
+    model: str = ""  #: empty: llm.model
 
     @property
     def name(self) -> str:

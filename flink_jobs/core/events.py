@@ -11,33 +11,41 @@ import base64
 import dataclasses
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from functools import cache
 from operator import attrgetter
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import fastjsonschema
 import orjson
 
 from flink_jobs.paths import resource_dir
 
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 SCHEMAS_DIR = resource_dir("schemas")
 
 EVENT_TYPES = ("view", "click", "add_to_cart", "remove_from_cart", "purchase", "search")
 
-# Events stamped further ahead of the clock than this are refused: a far-future time would
-# push the shopper's session and the watermark forward and make every later event late.
+#: Events stamped further ahead of the clock than this are refused: a far-future time would
+#: push the shopper's session and the watermark forward and make every later event late.
 MAX_CLOCK_SKEW_MS = 5 * 60 * 1000
-# Raw bytes kept in a dead letter; the rest is cut so one huge record can't bloat the topic.
+#: Raw bytes kept in a dead letter; the rest is cut so one huge record can't bloat the topic.
 MAX_DEAD_LETTER_RAW_BYTES = 64 * 1024
-# A shopper id as the event schema admits it: a refused record's dead letter names its
-# shopper only when the id has this shape (the record's bytes keep whatever it held).
+#: A shopper id as the event schema admits it: a refused record's dead letter names its
+#: shopper only when the id has this shape (the record's bytes keep whatever it held).
 _SHOPPER_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")
 
 
-def pickled_by_fields(cls):
+#: A dataclass's class, for the decorator below.
+_Dataclass = TypeVar("_Dataclass", bound="DataclassInstance")
+
+
+def pickled_by_fields(cls: type[_Dataclass]) -> type[_Dataclass]:
     """Pickle a frozen, slotted dataclass as its constructor and its field values.
 
     The job stores sessions, held events and prompts in Flink state, which pickles them on
@@ -47,10 +55,11 @@ def pickled_by_fields(cls):
     """
     fields = attrgetter(*(f.name for f in dataclasses.fields(cls)))
 
-    def __reduce__(self):
+    def __reduce__(self: object) -> tuple[Any, ...]:
         return cls, fields(self)
 
-    cls.__reduce__ = __reduce__
+    # Installing a method on the decorated class is this decorator's whole job.
+    cls.__reduce__ = __reduce__  # type: ignore[method-assign]
     return cls
 
 
@@ -82,9 +91,9 @@ class ShopperEvent:
 class DeadLetter:
     """Why a record was refused, with everything needed to find and replay it."""
 
-    stage: str  # decode | late | hold | prompt | llm | intent | store
-    reason: str  # a stable code, e.g. malformed_json
-    detail: str  # a human sentence: what is wrong and what to fix
+    stage: str  #: decode | late | hold | prompt | llm | intent | store
+    reason: str  #: a stable code, e.g. malformed_json
+    detail: str  #: a human sentence: what is wrong and what to fix
     shopper_id: str = ""
     source: SourcePosition | None = None
     raw: bytes = b""
@@ -117,11 +126,12 @@ class DeadLetter:
 
 @cache
 def load_schema(name: str) -> dict[str, Any]:
-    return json.loads((SCHEMAS_DIR / name).read_text())
+    schema: dict[str, Any] = json.loads((SCHEMAS_DIR / name).read_text())
+    return schema
 
 
 @cache
-def _event_validator():
+def _event_validator() -> Callable[[Any], Any]:
     return fastjsonschema.compile(load_schema("shopper_event.schema.json"))
 
 
@@ -196,7 +206,7 @@ def well_formed_shopper_id(value: object) -> str:
     return value if isinstance(value, str) and _SHOPPER_ID.fullmatch(value) else ""
 
 
-def parse_event_time(value: str | int) -> int | None:
+def parse_event_time(value: object) -> int | None:
     """Epoch milliseconds from RFC 3339 text (an offset is required) or epoch ms."""
     if isinstance(value, bool):
         return None

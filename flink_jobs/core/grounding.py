@@ -71,8 +71,8 @@ MAX_CATEGORY_ENUM = 12
 #: The categories offered when the shopper has engaged with no product at all.
 FALLBACK_CATEGORIES: tuple[str, ...] = ("General",)
 
-# The intent schema's category: at most 40 characters, none that a JSON string or the prompt
-# would have to escape (control characters, quotes, backslashes, angle brackets).
+#: The intent schema's category: at most 40 characters, none that a JSON string or the prompt
+#: would have to escape (control characters, quotes, backslashes, angle brackets).
 CATEGORY_MAX_CHARS = 40
 #: Punctuation a category keeps; other punctuation and symbols become spaces.
 CATEGORY_PUNCTUATION = frozenset(" &',.()/+-")
@@ -89,10 +89,10 @@ _CART_EVENTS = ("add_to_cart", "remove_from_cart", "purchase")
 
 @dataclass(frozen=True, slots=True)
 class CategoryCount:
-    path: str  # as the events carry it
-    leaf: str  # its last level, sanitised ("" when nothing printable is left)
-    count: int  # engagements
-    products: int  # distinct products viewed or clicked
+    path: str  #: as the events carry it
+    leaf: str  #: its last level, sanitised ("" when nothing printable is left)
+    count: int  #: engagements
+    products: int  #: distinct products viewed or clicked
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,16 +104,16 @@ class BrandCount:
 @dataclass(frozen=True, slots=True)
 class PriceBand:
     low: float
-    median: float  # the lower middle price for an even count
+    median: float  #: the lower middle price for an even count
     high: float
-    products: int  # distinct products with a price
+    products: int  #: distinct products with a price
 
 
 @dataclass(frozen=True, slots=True)
 class CartLine:
     product_id: str
     quantity: int
-    category: str  # the path
+    category: str  #: the path
 
     @property
     def leaf(self) -> str:
@@ -123,7 +123,7 @@ class CartLine:
 @dataclass(frozen=True, slots=True)
 class Purchase:
     product_id: str
-    category: str  # the path
+    category: str  #: the path
     event_time_ms: int
 
     @property
@@ -138,7 +138,7 @@ class GroundedFacts:
     shopper_id: str
     session_started_ms: int = 0
     newest_event_ms: int = 0
-    event_counts: tuple[tuple[str, int], ...] = ()  # (event type, count), EVENT_TYPES order
+    event_counts: tuple[tuple[str, int], ...] = ()  #: (event type, count), EVENT_TYPES order
     categories: tuple[CategoryCount, ...] = ()
     brands: tuple[BrandCount, ...] = ()
     price_band: PriceBand | None = None
@@ -146,8 +146,8 @@ class GroundedFacts:
     last_purchase: Purchase | None = None
     recent_searches: tuple[str, ...] = ()
     last_event_type: str = ""
-    products_viewed: int = 0  # distinct products viewed or clicked
-    # Leaves of the shopper's usual categories from earlier sessions (the category fallback).
+    products_viewed: int = 0  #: distinct products viewed or clicked
+    #: Leaves of the shopper's usual categories from earlier sessions (the category fallback).
     usual_leaves: tuple[str, ...] = field(default=(), repr=False)
 
     @property

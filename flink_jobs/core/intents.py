@@ -11,7 +11,7 @@ import bisect
 import copy
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cache
 from typing import Any
@@ -31,8 +31,8 @@ class Intent:
     top_label: str
     top_confidence: float
     summary: str
-    # "model" for a parsed answer, "rules" for one derived from the session's facts alone
-    # (flink_jobs.core.grounding): readers and the eval tell the two apart.
+    #: "model" for a parsed answer, "rules" for one derived from the session's facts alone
+    #: (flink_jobs.core.grounding): readers and the eval tell the two apart.
     source: str = "model"
 
     def to_json(self) -> bytes:
@@ -41,12 +41,12 @@ class Intent:
 
 @dataclass(frozen=True, slots=True)
 class IntentError:
-    reason: str  # empty_answer | not_json | schema_violation | too_long
+    reason: str  #: empty_answer | not_json | schema_violation | too_long
     detail: str
 
 
 @cache
-def _validator():
+def _validator() -> Callable[[Any], Any]:
     return fastjsonschema.compile(load_schema(INTENT_SCHEMA_NAME))
 
 

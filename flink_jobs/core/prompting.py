@@ -45,12 +45,12 @@ PROMPTS_DIR = resource_dir("prompts")
 #: Quoted texts remembered by ``untrusted`` (each at most ``prompt.max_text_chars``).
 UNTRUSTED_CACHE_SIZE = 8192
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
-# Format characters (Unicode category Cf, as of Unicode 15): the soft hyphen, Arabic and
-# Syriac number marks, ALM, Mongolian vowel separator, zero-width characters, LRM/RLM,
-# bidi embeddings and isolates, word joiner and invisible operators, BOM, interlinear
-# annotations, Kaithi, Egyptian, shorthand and musical format controls, and the tag
-# characters. tests/unit/test_quoted_text_hides_no_characters.py checks it against the
-# running Python's Unicode database.
+#: Format characters (Unicode category Cf, as of Unicode 15): the soft hyphen, Arabic and
+#: Syriac number marks, ALM, Mongolian vowel separator, zero-width characters, LRM/RLM,
+#: bidi embeddings and isolates, word joiner and invisible operators, BOM, interlinear
+#: annotations, Kaithi, Egyptian, shorthand and musical format controls, and the tag
+#: characters. tests/unit/test_quoted_text_hides_no_characters.py checks it against the
+#: running Python's Unicode database.
 _FORMAT = re.compile(
     "[\u00ad\u0600-\u0605\u061c\u06dd\u070f\u0890\u0891\u08e2\u180e\u200b-\u200f"
     "\u202a-\u202e\u2060-\u2064\u2066-\u206f\ufeff\ufff9-\ufffb\U000110bd\U000110cd"
@@ -75,12 +75,12 @@ class RenderedPrompt:
     messages: tuple[dict[str, str], ...]
     template: str
     template_hash: str
-    # The prompt's tokens as the budget counted them (token_budget.py): exact with the
-    # model's tokenizer, an upper bound without it.
+    #: The prompt's tokens as the budget counted them (token_budget.py): exact with the
+    #: model's tokenizer, an upper bound without it.
     estimated_tokens: int
     events_included: int
     events_dropped: int
-    # The model this prompt is for: its A/B arm's (prompt.arms); empty: llm.model.
+    #: The model this prompt is for: its A/B arm's (prompt.arms); empty: llm.model.
     model: str = ""
 
     @property
@@ -204,7 +204,11 @@ class PromptRenderer:
             )
 
     def _render_parts(
-        self, state: SessionState, events: list, facts: GroundedFacts, rules: dict[str, Any]
+        self,
+        state: SessionState,
+        events: list[ShopperEvent],
+        facts: GroundedFacts,
+        rules: dict[str, Any],
     ) -> tuple[str, str]:
         start = state.session_started_ms or (events[0].event_time_ms if events else 0)
         context = {
@@ -218,7 +222,10 @@ class PromptRenderer:
         }
         try:
             module = self._template.make_module(context)
-            return str(module.system()).strip(), str(module.user()).strip()
+            # The template's macros are its module's attributes, which jinja's types cannot name.
+            system = module.system()  # type: ignore[attr-defined]
+            user = module.user()  # type: ignore[attr-defined]
+            return str(system).strip(), str(user).strip()
         except jinja2.UndefinedError as exc:
             raise PromptError(f"prompt template {self.template_name!r}: {exc.message}") from exc
 
@@ -267,7 +274,7 @@ class EventView(NamedTuple):
     quantity: int
 
 
-def _event_view(e, session_start_ms: int) -> EventView:
+def _event_view(e: ShopperEvent, session_start_ms: int) -> EventView:
     offset_s = max(0, (e.event_time_ms - session_start_ms) // 1000)
     return EventView(
         f"+{offset_s // 60:02d}:{offset_s % 60:02d}",

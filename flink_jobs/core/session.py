@@ -26,8 +26,8 @@ from enum import Enum
 from flink_jobs.config import SessionConfig
 from flink_jobs.core.events import ShopperEvent, pickled_by_fields
 
-# How many recent event ids are remembered for de-duplication, as a multiple of the
-# session length: duplicates arrive close together (producer retries, replays).
+#: How many recent event ids are remembered for de-duplication, as a multiple of the
+#: session length: duplicates arrive close together (producer retries, replays).
 DEDUPE_WINDOW_FACTOR = 4
 HISTORY_TOP_N = 5
 
@@ -63,13 +63,13 @@ class SessionState:
     history: History = History()
     session_started_ms: int = 0
     newest_event_ms: int = 0
-    # Trigger bookkeeping (see trigger.py); times are event times.
+    #: Trigger bookkeeping (see trigger.py); times are event times.
     pending_since_ms: int | None = None
     pending_high_signal: bool = False
     last_prompt_ms: int | None = None
     last_prompt_fingerprint: int = 0
     prompt_seq: int = 0
-    # The event time the trigger asked to be woken at (timeline.py), None when it need not be.
+    #: The event time the trigger asked to be woken at (timeline.py), None when it need not be.
     wake_at_ms: int | None = None
 
 

@@ -24,19 +24,20 @@ from flink_jobs.core.prompting import RenderedPrompt
 class PromptTask:
     shopper_id: str
     seq: int
-    version_ts: int  # newest event time covered by the prompt
-    # Event time the trigger fired at: the event's own, or the end of the quiet period or
-    # max wait that fired it. Freshness is measured from here.
+    version_ts: int  #: newest event time covered by the prompt
+    #: Event time the trigger fired at: the event's own, or the end of the quiet period or
+    #: max wait that fired it. Freshness is measured from here.
     event_time_ms: int
     prompt: RenderedPrompt
     # The rest defaults, so a task pickled by an earlier version (keyed state) still loads.
-    # ``grounding.GroundedFacts.to_json()`` of the session the prompt covers.
+
+    #: ``grounding.GroundedFacts.to_json()`` of the session the prompt covers.
     facts_json: str = ""
-    # The intent ``grounding.rules_intent`` gives that session: written the moment the prompt
-    # fires (the outbox's rules lane), replaced by the model's answer. None: no rules write.
+    #: The intent ``grounding.rules_intent`` gives that session: written the moment the prompt
+    #: fires (the outbox's rules lane), replaced by the model's answer. None: no rules write.
     rules: Intent | None = None
-    # ``grounding.session_category_enum``: the categories the model's answer may name (the
-    # request's response_format enum, checked again when the answer returns). Empty: any.
+    #: ``grounding.session_category_enum``: the categories the model's answer may name (the
+    #: request's response_format enum, checked again when the answer returns). Empty: any.
     categories: tuple[str, ...] = ()
 
     @property
@@ -63,10 +64,10 @@ class PromptTask:
 
 @dataclass(frozen=True, slots=True)
 class TaskResult:
-    outcome: str  # written | stale | superseded | dead_letter
+    outcome: str  #: written | stale | superseded | dead_letter
     dead_letter: DeadLetter | None = None
     attempts: int = 0
     llm_latency_s: float = 0.0
     prompt_tokens: int = 0
-    # Which write this is the outcome of: the model's answer, or the rules-only record.
+    #: Which write this is the outcome of: the model's answer, or the rules-only record.
     source: str = "model"

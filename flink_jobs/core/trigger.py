@@ -35,8 +35,8 @@ END_OF_TIME_MS = 2**63 - 1
 class Verdict(Enum):
     FIRE = "fire"
     WAIT = "wait"
-    IDLE = "idle"  # nothing pending
-    UNCHANGED = "unchanged"  # pending events changed nothing material
+    IDLE = "idle"  #: nothing pending
+    UNCHANGED = "unchanged"  #: pending events changed nothing material
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,7 +47,7 @@ class Decision:
     fingerprint: int = 0
 
 
-# Views and clicks are one kind of action, browsing; every other event type is its own.
+#: Views and clicks are one kind of action, browsing; every other event type is its own.
 _KIND = {"view": "browse", "click": "browse"}
 
 

@@ -38,7 +38,7 @@ import socket
 import struct
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -89,10 +89,10 @@ class CallProcess:
 
     def __init__(self, config: AppConfig) -> None:
         self._config = config
-        self._process: subprocess.Popen | None = None
+        self._process: subprocess.Popen[bytes] | None = None
         self._writer: asyncio.StreamWriter | None = None
-        self._reader_task: asyncio.Task | None = None
-        self._pending: dict[int, asyncio.Future] = {}
+        self._reader_task: asyncio.Task[None] | None = None
+        self._pending: dict[int, asyncio.Future[TaskResult]] = {}
         self._ids = itertools.count()
         self._exited: CallProcessExited | None = None
         self._starting = asyncio.Lock()
@@ -111,16 +111,15 @@ class CallProcess:
 
     async def _request(self, kind: str, task: PromptTask) -> TaskResult:
         async with self._starting:  # the first calls arrive together
-            if self._writer is None:
-                await self._start()
+            writer = self._writer or await self._start()
         if self._exited is not None:
             raise self._exited
         call_id = next(self._ids)
-        answer = asyncio.get_running_loop().create_future()
+        answer: asyncio.Future[TaskResult] = asyncio.get_running_loop().create_future()
         self._pending[call_id] = answer
         try:
-            self._writer.write(_frame((kind, call_id, task)))
-            await self._writer.drain()
+            writer.write(_frame((kind, call_id, task)))
+            await writer.drain()
             return await answer
         except (ConnectionError, OSError) as exc:
             raise self._exited or CallProcessExited(f"the LLM call process is gone: {exc}") from exc
@@ -132,11 +131,12 @@ class CallProcess:
         if self._writer is not None and self._exited is None:
             self._writer.write(_frame(("supersede", shopper_id, seq)))
 
-    async def _start(self) -> None:
+    async def _start(self) -> asyncio.StreamWriter:
+        """Start the child and send it the config; returns the writer to its socket."""
         parent, child = socket.socketpair()
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
         try:
-            self._process = subprocess.Popen(
+            self._process = process = subprocess.Popen(
                 [python_executable(), "-m", "flink_jobs.runtime.call_process", str(child.fileno())],
                 pass_fds=(child.fileno(),),
                 env=env,
@@ -144,12 +144,18 @@ class CallProcess:
             )
         finally:
             child.close()
-        reader, self._writer = await asyncio.open_connection(sock=parent)
-        self._writer.write(_frame(self._config))
-        self._reader_task = asyncio.get_running_loop().create_task(self._read_answers(reader))
-        log.info("LLM calls run in process %d", self._process.pid)
+        reader, writer = await asyncio.open_connection(sock=parent)
+        self._writer = writer
+        writer.write(_frame(self._config))
+        self._reader_task = asyncio.get_running_loop().create_task(
+            self._read_answers(reader, process)
+        )
+        log.info("LLM calls run in process %d", process.pid)
+        return writer
 
-    async def _read_answers(self, reader: asyncio.StreamReader) -> None:
+    async def _read_answers(
+        self, reader: asyncio.StreamReader, process: subprocess.Popen[bytes]
+    ) -> None:
         try:
             while True:
                 kind, *message = await _read_frame(reader)
@@ -169,10 +175,10 @@ class CallProcess:
             pass
         except Exception:  # a frame this end cannot read: stop the child, fail its calls
             log.exception("unreadable message from the LLM call process %s", self.pid)
-            self._process.kill()
-        code = await asyncio.get_running_loop().run_in_executor(None, self._wait_exit)
+            process.kill()
+        code = await asyncio.get_running_loop().run_in_executor(None, _wait_exit, process)
         if code is None:  # its socket closed but it lives on: it must not linger
-            self._process.kill()
+            process.kill()
         self._exited = CallProcessExited(
             f"the LLM call process {self.pid} exited (code {code}) with "
             f"{len(self._pending)} calls in flight; what it said last is in the TaskManager's "
@@ -181,12 +187,6 @@ class CallProcess:
         for answer in self._pending.values():
             if not answer.done():
                 answer.set_exception(self._exited)
-
-    def _wait_exit(self) -> int | None:
-        try:
-            return self._process.wait(STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            return None
 
     async def aclose(self) -> None:
         """Stop the child: close its socket (it finishes nothing more), then kill if needed."""
@@ -201,6 +201,14 @@ class CallProcess:
             self._reader_task.cancel()
 
 
+def _wait_exit(process: subprocess.Popen[bytes]) -> int | None:
+    """The child's exit code, or None if it still runs after ``STOP_TIMEOUT_S``."""
+    try:
+        return process.wait(STOP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return None
+
+
 # --- the child ------------------------------------------------------------------------------
 
 
@@ -208,9 +216,12 @@ async def _serve(sock: socket.socket) -> None:
     reader, writer = await asyncio.open_connection(sock=sock)
     config: AppConfig = await _read_frame(reader)
     runner = PromptRunner(config)
-    calls: set[asyncio.Task] = set()
+    calls: set[asyncio.Task[None]] = set()
 
-    async def answer(call_id: int, task: PromptTask, run) -> None:
+    async def answer(
+        call_id: int, task: PromptTask, run: Callable[[PromptTask], Awaitable[TaskResult]]
+    ) -> None:
+        reply: tuple[str, int, bool, TaskResult | Exception]
         try:
             reply = ("answer", call_id, True, await run(task))
         except Exception as exc:

@@ -47,8 +47,8 @@ def flushes_key(prefix: str) -> str:
     return f"{prefix}:stats:flushes"
 
 
-# KEYS: the stats hash, the flushes hash. ARGV: reporter id, batch number, then name and
-# amount pairs. Adds the batch unless this reporter's batch of that number was applied.
+#: KEYS: the stats hash, the flushes hash. ARGV: reporter id, batch number, then name and
+#: amount pairs. Adds the batch unless this reporter's batch of that number was applied.
 APPLY_BATCH = """
 local applied = tonumber(redis.call('HGET', KEYS[2], ARGV[1]) or '0')
 local seq = tonumber(ARGV[2])

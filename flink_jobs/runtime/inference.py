@@ -22,6 +22,7 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 import orjson
 import redis
@@ -54,7 +55,9 @@ class RedisUnavailable(RuntimeError):
     job must restart."""
 
 
-def _dead_letter(task: PromptTask, stage: str, reason: str, detail: str, **context) -> DeadLetter:
+def _dead_letter(
+    task: PromptTask, stage: str, reason: str, detail: str, **context: Any
+) -> DeadLetter:
     return DeadLetter(
         stage,
         reason,
@@ -149,8 +152,9 @@ async def ask(
                     prompt_tokens=prompt_tokens,
                 )
             return Answered(parsed, answer.completion.model, attempts, latency_s, prompt_tokens)
+        failure = parsed
         if answer.completion.finish_reason == "length":
-            parsed = IntentError(
+            failure = IntentError(
                 "truncated",
                 f"the answer was cut at llm.max_tokens ({answer.completion.completion_tokens} "
                 f"tokens) before it was complete: raise llm.max_tokens ({parsed.detail})",
@@ -159,7 +163,7 @@ async def ask(
     # or badly batched generation broke, a third would not be cheaper.
     return TaskResult(
         "dead_letter",
-        _dead_letter(task, "intent", parsed.reason, parsed.detail, answer=answer.text[:2000]),
+        _dead_letter(task, "intent", failure.reason, failure.detail, answer=answer.text[:2000]),
         attempts=attempts,
         llm_latency_s=latency_s,
         prompt_tokens=prompt_tokens,
@@ -236,7 +240,10 @@ async def _upsert(
     record: IntentRecord,
     store: AsyncIntentStore,
     redis_retry_budget_s: float,
-    **cost,
+    *,
+    attempts: int = 0,
+    llm_latency_s: float = 0.0,
+    prompt_tokens: int = 0,
 ) -> TaskResult:
     try:
         written = await upsert_with_retry(store, record, redis_retry_budget_s)
@@ -254,9 +261,17 @@ async def _upsert(
                 source=record.source,
             ),
             source=record.source,
-            **cost,
+            attempts=attempts,
+            llm_latency_s=llm_latency_s,
+            prompt_tokens=prompt_tokens,
         )
-    return TaskResult("written" if written else "stale", source=record.source, **cost)
+    return TaskResult(
+        "written" if written else "stale",
+        source=record.source,
+        attempts=attempts,
+        llm_latency_s=llm_latency_s,
+        prompt_tokens=prompt_tokens,
+    )
 
 
 async def run_task(
@@ -318,7 +333,8 @@ class PromptRunner:
         self._make_clients = make_clients
         self._llm: LlmClient | None = None
         self._store: AsyncIntentStore | None = None
-        self._asking: dict[str, tuple[int, asyncio.Future]] = {}  # shopper -> (seq, LLM step)
+        # shopper -> (seq, LLM step)
+        self._asking: dict[str, tuple[int, asyncio.Future[Answered | TaskResult]]] = {}
 
     def clients(self) -> tuple[LlmClient, AsyncIntentStore]:
         if (self._llm is None or self._store is None) and self._make_clients is not None:
@@ -353,7 +369,8 @@ class PromptRunner:
         try:
             answered = await asking
         except asyncio.CancelledError:
-            if asyncio.current_task().cancelling():  # the runner itself is stopping
+            current = asyncio.current_task()
+            if current is not None and current.cancelling():  # the runner itself is stopping
                 raise
             return TaskResult("superseded", attempts=max(1, tally.made))  # its request was out
         finally:

@@ -96,9 +96,9 @@ Errors::
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import orjson
 import redis
@@ -118,17 +118,17 @@ log = logging.getLogger(__name__)
 
 DEFAULT_NOTIFY_MAXLEN = 100_000
 
-# Both keys' types are checked before anything is written: a shopper's key of another type
-# refuses that shopper's write (WRONGTYPE), a notification stream key of another type refuses
-# every write (NOTIFYWRONGTYPE, a misconfiguration), and neither leaves a write half done.
-# KEYS[1] = the shopper's hash; ARGV[1] = version_ts; ARGV[2] = version_seq; ARGV[3] = TTL ms;
-# ARGV[4..] = field, value, field, value, ... (RECORD_FIELDS). The version is the triple
-# (version_ts, version_seq, rank of source: rules 0, model or absent 1). Returns 1 if written;
-# else 0, or -1 when the version is equal and the stored intent was made by another template
-# or model (what a re-evaluation replaces). A refused write extends the key's expiry to TTL ms
-# if it would end sooner. With KEYS[2] (the notification stream) the last three ARGV are the
-# stream's approximate MAXLEN, the shopper id and the top label, and a landed write also
-# appends NOTIFY_FIELDS.
+#: Both keys' types are checked before anything is written: a shopper's key of another type
+#: refuses that shopper's write (WRONGTYPE), a notification stream key of another type refuses
+#: every write (NOTIFYWRONGTYPE, a misconfiguration), and neither leaves a write half done.
+#: KEYS[1] = the shopper's hash; ARGV[1] = version_ts; ARGV[2] = version_seq; ARGV[3] = TTL ms;
+#: ARGV[4..] = field, value, field, value, ... (RECORD_FIELDS). The version is the triple
+#: (version_ts, version_seq, rank of source: rules 0, model or absent 1). Returns 1 if written;
+#: else 0, or -1 when the version is equal and the stored intent was made by another template
+#: or model (what a re-evaluation replaces). A refused write extends the key's expiry to TTL ms
+#: if it would end sooner. With KEYS[2] (the notification stream) the last three ARGV are the
+#: stream's approximate MAXLEN, the shopper id and the top label, and a landed write also
+#: appends NOTIFY_FIELDS.
 _SCRIPT_TEMPLATE = """
 local intent_type = redis.call('TYPE', KEYS[1])['ok']
 if intent_type ~= 'hash' and intent_type ~= 'none' then
@@ -334,9 +334,9 @@ class StoredIntent:
     template_hash: str
     model: str
     written_at_ms: int
-    facts_json: str = ""  # "" for a record written before the field existed
+    facts_json: str = ""  #: "" for a record written before the field existed
     source: str = DEFAULT_SOURCE
-    answer_json: str = ""  # "" for a rules-only record, or one written before the field
+    answer_json: str = ""  #: "" for a rules-only record, or one written before the field
 
     @property
     def version(self) -> tuple[int, int]:
@@ -464,8 +464,8 @@ def parse_stored(shopper_id: str, fields: Mapping[bytes | str, bytes | str]) -> 
         raise IntentStoreError(f"malformed intent hash for shopper {shopper_id!r}: {e}") from e
 
 
-# Server states that pass: the write is retried (StoreBusyError). redis-py raises some as
-# their own classes (with the code cut from the message), the rest as ResponseError.
+#: Server states that pass: the write is retried (StoreBusyError). redis-py raises some as
+#: their own classes (with the code cut from the message), the rest as ResponseError.
 _BUSY_CLASSES = {
     redis.exceptions.ReadOnlyError: "READONLY",
     redis.exceptions.OutOfMemoryError: "OOM",
@@ -476,7 +476,7 @@ _BUSY_CLASSES = {
 _BUSY_CODES = frozenset(
     {"READONLY", "OOM", "LOADING", "BUSY", "MASTERDOWN", "NOREPLICAS", "TRYAGAIN"}
 )
-# Errors of one key's content: the shopper's write is refused, with this reason.
+#: Errors of one key's content: the shopper's write is refused, with this reason.
 _PER_KEY_CODES = {"WRONGTYPE": "key_wrong_type"}
 #: The script's refusal of a notification stream key of another type.
 NOTIFY_WRONGTYPE = "NOTIFYWRONGTYPE"
@@ -509,11 +509,10 @@ def server_error(error: redis.ResponseError, shopper_id: str | None = None) -> I
 def check_notify_stream(client: redis.Redis, stream: str) -> None:
     """Refuse a notification stream key that exists and is not a stream
     (:class:`NotifyStreamError`); a missing key is fine (the first write makes it)."""
-    kind = _text(client.type(stream))
+    kind = _text(cast(bytes, client.type(stream)))
     if kind not in ("stream", "none"):
         raise NotifyStreamError(
-            f"redis.notify_stream {stream!r} holds a {kind}, not a stream: name another key "
-            "or remove this one"
+            f"{stream!r} holds a {kind}, not a stream: name another key or remove this one"
         )
 
 
@@ -662,7 +661,7 @@ class IntentStore(_StoreCore):
     def read(self, shopper_id: str) -> StoredIntent | None:
         """The stored intent of ``shopper_id``, or None."""
         try:
-            fields = self.client.hgetall(self.key(shopper_id))
+            fields = cast(dict[bytes | str, bytes | str], self.client.hgetall(self.key(shopper_id)))
         except _UNAVAILABLE as e:
             raise StoreUnavailableError(f"Redis unavailable: {e}") from e
         return parse_stored(shopper_id, fields)
@@ -707,7 +706,9 @@ class AsyncIntentStore(_StoreCore):
 
     async def read(self, shopper_id: str) -> StoredIntent | None:
         try:
-            fields = await self.client.hgetall(self.key(shopper_id))
+            fields = await cast(
+                Awaitable[dict[bytes | str, bytes | str]], self.client.hgetall(self.key(shopper_id))
+            )
         except _UNAVAILABLE as e:
             raise StoreUnavailableError(f"Redis unavailable: {e}") from e
         return parse_stored(shopper_id, fields)

@@ -36,9 +36,10 @@ import httpx
 import orjson
 from httpx_aiohttp import AiohttpTransport
 
-from flink_jobs.config import LlmConfig, redact_url
+from flink_jobs.config import LlmConfig
 from flink_jobs.core.intents import TokenLogprob, intent_response_format
 from flink_jobs.core.prompting import RenderedPrompt
+from intent_reader.config_errors import redact_url
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +88,7 @@ class Completion:
     completion_tokens: int = 0
     model: str = ""
     finish_reason: str = ""
-    # The generated tokens with their log-probabilities, when asked for (llm.label_scores).
+    #: The generated tokens with their log-probabilities, when asked for (llm.label_scores).
     logprobs: tuple[TokenLogprob, ...] = ()
 
 
@@ -136,7 +137,7 @@ def backoff_delay(
     attempt: int, config: LlmConfig, rand: Callable[[], float] = random.random
 ) -> float:
     """Full-jitter exponential backoff before attempt ``attempt + 1`` (attempt counts from 1)."""
-    ceiling = min(config.backoff_max_s, config.backoff_initial_s * 2 ** (attempt - 1))
+    ceiling = min(config.backoff_max_s, config.backoff_initial_s * 2.0 ** (attempt - 1))
     return ceiling * (0.5 + rand() / 2)
 
 
@@ -207,7 +208,8 @@ def proxy_for(url: httpx.URL, proxy_url: str = "") -> httpx.Proxy | None:
     if (
         not chosen
         or _is_loopback(url.host)
-        or urllib.request.proxy_bypass_environment(host, proxies)
+        # urllib's NO_PROXY matcher, which typeshed does not list.
+        or urllib.request.proxy_bypass_environment(host, proxies)  # type: ignore[attr-defined]
     ):
         return None
     return httpx.Proxy(chosen)

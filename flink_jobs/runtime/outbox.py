@@ -95,9 +95,9 @@ class Settled:
     task: PromptTask
     result: TaskResult
     settled_at_ms: int
-    # Waiting for a free call slot or for the shopper's previous call (0: never waited, or
-    # never started): the part of a prompt's time outside its LLM call that the job's own
-    # timings cannot show.
+    #: Waiting for a free call slot or for the shopper's previous call (0: never waited, or
+    #: never started): the part of a prompt's time outside its LLM call that the job's own
+    #: timings cannot show.
     queued_ms: int = 0
 
 
@@ -134,7 +134,7 @@ class Outbox:
         self._settled: dict[str, list[Settled]] = {}
         self._stopping: set[str] = set()  # shoppers whose running call was asked to stop
         self._protected: set[str] = set()  # ... and whose running call followed such a one
-        self._tasks: set[asyncio.Task] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
         self._dispatch_due = False  # a wake-up of the loop to dispatch is already on its way
         self._error: BaseException | None = None
         self._loop = asyncio.new_event_loop()
@@ -167,8 +167,8 @@ class Outbox:
             self._queued.setdefault(task.shopper_id, deque()).append((task, time.monotonic()))
             self._queued_count += 1
             running = self._running.get(task.shopper_id)
-            stop = running is not None and self._may_stop(task.shopper_id)
-            if stop:
+            stopped = running if running is not None and self._may_stop(task.shopper_id) else None
+            if stopped is not None:
                 self._stopping.add(task.shopper_id)
             # Each wake-up writes to the loop's self-pipe (a syscall and a context switch).
             # None is needed while one is on its way or every slot is busy: the end of a
@@ -177,8 +177,8 @@ class Outbox:
             self._dispatch_due |= wake
         if wake:
             self._loop.call_soon_threadsafe(self._dispatch)
-        if stop:
-            self._loop.call_soon_threadsafe(self._stop, running)
+        if stopped is not None:
+            self._loop.call_soon_threadsafe(self._stop, stopped)
 
     def _submit_rules(self, task: PromptTask) -> None:
         with self._cond:

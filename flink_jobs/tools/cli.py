@@ -34,11 +34,12 @@ import threading
 import time
 from contextlib import ExitStack
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import orjson
 import redis
 
-from flink_jobs.config import ConfigError, load_config
+from flink_jobs.config import AppConfig, ConfigError, load_config
 from flink_jobs.paths import cache_dir, resource_dir
 from flink_jobs.tools import eval_runner
 from flink_jobs.tools.distill import commands as distill_commands
@@ -55,6 +56,10 @@ from flink_jobs.tools.run_summary import (
     wait_for_task_starts,
 )
 from flink_jobs.tools.sizing import command as sizing_command
+
+if TYPE_CHECKING:
+    from flink_jobs.tools.embedded_stack import ServedModel
+    from flink_jobs.tools.replay import ReplaySummary, SourceRecord
 
 log = logging.getLogger("shopper-intents")
 
@@ -220,7 +225,7 @@ def run_demo(args: argparse.Namespace) -> int:
         return _watch(args, config, worker_urls, records, workdir)
 
 
-def _served_adapter(adapter: Path | None):
+def _served_adapter(adapter: Path | None) -> ServedModel | None:
     """The workers' model: the base (None), or ``adapter`` merged into a model folder and
     served under the adapter folder's name (on a CPU twice as fast as a LoRA module:
     docs/distillation.md)."""
@@ -234,7 +239,7 @@ def _served_adapter(adapter: Path | None):
     return ServedModel(name=adapter.name, model_dir=merged_model(adapter))
 
 
-def _overrides_of(config) -> dict:
+def _overrides_of(config: AppConfig) -> dict[str, dict[str, Any]]:
     """The endpoints a demo's embedded stack put into ``config``, as overrides again."""
     return {
         "kafka": {
@@ -247,7 +252,9 @@ def _overrides_of(config) -> dict:
     }
 
 
-def _submit_to_cluster(args, config, workdir: Path, resources: ExitStack) -> None:
+def _submit_to_cluster(
+    args: argparse.Namespace, config: AppConfig, workdir: Path, resources: ExitStack
+) -> None:
     """A JobManager and ``--taskmanagers`` TaskManagers, the job submitted with ``flink
     run`` at ``--parallelism`` (default: every slot), its settings in the environment as
     Managed Flink or docker-compose would give them."""
@@ -267,7 +274,7 @@ def _submit_to_cluster(args, config, workdir: Path, resources: ExitStack) -> Non
     resources.callback(cluster.cancel, job_id)
 
 
-def _cancel(job) -> None:
+def _cancel(job: Any) -> None:  # PyFlink's JobClient
     log.info("cancelling the job and stopping the stack")
     try:
         job.cancel().result()
@@ -275,7 +282,7 @@ def _cancel(job) -> None:
         log.warning("job cancel: %s", exc)
 
 
-def first_shoppers(records: list, limit: int) -> list:
+def first_shoppers(records: list[SourceRecord], limit: int) -> list[SourceRecord]:
     """The records of the first ``limit`` shoppers, plus every record without a readable
     shopper id (the bad ones, which the demo should show being dead-lettered)."""
     if limit <= 0:
@@ -294,14 +301,20 @@ def first_shoppers(records: list, limit: int) -> list:
     return out
 
 
-def _watch(args, config, worker_urls: list[str], records: list, workdir: Path) -> int:
-    from flink_jobs.tools.replay import ReplaySummary, replay_records
+def _watch(
+    args: argparse.Namespace,
+    config: AppConfig,
+    worker_urls: list[str],
+    records: list[SourceRecord],
+    workdir: Path,
+) -> int:
+    from flink_jobs.tools.replay import replay_records
 
     client = redis.Redis.from_url(config.redis.url)
     prefix = config.redis.key_prefix
-    replay_result: dict = {}
+    replay_result: dict[str, ReplaySummary] = {}
 
-    def send(part: list) -> ReplaySummary:
+    def send(part: list[SourceRecord]) -> ReplaySummary:
         return replay_records(
             config.kafka.bootstrap_servers,
             config.kafka.events_topic,
@@ -374,7 +387,14 @@ def _watch(args, config, worker_urls: list[str], records: list, workdir: Path) -
 JOB_START_TIMEOUT_S = 180.0
 
 
-def _summary(client, prefix, stats, worker_urls, elapsed, replay_summary) -> dict:
+def _summary(
+    client: redis.Redis,
+    prefix: str,
+    stats: dict[str, int],
+    worker_urls: list[str],
+    elapsed: float,
+    replay_summary: ReplaySummary | None,
+) -> dict[str, Any]:
     cache = read_prefix_cache(worker_urls) if worker_urls else None
     return {
         "elapsed_s": round(elapsed, 1),

@@ -10,6 +10,7 @@ subject is the stream, not the model. Nothing imports PyFlink here.
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 import time
@@ -33,21 +34,21 @@ from flink_jobs.tools.local_services import (
 log = logging.getLogger(__name__)
 
 ROUTER_READY_TIMEOUT_S = 30.0
-# Room for every in-flight prompt's KV blocks: a cache that is nearly full makes vLLM
-# preempt and recompute requests, which costs more than the memory.
+#: Room for every in-flight prompt's KV blocks: a cache that is nearly full makes vLLM
+#: preempt and recompute requests, which costs more than the memory.
 KV_CACHE_BYTES = 1 << 30
-# CPU workers are slow and their speed varies tenfold between hosts: SmolLM2-135M answers
-# in about 1 s on a core with AMX, but takes 10-60 s under load on an AVX2-only core
-# (prefill at ~70 tokens/s). A job timeout below that resends a prompt vLLM is still
-# computing, doubling the load exactly when it is highest; the router's own per-attempt
-# timeout (120 s) must also be shorter than the job's, so that the router fails over first.
+#: The job's LLM timeout on CPU workers: above the slowest answer a loaded CPU worker gives,
+#: since a timeout below it resends a prompt vLLM is still computing and doubles the load
+#: exactly when it is highest; and above the router's own per-attempt timeout
+#: (``DEFAULT_REQUEST_TIMEOUT_S``), so that the router fails over first
+#: (docs/decisions.md#cpu-request-timeout).
 CPU_REQUEST_TIMEOUT_S = 300.0
-# The vLLM workers' scheduling niceness on this shared host: the job's rules-only records
-# and event handling need the cores for milliseconds at a time, the model for seconds, so
-# the job goes first and the model's calls lose little (docs/decisions.md#llm-niceness).
+#: The vLLM workers' scheduling niceness on this shared host: the job's rules-only records
+#: and event handling need the cores for milliseconds at a time, the model for seconds, so
+#: the job goes first and the model's calls lose little (docs/decisions.md#llm-niceness).
 LLM_NICENESS = 19
-# A stand-in answers within its configured latency (seconds); a call still waiting after
-# this has met an injected hang.
+#: A stand-in answers within its configured latency (seconds); a call still waiting after
+#: this has met an injected hang.
 STANDIN_REQUEST_TIMEOUT_S = 20.0
 STANDIN_READY_TIMEOUT_S = 30.0
 _STANDIN_MODULE = "bench.standin_llm"
@@ -171,7 +172,8 @@ class StandInTier(LlmTier):
             httpx.post(f"{url}/admin/inject", json=body, timeout=5).raise_for_status()
 
     def stats(self, worker_url: str) -> dict[str, Any]:
-        return httpx.get(f"{worker_url}/stats", timeout=5).json()
+        stats: dict[str, Any] = httpx.get(f"{worker_url}/stats", timeout=5).json()
+        return stats
 
     @contextmanager
     def configured(self, **settings: Any) -> Iterator[StandInTier]:
@@ -220,7 +222,8 @@ def start_standin_workers(
         process = standin_process(workdir, port, "--latency", latency, "--seed", str(seed + i))
         exit_stack.enter_context(process)
         url = f"http://127.0.0.1:{port}"
-        process.wait_ready(lambda u=url: _answers(f"{u}/health"), timeout_s=STANDIN_READY_TIMEOUT_S)
+        health = functools.partial(_answers, f"{url}/health")
+        process.wait_ready(health, timeout_s=STANDIN_READY_TIMEOUT_S)
         started.append(StandInWorker(url, process))
     return started
 

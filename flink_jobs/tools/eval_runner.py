@@ -18,8 +18,9 @@ Steps, in the order :func:`run_eval` takes them:
 4. score with :func:`flink_jobs.tools.intent_eval.evaluate`: every arm's model writes
    beside the rules-only intent and no intent on the same writes, both over each arm's
    own writes and over the trigger points every arm answered (like with like);
-5. write ``bench/results/intent_quality.json`` (one entry per dataset), a markdown
-   report beside it and a plot.
+5. write ``bench/results/intent_quality.json`` (one entry per dataset, with the commit the
+   run started on, as the benchmarks record theirs), a markdown report beside it and a
+   plot.
 
 Greedy decoding (``llm.temperature`` 0) and seeded candidates make a rerun on the same
 host give the same figures, up to the order in which a worker batches requests.
@@ -30,11 +31,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import platform
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import orjson
 import redis
@@ -44,12 +46,14 @@ from flink_jobs.core.events import ShopperEvent, decode_event
 from flink_jobs.paths import cache_dir, resource_dir
 from flink_jobs.tools import intent_eval
 from flink_jobs.tools.embedded_stack import ServedModel
+from flink_jobs.tools.provenance import git_state
 from flink_jobs.tools.run_summary import (
     latency_summary,
     read_samples,
     read_stats,
     read_vllm_totals,
 )
+from intent_reader.client import IntentLabel
 
 log = logging.getLogger(__name__)
 
@@ -70,14 +74,14 @@ VLLM_COUNTERS = (
 
 @dataclass
 class ArmRun:
-    template: str  # the arm: ``template[@model]`` (core.arms)
+    template: str  #: the arm: ``template[@model]`` (core.arms)
     prefix: str
     writes: list[intent_eval.IntentWrite]
     stats: dict[str, int]
-    cost: dict[str, float]
+    cost: dict[str, Any]  #: counts and ratios (None without data), the latency summary
     elapsed_s: float
     dead_letters: dict[str, int] = field(default_factory=dict)
-    # The answers the job refused (stage llm or intent): reason, detail and the answer's text.
+    #: The answers the job refused (stage llm or intent): reason, detail and the answer's text.
     refused_answers: list[dict[str, Any]] = field(default_factory=list)
 
 
@@ -138,8 +142,9 @@ def read_vllm_counters(worker_urls: Sequence[str]) -> dict[str, float]:
 
 def read_writes(client: redis.Redis, stream: str) -> list[intent_eval.IntentWrite]:
     """Every landed write announced on the arm's notification stream, oldest first."""
-    writes = []
-    for _entry_id, fields in client.xrange(stream):
+    writes: list[intent_eval.IntentWrite] = []
+    entries = cast(list[tuple[bytes, dict[bytes, bytes]]], client.xrange(stream))
+    for _entry_id, fields in entries:
         record = {k.decode(): v.decode() for k, v in fields.items()}
         if "intent" not in record:
             raise RuntimeError(
@@ -166,7 +171,7 @@ def run_arm(
     (arm,) = parse_arms(f"{arm_name}:1", arm_name)
     template = arm.template
     prefix = f"eval{index}-{time.strftime('%H%M%S')}"
-    arm = {
+    settings = {
         **overrides,
         "kafka": {
             **overrides["kafka"],
@@ -190,7 +195,7 @@ def run_arm(
             **({"model": arm.model} if arm.model else {}),
         },
     }
-    config = load_config(overrides=arm)
+    config = load_config(overrides=settings)
     before = read_vllm_counters(workers)
     started = time.monotonic()
     log.info("arm %s: running the job bounded over %s", template, topic)
@@ -315,11 +320,21 @@ def differences(
     intent (and the answer against no intent, for re-ranking), and every later arm's answer
     and record against the first arm's."""
     per_group = intent_eval.point_scores(events, shared, session_gap_s=session_gap_s)
-    keyed = [(arm.template, arm_key(arm)) for arm in arms]
-    keyed = [(name, key) for name, key in keyed if key in per_group]
+    keyed: list[tuple[str, tuple[str, str, str]]] = []
+    for run in arms:
+        key = arm_key(run)
+        if key is not None and key in per_group:
+            keyed.append((run.template, key))
     out: list[dict[str, Any]] = []
 
-    def add(name_a: str, arm_a: str, pa, name_b: str, arm_b: str, pb) -> None:
+    def add(
+        name_a: str,
+        arm_a: str,
+        pa: Sequence[intent_eval.PointScores],
+        name_b: str,
+        arm_b: str,
+        pb: Sequence[intent_eval.PointScores],
+    ) -> None:
         for metric in intent_eval.METRICS:
             d = intent_eval.bootstrap_difference(pa, pb, metric, resamples=resamples)
             if d.difference is None:
@@ -340,7 +355,7 @@ def differences(
 
 
 #: The base model's v3 arm and the adapter's arm (a ``template@model`` arm) the targets
-#: compare; the issue's targets, each judged per dataset.
+#: compare; the targets, each judged per dataset.
 V3_ARM = "shopper_intent_v3.j2"
 MIN_POINTS = 200
 MAX_PROMPT_TOKEN_RATIO = 0.3
@@ -442,7 +457,7 @@ def render_markdown(results: dict[str, Any]) -> str:
             f"## {name}: {doc['events']} events of {doc['shoppers']} shoppers, "
             f"{doc['scores']['common_points']} trigger points answered by every arm",
             "",
-            f"Run {doc['when']} on {doc['host']}; {doc['elapsed_s']:.0f} s.",
+            _run_line(doc),
             "",
             "Like with like (the points every arm answered):",
             "",
@@ -484,6 +499,16 @@ def render_markdown(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _run_line(doc: dict[str, Any]) -> str:
+    """When and where the run was, and on which commit when it was recorded."""
+    git = doc.get("git") or {}
+    commit = ""
+    if git.get("commit"):
+        dirty = " with uncommitted changes" if git.get("dirty") else ""
+        commit = f", commit {git['commit'][:10]}{dirty}"
+    return f"Run {doc['when']} on {doc['host']}{commit}; {doc['elapsed_s']:.0f} s."
+
+
 def _seconds(value: float | None) -> str:
     return "" if value is None else f"{value:.2f}"
 
@@ -515,7 +540,12 @@ def _cell3(value: float | None) -> str:
 def _target_lines(targets: Sequence[dict[str, Any]]) -> list[str]:
     if not targets:
         return []
-    lines = ["Targets (issue 44), this dataset:", "", "| target | value | limit | met |"]
+    lines = [
+        "Targets of the distilled adapter (against the rules-only intent and the v3 arm), "
+        "this dataset:",
+        "",
+        "| target | value | limit | met |",
+    ]
     lines.append("| --- | --- | --- | --- |")
     for t in targets:
         value = t["value"]
@@ -532,7 +562,9 @@ def _verdict_lines(groups: Sequence[dict[str, Any]]) -> list[str]:
     lines = []
     for g in groups:
         for arm, name in (("record", "the record"), ("answer", "the model's answer alone")):
-            wins, ties, losses = [], [], []
+            wins: list[str] = []
+            ties: list[str] = []
+            losses: list[str] = []
             for metric in intent_eval.METRICS:
                 ours, rules = g[arm].get(metric), g["rules"].get(metric)
                 if ours is None or rules is None:
@@ -544,8 +576,8 @@ def _verdict_lines(groups: Sequence[dict[str, Any]]) -> list[str]:
                 f"- {g['template']}: {name} beats the rules-only intent on "
                 f"{_listed(wins)}; ties on {_listed(ties)}; loses on {_listed(losses)}."
             )
-    first = groups[0] if groups else None
     for later in groups[1:]:
+        first = groups[0]
         for metric in ("next_category_top1", "ndcg_at_10"):
             a, b = first["answer"].get(metric), later["answer"].get(metric)
             if a is None or b is None:
@@ -648,9 +680,7 @@ def load_writes(path: Path) -> tuple[dict[str, Any], dict[str, list[intent_eval.
     document = orjson.loads(path.read_bytes())
     arms = {
         template: [
-            intent_eval.IntentWrite(
-                **{**w, "labels": tuple(intent_eval.IntentLabel(**x) for x in w["labels"])}
-            )
+            intent_eval.IntentWrite(**{**w, "labels": tuple(IntentLabel(**x) for x in w["labels"])})
             for w in writes
         ]
         for template, writes in document["arms"].items()
@@ -677,6 +707,8 @@ def rescore(dataset: str, out_dir: Path) -> int:
     ]
     document["scores"] = score(events, arms, load_config(environ={}).session.gap_s)
     document["targets"] = judge_targets(document)
+    # The answers are the run's (its ``git``); the scores are this code's.
+    document["rescored"] = {"when": time.strftime("%Y-%m-%d %H:%M"), "git": git_state()}
     write_results(dataset, document, out_dir)
     print(document["scores"]["table_same"])
     return 0
@@ -686,13 +718,12 @@ def rescore(dataset: str, out_dir: Path) -> int:
 
 
 def run_eval(args: argparse.Namespace) -> int:
-    import platform
-
     from flink_jobs.tools.embedded_stack import start_embedded_stack, start_llm_tier
     from flink_jobs.tools.replay import replay_records
 
     if args.rescore:
         return rescore(args.dataset, args.out)
+    code = git_state()  # now: the files may change while the run goes on
     values = select_records(args.events, args.shoppers, args.split)
     now_ms = int(time.time() * 1000)
     records, events = moved_to_now(values, now_ms)
@@ -725,6 +756,29 @@ def run_eval(args: argparse.Namespace) -> int:
         if tier is not stack.llm:
             tier.stop()
     config = load_config(environ={})
+    scores = score(events, arms, config.session.gap_s)
+    document = eval_document(
+        args, len(events), shoppers, arms, scores, code, time.monotonic() - started
+    )
+    save_writes(args, now_ms, arms)
+    path = write_results(args.dataset, document, args.out)
+    print(document["scores"]["table_same"])
+    print(f"\nwritten to {path} and {path.with_suffix('.md')}")
+    return 0
+
+
+def eval_document(
+    args: argparse.Namespace,
+    events: int,
+    shoppers: int,
+    arms: Sequence[ArmRun],
+    scores: dict[str, Any],
+    code: dict[str, Any],
+    elapsed_s: float,
+) -> dict[str, Any]:
+    """One dataset's entry of ``intent_quality.json``: what ran (``code``: the commit and
+    whether the tree had changes, :func:`~flink_jobs.tools.provenance.git_state`), what it
+    cost, its scores and the targets judged on them."""
     document = {
         "dataset": args.dataset,
         "events_file": str(args.events),
@@ -738,11 +792,12 @@ def run_eval(args: argparse.Namespace) -> int:
                 " number of workers on the same cores after the base model's arms"
             ),
         },
-        "events": len(events),
+        "events": events,
         "shoppers": shoppers,
         "when": time.strftime("%Y-%m-%d %H:%M"),
+        "git": code,
         "host": platform.processor() or platform.machine(),
-        "elapsed_s": time.monotonic() - started,
+        "elapsed_s": elapsed_s,
         "arms": [
             {
                 "template": a.template,
@@ -755,14 +810,10 @@ def run_eval(args: argparse.Namespace) -> int:
             }
             for a in arms
         ],
-        "scores": score(events, arms, config.session.gap_s),
+        "scores": scores,
     }
     document["targets"] = judge_targets(document)
-    save_writes(args, now_ms, arms)
-    path = write_results(args.dataset, document, args.out)
-    print(document["scores"]["table_same"])
-    print(f"\nwritten to {path} and {path.with_suffix('.md')}")
-    return 0
+    return document
 
 
 def served_model(arms: Sequence[str], adapter: Path, serve: str = "merged") -> ServedModel:

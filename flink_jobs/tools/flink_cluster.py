@@ -36,7 +36,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Self
+from typing import Any, Self
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -54,8 +54,8 @@ log = logging.getLogger(__name__)
 READY_TIMEOUT_S = 90.0
 SUBMIT_TIMEOUT_S = 180.0
 SAVEPOINT_TIMEOUT_S = 120.0
-# A killed TaskManager is noticed through its heartbeat: Flink's default (50 s) would make
-# every crash test wait most of a minute before the job restarts.
+#: A killed TaskManager is noticed through its heartbeat: Flink's default (50 s) would make
+#: every crash test wait most of a minute before the job restarts.
 HEARTBEAT_INTERVAL_MS = 1000
 HEARTBEAT_TIMEOUT_MS = 8000
 PROMETHEUS_REPORTER = "org.apache.flink.metrics.prometheus.PrometheusReporterFactory"
@@ -87,8 +87,8 @@ class ClusterSpec:
     jobmanager_memory: str = "1024m"
     taskmanager_memory: str = "1280m"
     python_executable: str = sys.executable
-    # Flink's Prometheus reporter in every process, each on the first free port of this
-    # range (as docker-compose configures it).
+    #: Flink's Prometheus reporter in every process, each on the first free port of this
+    #: range (as docker-compose configures it).
     reporter_ports: range | None = None
     extra: Mapping[str, str] = field(default_factory=dict)
 
@@ -110,7 +110,7 @@ def distribution_java_opts(config_yaml: str) -> str:
 
 def cluster_settings(
     spec: ClusterSpec, rpc_port: int, rest_port: int, blob_port: int, java_opts: str = ""
-) -> dict:
+) -> dict[str, Any]:
     """``config.yaml``'s settings: loopback only, the given ports for the JobManager, any
     free port for the TaskManagers, fast failure detection, the app venv's Python."""
     return {
@@ -325,7 +325,7 @@ class FlinkCluster:
         found = self._rest(f"/jobs/{job_id}")
         return found["state"] if found else "UNKNOWN"
 
-    def job(self, job_id: str) -> dict:
+    def job(self, job_id: str) -> dict[str, Any]:
         return self._rest(f"/jobs/{job_id}") or {}
 
     def wait_running(self, job_id: str, timeout_s: float = READY_TIMEOUT_S) -> None:
@@ -390,7 +390,7 @@ class FlinkCluster:
                 if "failure-cause" in operation:
                     raise ClusterError(f"savepoint of {job_id} failed: {operation}")
                 self._wait_ended(job_id, deadline)
-                return operation["location"]
+                return str(operation["location"])
             time.sleep(0.3)
         raise ClusterError(f"savepoint of {job_id} not done after {timeout_s:.0f} s")
 
@@ -462,7 +462,7 @@ class FlinkCluster:
             argv.append(f"-Dtaskmanager.resource-id={name}")
         return LocalProcess(name, argv, self.log_dir / f"{name}.out", env=self._env())
 
-    def _rest(self, path: str) -> dict | None:
+    def _rest(self, path: str) -> dict[str, Any] | None:
         try:
             response = httpx.get(f"{self.rest_url}{path}", timeout=3)
         except httpx.HTTPError:

@@ -108,9 +108,9 @@ class IntentWrite:
     """One intent that landed in Redis (or would have), as the eval needs it."""
 
     shopper_id: str
-    version_ts: int  # event time of the newest event the intent covers
-    labels: tuple[IntentLabel, ...]  # most confident first
-    source: str = "model"  # model | rules
+    version_ts: int  #: event time of the newest event the intent covers
+    labels: tuple[IntentLabel, ...]  #: most confident first
+    source: str = "model"  #: model | rules
     template: str = ""
     model: str = ""
 
@@ -174,7 +174,7 @@ class Counts:
 
     writes: int = 0
     followed_by_engagement: int = 0
-    next_category_offered: int = 0  # of those, the engaged category was in the enum
+    next_category_offered: int = 0  #: of those, the engaged category was in the enum
     purchase_after: int = 0
     just_purchased: int = 0
     cart_left: int = 0
@@ -187,10 +187,10 @@ class GroupReport:
     model: str
     source: str
     counts: Counts
-    answer: Scores  # the model's answers, as the writes carry them
-    record: Scores  # the records the job stores for them (``grounding.reconcile``)
-    rules: Scores  # the rules-only intent of the same writes
-    no_intent: Scores  # re-ranking without an intent (its other figures are None)
+    answer: Scores  #: the model's answers, as the writes carry them
+    record: Scores  #: the records the job stores for them (``grounding.reconcile``)
+    rules: Scores  #: the rules-only intent of the same writes
+    no_intent: Scores  #: re-ranking without an intent (its other figures are None)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -208,7 +208,7 @@ class GroupReport:
 @dataclass(frozen=True, slots=True)
 class EvalResult:
     groups: tuple[GroupReport, ...]
-    unmatched_writes: int  # writes covering none of the shopper's events (not scored)
+    unmatched_writes: int  #: writes covering none of the shopper's events (not scored)
     candidates: int
     seed: int
 
@@ -251,7 +251,9 @@ def ndcg_at(rank: int, k: int = TOP_K) -> float:
     return 1.0 / math.log2(rank + 1) if 1 <= rank <= k else 0.0
 
 
-def purchase_score(labels: Iterable[IntentLabel], purchase_labels=PURCHASE_LABELS) -> float:
+def purchase_score(
+    labels: Iterable[IntentLabel], purchase_labels: tuple[str, ...] = PURCHASE_LABELS
+) -> float:
     return sum(x.confidence for x in labels if x.label in purchase_labels)
 
 
@@ -293,7 +295,12 @@ def draw_candidates(
     return [Candidate(p, rng.uniform(*BASE_SCORES), catalogue.get(p) or None) for p in chosen]
 
 
-def rank_of(product_id: str, candidates: Sequence[Candidate], labels, shopper_id: str) -> int:
+def rank_of(
+    product_id: str,
+    candidates: Sequence[Candidate],
+    labels: Iterable[IntentLabel] | None,
+    shopper_id: str,
+) -> int:
     """The 1-based place of ``product_id`` once ``candidates`` are re-ranked by an intent
     with ``labels`` (None: no intent)."""
     intent = None if labels is None else as_shopper_intent(shopper_id, tuple(labels))
@@ -312,7 +319,7 @@ class _Point:
     facts: GroundedFacts
     rules: Intent
     newest_type: str
-    events_covered: int  # the shopper's events up to the write: a run-independent position
+    events_covered: int  #: the shopper's events up to the write: a run-independent position
     next_engagement: ShopperEvent | None
     purchase_after: bool
     session_ends: bool
@@ -453,7 +460,7 @@ class PointScores:
     shopper_id: str
     version_ts: int
     purchase_after: bool
-    purchase_score: float | None = None  # None: the arm has no purchase foresight (no intent)
+    purchase_score: float | None = None  #: None: the arm has no purchase foresight (no intent)
     next_category_top1: float | None = None
     next_category_any: float | None = None
     post_purchase_consistency: float | None = None
@@ -495,7 +502,11 @@ def _arm_labels(arm: str, p: _Point) -> tuple[IntentLabel, ...] | None:
 
 
 def _point_scores(
-    p: _Point, catalogue, n_candidates: int, seed: int, purchase_labels
+    p: _Point,
+    catalogue: Mapping[str, str],
+    n_candidates: int,
+    seed: int,
+    purchase_labels: tuple[str, ...],
 ) -> dict[str, PointScores]:
     """Every arm's figures for one write (the same candidates for every arm)."""
     shopper = p.write.shopper_id
@@ -510,7 +521,7 @@ def _point_scores(
         p.facts.cart or p.facts.last_purchase or any(c.count >= 2 for c in p.facts.categories)
     )
     cart_left = p.session_ends and bool(p.facts.cart)
-    out = {}
+    out: dict[str, PointScores] = {}
     for arm in ARMS:
         labels = _arm_labels(arm, p)
         figures: dict[str, Any] = {}
@@ -539,10 +550,17 @@ def _point_scores(
     return out
 
 
-def _score_group(key, points, catalogue, n_candidates, seed, purchase_labels) -> GroupReport:
+def _score_group(
+    key: tuple[str, str, str],
+    points: Sequence[_Point],
+    catalogue: Mapping[str, str],
+    n_candidates: int,
+    seed: int,
+    purchase_labels: tuple[str, ...],
+) -> GroupReport:
     template, model, source = key
     per_arm = _per_arm(points, catalogue, n_candidates, seed, purchase_labels)
-    counts = defaultdict(int)
+    counts: dict[str, int] = defaultdict(int)
     for p in points:
         engaged = p.next_engagement
         counts["followed_by_engagement"] += engaged is not None
@@ -568,7 +586,11 @@ def _score_group(key, points, catalogue, n_candidates, seed, purchase_labels) ->
 
 
 def _per_arm(
-    points, catalogue, n_candidates, seed, purchase_labels
+    points: Iterable[_Point],
+    catalogue: Mapping[str, str],
+    n_candidates: int,
+    seed: int,
+    purchase_labels: tuple[str, ...],
 ) -> dict[str, list[PointScores]]:
     per_arm: dict[str, list[PointScores]] = {arm: [] for arm in ARMS}
     for p in points:
@@ -645,7 +667,8 @@ def bootstrap_difference(
     ]
 
     def value(scores: Sequence[PointScores]) -> float | None:
-        return getattr(aggregate(scores), metric)
+        figure: float | None = getattr(aggregate(scores), metric)
+        return figure
 
     va, vb = value([x for x, _ in pairs]), value([y for _, y in pairs])
     diff = None if va is None or vb is None else va - vb

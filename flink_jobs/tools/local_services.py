@@ -38,7 +38,7 @@ import tempfile
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Self
+from typing import TYPE_CHECKING, Any, Self, cast
 
 from flink_jobs.paths import cache_dir
 from inference_sidecar.processes import (
@@ -49,10 +49,13 @@ from inference_sidecar.processes import (
     SupervisedProcess,
 )
 
+if TYPE_CHECKING:
+    from confluent_kafka.admin import AdminClient
+
 log = logging.getLogger(__name__)
 
 LOOPBACK = "127.0.0.1"
-_START_ATTEMPTS_ON_FREE_PORT = 3  # a port picked by free_port() can be taken before bind
+_START_ATTEMPTS_ON_FREE_PORT = 3  #: a port picked by free_port() can be taken before bind
 
 
 # --- errors ------------------------------------------------------------------------------
@@ -277,7 +280,7 @@ class RedisService(_LocalService):
         )
         try:
             # The server that answers must be ours, not one that held the port before.
-            info = client.info("server")
+            info = cast(dict[str, Any], client.info("server"))
             return self.process is not None and info.get("process_id") == self.process.pid
         except redis.RedisError:
             return False
@@ -316,9 +319,8 @@ class KafkaService(_LocalService):
         if not port_accepts(self.host, self.port):
             return False
         from confluent_kafka import KafkaException
-        from confluent_kafka.admin import AdminClient
 
-        admin = AdminClient(_quiet_client_config(self.bootstrap))
+        admin = _quiet_admin(self.bootstrap)
         try:
             admin.list_topics(timeout=2.0)
         except KafkaException:
@@ -353,12 +355,14 @@ def start_tansu(
 # --- Kafka admin -------------------------------------------------------------------------
 
 
-def _quiet_client_config(bootstrap: str) -> dict[str, object]:
-    return {
-        "bootstrap.servers": bootstrap,
-        "socket.connection.setup.timeout.ms": 2000,
-        "logger": logging.getLogger(f"{__name__}.librdkafka"),
-    }
+def _quiet_admin(bootstrap: str) -> AdminClient:
+    """An admin client that fails fast and logs through this module's logger."""
+    from confluent_kafka.admin import AdminClient
+
+    return AdminClient(
+        {"bootstrap.servers": bootstrap, "socket.connection.setup.timeout.ms": 2000},
+        logger=logging.getLogger(f"{__name__}.librdkafka"),
+    )
 
 
 def create_topics(
@@ -375,12 +379,12 @@ def create_topics(
     partitions anyway).
     """
     from confluent_kafka import KafkaError, KafkaException
-    from confluent_kafka.admin import AdminClient, NewTopic
+    from confluent_kafka.admin import NewTopic
 
     wanted = list(dict.fromkeys(names))
     if not wanted:
         return
-    admin = AdminClient(_quiet_client_config(bootstrap))
+    admin = _quiet_admin(bootstrap)
     new_topics = [NewTopic(n, partitions, replication_factor) for n in wanted]
     futures = admin.create_topics(
         new_topics,

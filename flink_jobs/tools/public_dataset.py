@@ -75,7 +75,7 @@ DEFAULT_SHOPPERS = 200
 DEFAULT_SEED = 7
 DEFAULT_START = "2017-06-05"
 DEFAULT_DAYS = 7
-# The event schema's bound on ``quantity``; fuel lines count gallons in the thousands.
+#: The event schema's bound on ``quantity``; fuel lines count gallons in the thousands.
 MAX_QUANTITY = 1000
 MAX_EVENT_BYTES = 64 * 1024
 CATEGORY_SEPARATOR = " > "
@@ -182,8 +182,8 @@ def fetch_wheel(dest: Path) -> None:
 
 @dataclass(frozen=True)
 class Product:
-    category: str  # department > product_category > product_type, the parts that exist
-    brand: str  # the dataset's brand class: "National" or "Private"
+    category: str  #: department > product_category > product_type, the parts that exist
+    brand: str  #: the dataset's brand class: "National" or "Private"
 
 
 @dataclass(frozen=True)
@@ -195,8 +195,8 @@ class Line:
     product_id: int
     quantity: int
     sales_value: float
-    time_ms: int  # transaction_timestamp read as UTC
-    position: int  # the row's index in the basket, in file order
+    time_ms: int  #: transaction_timestamp read as UTC
+    position: int  #: the row's index in the basket, in file order
 
 
 @dataclass

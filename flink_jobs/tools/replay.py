@@ -62,7 +62,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal, NamedTuple, cast
 
 import orjson
 
@@ -97,9 +97,9 @@ log = logging.getLogger(__name__)
 
 RECORDING_FORMAT = "shopper-intents-recording/1"
 SCHEMA_PATH = resource_dir("schemas") / "shopper_event.schema.json"
-# Records bigger than this are never rewritten by rebasing (the pipeline refuses them anyway).
+#: Records bigger than this are never rewritten by rebasing (the pipeline refuses them anyway).
 DEFAULT_MAX_RECORD_BYTES = 64 * 1024
-MAX_EPOCH_MS = 32_503_680_000_000  # year 3000, the schema's bound
+MAX_EPOCH_MS = 32_503_680_000_000  #: year 3000, the schema's bound
 
 RebaseAnchor = Literal["first", "last", "send"]
 
@@ -134,10 +134,10 @@ class SourceRecord:
 
 
 class PlannedSend(NamedTuple):
-    send_at_s: float  # seconds after the replay starts
+    send_at_s: float  #: seconds after the replay starts
     key: bytes | None
     value: bytes
-    timestamp_ms: int | None  # Kafka record timestamp; None: the producer's clock
+    timestamp_ms: int | None  #: Kafka record timestamp; None: the producer's clock
 
 
 def shopper_key(value: bytes) -> bytes | None:
@@ -211,12 +211,12 @@ def plan_replay(
     plan: list[PlannedSend] = []
     due = 0.0
     for i, source in enumerate(sources):
+        timestamp = times[i]
         if rate is not None:
             due = i / rate
-        elif speed is not None and times[i] is not None and first_time is not None:
-            due = max(due, (times[i] - first_time) / 1000.0 / speed)
+        elif speed is not None and timestamp is not None and first_time is not None:
+            due = max(due, (timestamp - first_time) / 1000.0 / speed)
         value = source.value
-        timestamp = times[i]
         if shift is not None:
             shift_this = functools.partial(shift, i)
             value = _rebased_value(source.value, docs[i], shift_this, max_record_bytes, is_valid)
@@ -323,7 +323,7 @@ def _rebased_value(
 
 InputFormat = Literal["auto", "jsonl", "csv", "recording"]
 
-# CSV columns that belong inside "product" and the types of non-string fields.
+#: CSV columns that belong inside "product" and the types of non-string fields.
 _PRODUCT_COLUMNS = ("product_id", "title", "category", "brand", "price")
 
 
@@ -410,7 +410,12 @@ def _number(cell: str, kind: type[int] | type[float]) -> Any:
         number = kind(cell)
     except ValueError:
         return cell
-    if kind is float and number.is_integer() and "." not in cell and "e" not in cell.lower():
+    if (
+        isinstance(number, float)
+        and number.is_integer()
+        and "." not in cell
+        and "e" not in cell.lower()
+    ):
         return int(number)
     return number
 
@@ -478,8 +483,8 @@ def write_recording(path: Path | str, topic: str, records: Sequence[SourceRecord
 @dataclass(frozen=True, slots=True)
 class ReplayProgress:
     total: int
-    produced: int  # handed to the producer
-    sent: int  # acknowledged by the broker
+    produced: int  #: handed to the producer
+    sent: int  #: acknowledged by the broker
     failed: int
     bytes: int
     elapsed_s: float
@@ -490,9 +495,9 @@ class ReplaySummary:
     records: int
     sent: int
     failed: int
-    bytes: int  # value bytes of the acknowledged records
+    bytes: int  #: value bytes of the acknowledged records
     elapsed_s: float
-    errors: Mapping[str, int] = field(default_factory=dict)  # Kafka error name -> count
+    errors: Mapping[str, int] = field(default_factory=dict)  #: Kafka error name -> count
     first_error: str | None = None
 
     @property
@@ -578,11 +583,11 @@ class ReplayCounts:
     ``poll`` and ``flush``), and mirrored into ``metrics`` when given."""
 
     metrics: ReplayMetrics | None = None
-    produced: int = 0  # handed to the producer, failed or not
-    sent: int = 0  # acknowledged by the broker
+    produced: int = 0  #: handed to the producer, failed or not
+    sent: int = 0  #: acknowledged by the broker
     failed: int = 0
     sent_bytes: int = 0
-    errors: Counter[str] = field(default_factory=Counter)  # Kafka error name -> count
+    errors: Counter[str] = field(default_factory=Counter)  #: Kafka error name -> count
     first_error: str | None = None
 
     def count_produced(self) -> None:
@@ -786,7 +791,7 @@ class RecordSummary:
     records: list[SourceRecord]
     partitions: int
     elapsed_s: float
-    stopped_by: str  # idle | max_records | timeout
+    stopped_by: str  #: idle | max_records | timeout
 
 
 def record_topic(
@@ -849,18 +854,20 @@ def record_topic(
                 break
             batch_size = 500 if max_records is None else max(1, min(500, max_records - count))
             for msg in consumer.consume(num_messages=batch_size, timeout=min(0.5, idle_s)):
-                if msg.error():
-                    if msg.error().code() == KafkaError._PARTITION_EOF:
+                error = msg.error()
+                if error is not None:
+                    if error.code() == KafkaError._PARTITION_EOF:
                         continue
-                    raise ReplayError(f"reading {topic!r} failed: {msg.error()}")
+                    raise ReplayError(f"reading {topic!r} failed: {error}")
                 ts_type, ts = msg.timestamp()
-                by_partition.setdefault(msg.partition(), []).append(
+                partition = cast(int, msg.partition())  # a consumed record names its partition
+                by_partition.setdefault(partition, []).append(
                     SourceRecord(
                         value=msg.value() or b"",
                         key=msg.key(),
                         timestamp_ms=None if ts_type == TIMESTAMP_NOT_AVAILABLE else ts,
                         recorded=True,
-                        partition=msg.partition(),
+                        partition=partition,
                         offset=msg.offset(),
                     )
                 )

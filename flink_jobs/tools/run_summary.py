@@ -17,6 +17,7 @@ import math
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any, cast
 
 import httpx
 import orjson
@@ -43,11 +44,13 @@ PROMPT_OUTCOMES = (
 
 
 def read_stats(client: redis.Redis, prefix: str) -> dict[str, int]:
-    return {_text(k): int(v) for k, v in client.hgetall(stats_key(prefix)).items()}
+    stats = cast(dict[bytes, bytes], client.hgetall(stats_key(prefix)))
+    return {_text(k): int(v) for k, v in stats.items()}
 
 
 def read_samples(client: redis.Redis, prefix: str, name: str) -> list[int]:
-    return [int(v) for v in client.lrange(samples_key(prefix, name), 0, -1)]
+    samples = cast(list[bytes], client.lrange(samples_key(prefix, name), 0, -1))
+    return [int(v) for v in samples]
 
 
 def wait_for_task_starts(
@@ -94,7 +97,7 @@ class IntentRow:
     summary: str
     event_time_ms: int
     written_at_ms: int
-    intent: dict
+    intent: dict[str, Any]
 
     @property
     def latency_ms(self) -> int:
@@ -195,14 +198,14 @@ def read_prefix_cache(worker_urls: Iterable[str]) -> PrefixCacheStats:
 
 def read_dead_letters(
     bootstrap: str, topic: str, expected: int, timeout_s: float = 30.0
-) -> list[dict]:
+) -> list[dict[str, Any]]:
     """Read the dead-letter topic from the start until ``expected`` records or the timeout."""
     return read_json_topic(bootstrap, topic, expected, timeout_s)
 
 
 def read_json_topic(
     bootstrap: str, topic: str, expected: int | None = None, timeout_s: float = 30.0
-) -> list[dict]:
+) -> list[dict[str, Any]]:
     """Read a topic of JSON records from the start until ``expected`` records (None: until
     the end of every partition) or the timeout."""
     from confluent_kafka import Consumer, KafkaError, TopicPartition
@@ -218,7 +221,7 @@ def read_json_topic(
     try:
         partitions = consumer.list_topics(topic, timeout=10).topics[topic].partitions
         consumer.assign([TopicPartition(topic, p, 0) for p in partitions])
-        records: list[dict] = []
+        records: list[dict[str, Any]] = []
         at_end: set[int] = set()
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -229,12 +232,15 @@ def read_json_topic(
             msg = consumer.poll(0.5)
             if msg is None:
                 continue
-            if msg.error():
-                if msg.error().code() == KafkaError._PARTITION_EOF:
-                    at_end.add(msg.partition())
+            # Consumed records and end-of-partition events always name their partition.
+            partition = cast(int, msg.partition())
+            error = msg.error()
+            if error is not None:
+                if error.code() == KafkaError._PARTITION_EOF:
+                    at_end.add(partition)
                 continue
-            at_end.discard(msg.partition())
-            records.append(orjson.loads(msg.value()))
+            at_end.discard(partition)
+            records.append(orjson.loads(cast(bytes, msg.value())))  # JSON topics: no tombstones
         return records
     finally:
         consumer.close()
@@ -293,11 +299,12 @@ def partition_span(bootstrap: str, topic: str, partition: int) -> tuple[int, int
             msg = reader.poll(0.5)
             if msg is None:
                 continue
-            if msg.error():
-                if msg.error().code() == KafkaError._PARTITION_EOF:
+            error = msg.error()
+            if error is not None:
+                if error.code() == KafkaError._PARTITION_EOF:
                     break
                 continue
-            end = max(end, msg.offset() + 1)
+            end = max(end, cast(int, msg.offset()) + 1)  # a consumed record has its offset
         return low, end
     finally:
         reader.close()

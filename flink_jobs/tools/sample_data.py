@@ -61,12 +61,12 @@ __all__ = [
 ]
 
 EXPECTATIONS_FORMAT = "shopper-intents-sample-expectations/1"
-# Fixed, in the past, so the sample is the same on every run and never "in the future".
+#: Fixed, in the past, so the sample is the same on every run and never "in the future".
 DEFAULT_START = datetime(2026, 6, 1, 9, 0, 0, tzinfo=UTC)
-# Records above this size are refused by the pipeline; oversized bad records exceed it.
+#: Records above this size are refused by the pipeline; oversized bad records exceed it.
 DEFAULT_MAX_RECORD_BYTES = 64 * 1024
 
-# Bad kinds that the pipeline must dead-letter, and the dead-letter reason each maps to.
+#: Bad kinds that the pipeline must dead-letter, and the dead-letter reason each maps to.
 DEAD_LETTER_REASONS = {
     "malformed_json": "malformed_json",
     "invalid_utf8": "invalid_utf8",
@@ -450,8 +450,8 @@ class SampleConfig:
     seed: int = 7
     start: datetime = DEFAULT_START
     duration_s: float = 3600.0
-    # A shopper's next session starts at least this long after the previous one ends; keep
-    # it above the pipeline's session.gap_s so returning shoppers start a new session.
+    #: A shopper's next session starts at least this long after the previous one ends; keep
+    #: it above the pipeline's session.gap_s so returning shoppers start a new session.
     session_gap_s: float = 1800.0
     max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES
     bad: BadRecords = field(default_factory=BadRecords)
@@ -568,7 +568,7 @@ class _IdMaker:
                 return candidate
 
 
-# Activity skew: P(k sessions) ~ k^-2, so ~60% come once and a few come back several times.
+#: Activity skew: P(k sessions) ~ k^-2, so ~60% come once and a few come back several times.
 _SESSION_COUNTS = (1, 2, 3, 4, 5, 6)
 _SESSION_WEIGHTS = tuple(k**-2.0 for k in _SESSION_COUNTS)
 _PERSONAS = ("browser", "considerer", "buyer")

@@ -15,13 +15,13 @@ from typing import Any
 
 from inference_sidecar.kv.blocks import external_hash
 
+#: Blocks one ``BlockStored`` or ``BlockRemoved`` may name: a 262,144-token context at 16
+#: tokens a block. vLLM publishes a request's new (or reused) full blocks per engine step.
 MAX_EVENT_BLOCKS = 1 << 14
-"""Blocks one ``BlockStored`` or ``BlockRemoved`` may name: a 262,144-token context at 16
-tokens a block. vLLM publishes a request's new (or reused) full blocks per engine step."""
+#: Token ids one ``BlockStored`` may carry (its blocks' tokens).
 MAX_EVENT_TOKENS = 1 << 18
-"""Token ids one ``BlockStored`` may carry (its blocks' tokens)."""
+#: Events one batch may carry (one engine step's requests).
 MAX_BATCH_EVENTS = 1 << 14
-"""Events one batch may carry (one engine step's requests)."""
 
 
 class KVEventFormatError(ValueError):
@@ -35,8 +35,8 @@ class Stored:
     token_ids: tuple[int, ...]
     block_size: int
     lora_name: str | None = None
+    #: Per block, the untagged extra keys its hash includes (``kv.blocks``), or None.
     extra_keys: tuple[Any, ...] | None = None
-    """Per block, the untagged extra keys its hash includes (``kv.blocks``), or None."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,8 +57,8 @@ class EventBatch:
     seq: int
     events: tuple[Event, ...]
     ts: float = 0.0
+    #: Events of kinds this index does not use (another medium, an unknown tag).
     ignored: int = 0
-    """Events of kinds this index does not use (another medium, an unknown tag)."""
 
 
 def _field(raw: Any, name: str, position: int) -> Any:

@@ -40,9 +40,9 @@ from functools import lru_cache
 from typing import Any
 
 DEFAULT_NONE_HASH_SEED = "vllm-none-hash"
+#: ``pickle.HIGHEST_PROTOCOL`` on the Pythons vLLM 0.32 supports; pinned so the router's own
+#: Python cannot change the hashes.
 PICKLE_PROTOCOL = 5
-"""``pickle.HIGHEST_PROTOCOL`` on the Pythons vLLM 0.32 supports; pinned so the router's
-own Python cannot change the hashes."""
 SUPPORTED_ALGOS = ("sha256", "sha256_cbor")
 _LOW_64 = (1 << 64) - 1
 
@@ -59,8 +59,8 @@ def _sha256_cbor(value: Any) -> bytes:
 
 _ALGOS = {"sha256": _sha256_pickle, "sha256_cbor": _sha256_cbor}
 
+#: A block's index -> the extra keys hashed with its tokens.
 ExtraKeys = Callable[[int], "tuple[Any, ...] | None"]
-"""A block's index -> the extra keys hashed with its tokens."""
 
 
 class Unverifiable(ValueError):
@@ -73,8 +73,8 @@ class BlockExtras:
     """A request's extra keys, as vLLM's ``generate_block_hash_extra_keys`` makes them for
     a text prompt: its LoRA adapter on every block, its ``cache_salt`` on the first."""
 
+    #: The adapter's name and path, when the request's model is a LoRA adapter.
     lora: tuple[str, str] | None = None
-    """The adapter's name and path, when the request's model is a LoRA adapter."""
     cache_salt: str | None = None
 
     def __call__(self, block: int) -> tuple[Any, ...] | None:

@@ -32,11 +32,11 @@ log = logging.getLogger(__name__)
 
 #: Seconds between attempts to read the workers' block size and hash algorithm.
 KV_CONFIG_RETRY_S = 1.0
+#: The context assumed while no worker has said its own (and none was configured).
 DEFAULT_MAX_PROMPT_TOKENS = 1 << 17
-"""The context assumed while no worker has said its own (and none was configured)."""
 
+#: ``read(worker, path)``: the text of a worker's ``GET path``.
 Read = Callable[[str, str], Awaitable[str]]
-"""``read(worker, path)``: the text of a worker's ``GET path``."""
 
 
 class KVFeed:

@@ -43,13 +43,13 @@ from typing import Literal
 from inference_sidecar.kv.batches import EventBatch, Removed, Stored
 from inference_sidecar.kv.blocks import BlockHashing, Unverifiable, event_extra_keys
 
+#: Per worker: more than an 80 GB GPU holds of SmolLM2-135M's KV (23 KiB a token: about
+#: 217,000 blocks of 16 tokens), the smallest model served here; about 30 MiB of index.
 DEFAULT_MAX_BLOCKS = 1 << 18
-"""Per worker: more than an 80 GB GPU holds of SmolLM2-135M's KV (23 KiB a token: about
-217,000 blocks of 16 tokens), the smallest model served here; about 30 MiB of index."""
 DEFAULT_STALE_AFTER_S = 10.0
+#: Leading blocks of a published root chain compared with our computation: enough to tell
+#: another seed or algorithm, at a cost that does not grow with the prompt.
 VERIFY_BLOCKS = 4
-"""Leading blocks of a published root chain compared with our computation: enough to tell
-another seed or algorithm, at a cost that does not grow with the prompt."""
 
 Outcome = Literal["applied", "gap", "restart", "duplicate"]
 
@@ -58,16 +58,16 @@ Outcome = Literal["applied", "gap", "restart", "duplicate"]
 class WorkerBlocks:
     """What the index knows of one worker."""
 
+    #: Block hashes, least recently stored first (an ordered set).
     blocks: OrderedDict[int, None] = field(default_factory=OrderedDict)
-    """Block hashes, least recently stored first (an ordered set)."""
     next_seq: int = 0
     last_batch_at: float | None = None
+    #: When a request that must make the worker publish was prefilled, unanswered yet.
     awaiting_since: float | None = None
-    """When a request that must make the worker publish was prefilled, unanswered yet."""
+    #: Its published hashes do not match ours (another seed or algorithm): never trusted.
     mismatched: bool = False
-    """Its published hashes do not match ours (another seed or algorithm): never trusted."""
+    #: Its event stream is subscribed to; False when the subscriber cannot hear it.
     heard: bool = True
-    """Its event stream is subscribed to; False when the subscriber cannot hear it."""
 
 
 @dataclass(slots=True)
@@ -78,13 +78,13 @@ class IndexCounters:
     events: int = 0
     ignored: int = 0
     duplicates: int = 0
+    #: Clears by reason: gap, restart, cleared (AllBlocksCleared), reset, down, overflow,
+    #: stream_lost.
     resyncs: dict[str, int] = field(default_factory=dict)
-    """Clears by reason: gap, restart, cleared (AllBlocksCleared), reset, down, overflow,
-    stream_lost."""
     verified: int = 0
     mismatches: int = 0
+    #: Root chains with extra keys that cannot be rebuilt here: neither trusted nor not.
     unverifiable: int = 0
-    """Root chains with extra keys that cannot be rebuilt here: neither trusted nor not."""
 
 
 class KVIndex:

@@ -23,8 +23,8 @@ class WorkerModels:
 
     max_model_len: int | None = None
     base: frozenset[str] = frozenset()
+    #: LoRA adapter name -> its path, which vLLM hashes into its blocks.
     loras: Mapping[str, str] = field(default_factory=dict)
-    """LoRA adapter name -> its path, which vLLM hashes into its blocks."""
 
     @property
     def known(self) -> bool:

@@ -37,9 +37,9 @@ class PromptBlocks:
 
     tokens: int = 0
     blocks: tuple[int, ...] = ()
+    #: ``unreproducible``, ``unknown_model``, ``over_context`` or ``tokenizer_failed`` when
+    #: not computed.
     unhashed: str | None = None
-    """``unreproducible``, ``unknown_model``, ``over_context`` or ``tokenizer_failed``
-    when not computed."""
 
 
 def prompt_blocks(
@@ -113,6 +113,7 @@ class BlockComputer:
         return self.workers > 0
 
     def _new_pool(self) -> Executor:
+        assert self.model_dir is not None  # __init__ refuses processes without it
         # spawn, not fork: the router's process has threads (the KV event subscriber).
         return ProcessPoolExecutor(
             self.workers,

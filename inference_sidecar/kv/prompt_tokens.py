@@ -63,9 +63,8 @@ def message_text(content: Any) -> str | None:
 def _special_token(value: Any) -> str | None:
     if isinstance(value, str):
         return value
-    if isinstance(value, Mapping) and isinstance(value.get("content"), str):
-        return value["content"]
-    return None
+    content = value.get("content") if isinstance(value, Mapping) else None
+    return content if isinstance(content, str) else None
 
 
 class PromptTokenizer:

@@ -17,8 +17,8 @@ _TCP = re.compile(
     r"tcp://(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_](?:[A-Za-z0-9_.-]*[A-Za-z0-9_])?)"
     r":(?P<port>\d{1,5})"
 )
+#: A Unix socket's path must fit ``sun_path`` (108 bytes with its terminating NUL).
 MAX_IPC_PATH_BYTES = 107
-"""A Unix socket's path must fit ``sun_path`` (108 bytes with its terminating NUL)."""
 
 
 def check_endpoint(value: object, key: str) -> str:

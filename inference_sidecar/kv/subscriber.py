@@ -41,20 +41,20 @@ log = logging.getLogger(__name__)
 
 END_SEQ = -1
 POLL_MS = 200
+#: Per replay: how long a worker's batches may wait for the batches it missed.
 REPLAY_TIMEOUT_S = 1.0
-"""Per replay: how long a worker's batches may wait for the batches it missed."""
+#: Per replay: batches taken from the replay buffer (vLLM keeps its last few thousand).
 MAX_REPLAY_BATCHES = 1024
-"""Per replay: batches taken from the replay buffer (vLLM keeps its last few thousand)."""
+#: Per replay: live batches of the worker held back meanwhile.
 MAX_HELD_BATCHES = 1024
-"""Per replay: live batches of the worker held back meanwhile."""
+#: After a failed replay, that worker's holes are left as gaps for this long.
 REPLAY_BACKOFF_S = 30.0
-"""After a failed replay, that worker's holes are left as gaps for this long."""
+#: ``ZMQ_MAXMSGSIZE``: far above a batch of one engine step (a long prompt's blocks are a
+#: few hundred KiB), and a bound on what one message can make the router decode.
 MAX_MSG_BYTES = 16 * 1024 * 1024
-"""``ZMQ_MAXMSGSIZE``: far above a batch of one engine step (a long prompt's blocks are
-a few hundred KiB), and a bound on what one message can make the router decode."""
 
+#: ``(worker, [(batch, replayed), ...])``: called in the subscriber's thread.
 Deliver = Callable[[str, list[tuple[EventBatch, bool]]], None]
-"""``(worker, [(batch, replayed), ...])``: called in the subscriber's thread."""
 
 
 @dataclass(slots=True, eq=False)
@@ -63,12 +63,12 @@ class _Replay:
 
     worker: str
     sock: Any
+    #: The sequence number of the batch that revealed the hole (not replayed).
     until: int
-    """The sequence number of the batch that revealed the hole (not replayed)."""
     deadline: float
     got: list[EventBatch] = field(default_factory=list)
+    #: The worker's live batches since the hole, the revealing one first.
     held: list[EventBatch] = field(default_factory=list)
-    """The worker's live batches since the hole, the revealing one first."""
 
 
 class KVEventSubscriber:
@@ -254,9 +254,12 @@ class KVEventSubscriber:
             return
         worker = self._subs.get(sock)
         replay = None if worker is not None else self._replay_of(sock)
-        if worker is None and replay is None:
+        if worker is not None:
+            name = worker
+        elif replay is not None:
+            name = replay.worker
+        else:
             return
-        name = worker if worker is not None else replay.worker  # type: ignore[union-attr]
         try:
             frames = sock.recv_multipart()
             if replay is not None:

@@ -68,37 +68,37 @@ from dataclasses import dataclass, field
 
 from inference_sidecar.policies.base import Policy
 
+#: ``c`` of rule 1. It must bind on two workers, where any ``c`` of 2 or more lets one
+#: worker take every request (``docs/decisions.md#bounded-hash-load-factor``).
 DEFAULT_LOAD_FACTOR = 1.25
-"""``c`` of rule 1. It must bind on two workers, where any ``c`` of 2 or more lets one
-worker take every request (``docs/decisions.md#bounded-hash-load-factor``)."""
 DEFAULT_RESIDENCY_FACTOR = 1.25
 DEFAULT_MIN_BOUND = 3
 DEFAULT_RECOMPUTE_WEIGHT = 2.0
+#: Tokens of queue cost per request in flight: a tie-breaker towards fewer requests
+#: (decoding slots), small next to a prompt of 1-4k tokens. A cost near ``routing_state``'s
+#: unit of work makes the cost rule move hot shoppers off their cached prefix
+#: (``docs/decisions.md#bounded-hash-request-cost``).
 DEFAULT_REQUEST_COST = 64
-"""Tokens of queue cost per request in flight: a tie-breaker towards fewer requests
-(decoding slots), small next to a prompt of 1-4k tokens. A cost near ``routing_state``'s
-unit of work makes the cost rule move hot shoppers off their cached prefix
-(``docs/decisions.md#bounded-hash-request-cost``)."""
+#: Share of a new key's prompt one worker must hold beyond another for the key to follow it
+#: there rather than to fewer requests in flight or a roomier cache (``kv_prefix``: a
+#: repeated prompt under a new key; a shared instruction prefix alone does not qualify).
 SAME_PROMPT_SHARE = 0.5
-"""Share of a new key's prompt one worker must hold beyond another for the key to follow
-it there rather than to fewer requests in flight or a roomier cache (``kv_prefix``: a
-repeated prompt under a new key; a shared instruction prefix alone does not qualify)."""
 NEW_KEY_PLACEMENTS = ("least_loaded", "fewest_first", "cost")
 DEFAULT_NEW_KEY_PLACEMENT = "fewest_first"
 DEFAULT_HISTORY_SIZE = 50_000
+#: Workers remembered per key: its home and the one it last spilled to.
 DEFAULT_WORKERS_PER_KEY = 2
-"""Workers remembered per key: its home and the one it last spilled to."""
+#: Weight of the newest latency in a worker's moving average.
 LATENCY_SMOOTHING = 0.3
-"""Weight of the newest latency in a worker's moving average."""
 SLOWNESS_RANGE = (0.5, 4.0)
+#: Latencies this close to the median (as a ratio, or within 0.1 s) count as equal: noise
+#: must not herd new keys.
 SLOWNESS_DEAD_BAND = (0.8, 1.25, 0.1)
-"""Latencies this close to the median (as a ratio, or within 0.1 s) count as equal: noise
-must not herd new keys."""
+#: How long a worker's latency average is trusted after its last answer. Older, it counts as
+#: unknown: a worker that new keys avoided gets no answers to refresh its figure, so without
+#: this it would be starved on one old measurement
+#: (``docs/decisions.md#bounded-hash-speed-and-residency``).
 LATENCY_MEMORY_S = 60.0
-"""How long a worker's latency average is trusted after its last answer. Older, it counts
-as unknown: a worker that new keys avoided gets no answers to refresh its figure, so
-without this it would be starved on one old measurement
-(``docs/decisions.md#bounded-hash-speed-and-residency``)."""
 
 
 def rendezvous_score(key: str, worker: str) -> int:
@@ -125,11 +125,11 @@ class Ticket:
 
     worker: str
     key: str
+    #: Uncached tokens still counted in the worker's queue (0 once the prefill is done).
     pending: int
-    """Uncached tokens still counted in the worker's queue (0 once the prefill is done)."""
     started: float = field(default=0.0)
+    #: ``on_finish`` has run: the key's count of requests in flight is released once.
     finished: bool = False
-    """``on_finish`` has run: the key's count of requests in flight is released once."""
 
 
 class BoundedHashPolicy(Policy):

@@ -33,7 +33,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from inference_sidecar.config import RouterConfig, redact_url
+from inference_sidecar.config import RouterConfig
 from inference_sidecar.exceptions import ConfigError, NoWorkerAvailable, RequestError, UpstreamError
 from inference_sidecar.kv.sources import EventSource
 from inference_sidecar.router.admission import Admission
@@ -45,6 +45,7 @@ from inference_sidecar.router.bodies import (
 )
 from inference_sidecar.router.core import Router
 from inference_sidecar.router.streaming import RelayedStream
+from intent_reader.config_errors import redact_url
 
 log = logging.getLogger(__name__)
 

@@ -26,16 +26,16 @@ class Reply:
 class RoutedRequest:
     """One client completion request, parsed once, as every routing step needs it."""
 
+    #: ``chat/completions`` or ``completions``: the path under ``/v1`` and a metrics label.
     endpoint: str
-    """``chat/completions`` or ``completions``: the path under ``/v1`` and a metrics label."""
+    #: The client's bytes, sent unchanged in aggregated mode.
     raw: bytes
-    """The client's bytes, sent unchanged in aggregated mode."""
     body: dict[str, Any]
     key: RoutingKey
+    #: What is forwarded to the worker (``Upstream.forwarded_headers``).
     headers: Mapping[str, str]
-    """What is forwarded to the worker (``Upstream.forwarded_headers``)."""
+    #: Router clock when the request arrived (time to first token and latency).
     received: float
-    """Router clock when the request arrived (time to first token and latency)."""
 
     @property
     def path(self) -> str:
@@ -53,15 +53,15 @@ class Attempt:
     pool: RoutingState
     worker: str
     started: float
+    #: Event-loop time by which the attempt must be over, its stream included.
     deadline: float
-    """Event-loop time by which the attempt must be over, its stream included."""
     ticket: Ticket
+    #: Full KV blocks of the prompt (kv_prefix): a success must make the worker publish.
     blocks: int = 0
-    """Full KV blocks of the prompt (kv_prefix): a success must make the worker publish."""
+    #: The outcome to record: ``None`` when the worker is not to blame (``finish``).
     ok: bool | None = False
-    """The outcome to record: ``None`` when the worker is not to blame (``finish``)."""
+    #: A stream's relay ends the attempt, when the stream ends.
     handed_over: bool = False
-    """A stream's relay ends the attempt, when the stream ends."""
 
 
 class AttemptFailed(Exception):

@@ -21,7 +21,7 @@ import orjson
 from starlette.responses import Response
 
 from inference_sidecar import pd
-from inference_sidecar.config import RouterConfig, redact_url
+from inference_sidecar.config import RouterConfig
 from inference_sidecar.exceptions import UpstreamError
 from inference_sidecar.health import HealthEvent
 from inference_sidecar.kv.batches import EventBatch
@@ -40,6 +40,7 @@ from inference_sidecar.router.membership import Membership
 from inference_sidecar.router.upstream import PREFILL_WORKER_HEADER, Upstream
 from inference_sidecar.routing_key import estimate_prompt_tokens, extract_routing_key
 from inference_sidecar.routing_state import RoutingState
+from intent_reader.config_errors import redact_url
 
 log = logging.getLogger(__name__)
 

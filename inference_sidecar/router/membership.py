@@ -17,7 +17,7 @@ from typing import Any
 
 import httpx
 
-from inference_sidecar.config import RouterConfig, normalise_url, redact_url
+from inference_sidecar.config import RouterConfig, normalise_url
 from inference_sidecar.exceptions import ConfigError
 from inference_sidecar.health import HealthEvent
 from inference_sidecar.kv.feed import KVFeed
@@ -25,6 +25,7 @@ from inference_sidecar.kv.sources import EventSource
 from inference_sidecar.metrics import RouterMetrics
 from inference_sidecar.policies import Policy
 from inference_sidecar.routing_state import RoutingState
+from intent_reader.config_errors import redact_url
 
 log = logging.getLogger(__name__)
 

@@ -72,50 +72,50 @@ class ClusterConfig:
     """One description of a worker cluster, for either profile and either mode."""
 
     mode: Mode = "aggregated"
+    #: Workers in aggregated mode.
     workers: int = 2
-    """Workers in aggregated mode."""
     prefill: int = 1
     decode: int = 1
     base_port: int = 8100
     host: str = "127.0.0.1"
+    #: Default: ``<cache_dir>/models/<served_model_name>``.
     model_dir: Path | None = None
-    """Default: ``<cache_dir>/models/<served_model_name>``."""
     served_model_name: str = DEFAULT_MODEL_NAME
     profile: Profile = "cpu"
     kv_connector: Connector = "ExampleConnector"
     max_model_len: int = 4096
     kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES
+    #: ExampleConnector only: KV folders older than this are deleted from the shared storage
+    #: (the connector never deletes; a decode reads its KV within seconds).
     kv_store_ttl_s: float = 120.0
-    """ExampleConnector only: KV folders older than this are deleted from the shared
-    storage (the connector never deletes; a decode reads its KV within seconds)."""
+    #: Default: ``<cache_dir>/logs/workers``.
     log_dir: Path | None = None
-    """Default: ``<cache_dir>/logs/workers``."""
+    #: Default: ``$SI_CACHE_DIR`` or ``<repo>/.cache``.
     cache_dir: Path | None = None
-    """Default: ``$SI_CACHE_DIR`` or ``<repo>/.cache``."""
+    #: Interpreter with vLLM installed. Default: ``<cache_dir>/vllm-venv/bin/python``.
     python: Path | None = None
-    """Interpreter with vLLM installed. Default: ``<cache_dir>/vllm-venv/bin/python``."""
+    #: vLLM's ``--dtype``. ``auto`` on the cpu profile: what this host's CPU computes
+    #: fastest (``cpu_dtype``); on the gpu profile: the model's own.
     dtype: str = "auto"
-    """vLLM's ``--dtype``. ``auto`` on the cpu profile: what this host's CPU computes
-    fastest (``cpu_dtype``); on the gpu profile: the model's own."""
     enforce_eager: bool = True
     structured_outputs_config: str | None = DEFAULT_STRUCTURED_OUTPUTS
+    #: CPU cores to pin workers to (round-robin). Default: the cores we may run on.
     cores: tuple[int, ...] = ()
-    """CPU cores to pin workers to (round-robin). Default: the cores we may run on."""
+    #: GPU indices for the gpu profile (round-robin). Default: 0..n-1.
     gpus: tuple[int, ...] = ()
-    """GPU indices for the gpu profile (round-robin). Default: 0..n-1."""
     extra_args: tuple[str, ...] = ()
+    #: Extra environment for every worker (an ``LD_PRELOAD`` here replaces ld_preload's).
     env: Mapping[str, str] = field(default_factory=dict)
-    """Extra environment for every worker (an ``LD_PRELOAD`` here replaces ld_preload's)."""
+    #: Libraries (full paths) preloaded into every worker. Default on the cpu profile:
+    #: TCMalloc and Intel OpenMP, found by ``find_cpu_preload``; ``()`` preloads nothing.
     ld_preload: tuple[str, ...] | None = None
-    """Libraries (full paths) preloaded into every worker. Default on the cpu profile:
-    TCMalloc and Intel OpenMP, found by ``find_cpu_preload``; ``()`` preloads nothing."""
+    #: Workers publish their KV cache events over ZMQ (``--kv-events-config``), with a
+    #: replay buffer: what the kv_prefix routing policy needs.
     kv_events: bool = False
-    """Workers publish their KV cache events over ZMQ (``--kv-events-config``), with a
-    replay buffer: what the kv_prefix routing policy needs."""
+    #: Added to every worker's scheduling niceness (0-19). On a host the workers share with
+    #: the stream job (the embedded stack), a positive value lets the job's latency-critical
+    #: work (events, rules-only records) run before the model's batch work.
     niceness: int = 0
-    """Added to every worker's scheduling niceness (0-19). On a host the workers share with
-    the stream job (the embedded stack), a positive value lets the job's latency-critical
-    work (events, rules-only records) run before the model's batch work."""
 
     def __post_init__(self) -> None:
         _check_choice("mode", self.mode, Mode)
@@ -148,7 +148,8 @@ class ClusterConfig:
         object.__setattr__(self, "gpus", tuple(self.gpus))
         object.__setattr__(self, "extra_args", tuple(self.extra_args))
         if self.ld_preload is not None:
-            if isinstance(self.ld_preload, str):
+            given: object = self.ld_preload  # a config file's string is refused, not split
+            if isinstance(given, str):
                 raise ConfigError("ld_preload", "must be a list of library paths")
             object.__setattr__(self, "ld_preload", tuple(str(p) for p in self.ld_preload))
         object.__setattr__(self, "env", MappingProxyType(dict(self.env)))

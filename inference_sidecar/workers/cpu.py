@@ -30,11 +30,8 @@ def cpu_dtype(cpuinfo: str) -> str:
     """The weight dtype a CPU worker should use, from ``/proc/cpuinfo``'s text.
 
     bf16 halves the weights' memory traffic, but only pays where the CPU computes in bf16
-    (``avx512_bf16`` or ``amx_bf16``); elsewhere it prefills slower than float32. Measured
-    with SmolLM2-135M on one core: an AVX2-only EPYC, 1,230 prompt tokens in 57 s in bf16
-    and 12 s in float32; a Xeon with AVX-512 but no bf16 instructions, 1,271 tokens and 60
-    output tokens in 12.2 s in bf16 and 6.3 s in float32. Other architectures keep the
-    model's own dtype."""
+    (``avx512_bf16`` or ``amx_bf16``); elsewhere it prefills slower than float32
+    (docs/decisions.md#cpu-worker-dtype). Other architectures keep the model's own dtype."""
     flags = {
         flag
         for line in cpuinfo.splitlines()

@@ -57,11 +57,11 @@ class WorkerSpec:
     host: str
     port: int
     argv: tuple[str, ...]
+    #: Variables added to the parent's environment.
     env: Mapping[str, str]
-    """Variables added to the parent's environment."""
     log_path: Path
+    #: Where the router subscribes to its KV cache events (None: it publishes none).
     kv_events: str | None = None
-    """Where the router subscribes to its KV cache events (None: it publishes none)."""
     kv_replay: str | None = None
 
     @property
@@ -113,11 +113,12 @@ def plan_workers(config: ClusterConfig, kv_dir: Path | None = None) -> list[Work
         raise ConfigError("config", "plan_workers() needs a resolved config (see resolved())")
     cache = config.cache_dir or default_cache_dir()
     kv_dir = kv_dir or cache / "kv-shared" / str(config.base_port)
-    roles: list[Role] = (
-        ["worker"] * config.workers
-        if config.mode == "aggregated"
-        else ["prefill"] * config.prefill + ["decode"] * config.decode
-    )
+    roles: list[Role]
+    if config.mode == "aggregated":
+        roles = ["worker"] * config.workers
+    else:
+        roles = ["prefill"] * config.prefill
+        roles += ["decode"] * config.decode
     cores = config.cores or available_cores()
     dtype = host_cpu_dtype() if config.dtype == "auto" and config.profile == "cpu" else config.dtype
     specs: list[WorkerSpec] = []

@@ -173,7 +173,7 @@ class TestAStreamKeyOfAnotherType:
             environ={},
         )
 
-        with pytest.raises(ConfigError, match=r"redis\.notify_stream .*holds a hash"):
+        with pytest.raises(ConfigError, match=r"^redis\.notify_stream: '.*' holds a hash"):
             check_redis_layout(config)
 
     def test_a_stream_or_a_key_not_made_yet_is_accepted_at_start(

@@ -53,5 +53,5 @@ def test_restoring_latest_needs_a_checkpoint_dir() -> None:
 
 
 def test_a_negative_out_of_orderness_bound_is_refused() -> None:
-    with pytest.raises(ConfigError, match=r"job\.out_of_orderness_s must be >= 0"):
+    with pytest.raises(ConfigError, match=r"job\.out_of_orderness_s: must be >= 0"):
         AppConfig().with_overrides({"job": {"out_of_orderness_s": "-1"}}).validate()

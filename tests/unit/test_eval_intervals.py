@@ -1,5 +1,5 @@
-"""Differences between arms with a 95 % bootstrap interval over shoppers, and the issue's
-targets judged from a run's figures."""
+"""Differences between arms with a 95 % bootstrap interval over shoppers, and the distilled
+adapter's targets judged from a run's figures."""
 
 from __future__ import annotations
 

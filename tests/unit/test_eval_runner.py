@@ -74,3 +74,53 @@ def test_the_report_says_where_the_record_and_the_answer_beat_tie_and_lose_to_th
     )
     assert "alone beats the rules-only intent on ndcg_at_10 0.400 vs 0.300; ties on" in lines[3]
     assert "- ndcg_at_10, the model's answers: v2.j2 beats v1.j2 (0.400 vs 0.100)." in lines
+
+
+# --- the commit a run records ------------------------------------------------------------------
+
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+def _eval_document(code: dict) -> dict:
+    import argparse
+    from pathlib import Path
+
+    args = argparse.Namespace(
+        dataset="sample",
+        events=Path("data/sample_sessions.jsonl"),
+        split="",
+        templates=["shopper_intent_v3.j2"],
+        adapter=Path("adapters/si-compact-lora"),
+        serve="merged",
+    )
+    return eval_runner.eval_document(args, 10, 2, [], {"differences": []}, code, 1.0)
+
+
+def test_an_eval_run_records_the_commit_it_ran_on():
+    code = {"commit": COMMIT, "dirty": False}
+
+    assert _eval_document(code)["git"] == code
+
+
+def test_the_figures_table_shows_an_eval_runs_commit():
+    from bench import report
+
+    document = _eval_document({"commit": COMMIT, "dirty": True})
+    rows = report.figures_rows({"intent_quality": {"datasets": {"sample": document}}})
+
+    assert [row[5] for row in rows] == ["0123456789 (uncommitted changes)"]
+
+
+def test_the_eval_report_names_the_commit_when_the_run_recorded_one():
+    document = {"when": "2026-01-02 03:04", "host": "x86_64", "elapsed_s": 5.0}
+
+    assert eval_runner._run_line({**document, "git": {"commit": COMMIT, "dirty": False}}) == (
+        "Run 2026-01-02 03:04 on x86_64, commit 0123456789; 5 s."
+    )
+    assert eval_runner._run_line(document) == "Run 2026-01-02 03:04 on x86_64; 5 s."
+
+
+def test_outside_a_git_checkout_no_commit_is_claimed(tmp_path):
+    from flink_jobs.tools.provenance import git_state
+
+    assert git_state(tmp_path) == {"commit": None, "dirty": False}

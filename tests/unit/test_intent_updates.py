@@ -72,7 +72,7 @@ class TestConfig:
         with pytest.raises(ConfigError) as caught:
             load_config(environ={"SI_REDIS_NOTIFY_STREAM": key})
 
-        assert str(caught.value).startswith(f"redis.notify_stream {key!r} would be {what}")
+        assert str(caught.value).startswith(f"redis.notify_stream: {key!r} would be {what}")
 
     def test_the_layouts_keys_under_another_prefix_are_free(self) -> None:
         config = load_config(environ={"SI_REDIS_NOTIFY_STREAM": stats_key("other")})

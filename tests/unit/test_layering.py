@@ -5,6 +5,10 @@
 - Only the Flink shell (the modules at the root of ``flink_jobs``) imports PyFlink.
 - Nothing outside ``flink_jobs.tools`` imports ``flink_jobs.tools``.
 - ``intent_reader`` imports nothing from ``flink_jobs``: ranking services install it alone.
+- ``inference_sidecar`` imports nothing from ``flink_jobs``: the router runs without the job.
+- What the Managed Flink zip ships (``flink_jobs`` but its tools) imports nothing from
+  ``inference_sidecar``, which the zip leaves out. What both sides share lives in
+  ``intent_reader`` (``layout``, ``config_errors``).
 """
 
 from __future__ import annotations
@@ -81,6 +85,18 @@ def test_nothing_outside_tools_imports_tools():
 def test_the_reader_imports_nothing_from_the_job():
     reader = [m for m in MODULES if _within(m, "intent_reader")]
     assert _violations(reader, ("flink_jobs", "inference_sidecar")) == {}
+
+
+def test_the_router_imports_nothing_from_the_job():
+    router = [m for m in MODULES if _within(m, "inference_sidecar")]
+    assert _violations(router, ("flink_jobs",)) == {}
+
+
+def test_what_the_job_zip_ships_imports_nothing_from_the_router():
+    shipped = [
+        m for m in MODULES if _within(m, "flink_jobs") and not _within(m, "flink_jobs.tools")
+    ]
+    assert _violations(shipped, ("inference_sidecar",)) == {}
 
 
 @pytest.mark.parametrize(

@@ -3,7 +3,8 @@ against a real Redis, a refusing LLM endpoint and a started router are in
 ``tests/service/test_security_services.py``.
 
 - **No secrets in logs**: a malformed Redis URL or Kafka client property, and the job
-  CLI's configuration error, name no secret; ``redact_url`` hides each form of password.
+  CLI's configuration error, name no secret (``redact_url`` itself:
+  ``tests/unit/test_config_errors.py``).
 - **The router binds to loopback** by default, in every subcommand.
 - **Limits**: every limit is a validated setting. (Event size: test_events.py
   ``test_oversized_record_is_refused_before_parsing`` and the property tests; prompt size:
@@ -19,7 +20,7 @@ import os
 
 import pytest
 
-from flink_jobs.config import ConfigError, load_config, redact_url
+from flink_jobs.config import ConfigError, load_config
 from flink_jobs.tools import cli as job_cli
 from flink_jobs.tools import replay
 from inference_sidecar import cli as router_cli
@@ -79,23 +80,6 @@ class TestNoSecretsInLogs:
         assert job_cli.main(["run"]) == 2
         assert "configuration error" in caplog.text and "redis.url" in caplog.text
         assert_no_secret(caplog.text)
-
-    @pytest.mark.parametrize(
-        ("url", "shown"),
-        [
-            ("redis://:pw-1@h:6379/0", "redis://:***@h:6379/0"),
-            ("rediss://user:p/w@x@h:6380/0?ssl_ca_certs=/ca.pem", "rediss://user:***@h:6380/0"),
-            ("redis://secret@h:6379", "redis://***@h:6379"),
-            (
-                "unix:///run/redis.sock?db=1&password=pw-2",
-                "unix:///run/redis.sock?db=1&password=***",
-            ),
-            ("redis://h:6379/0", "redis://h:6379/0"),
-        ],
-    )
-    def test_redact_url(self, url: str, shown: str) -> None:
-        assert redact_url(url).startswith(shown)
-        assert "pw-" not in redact_url(url) and "p/w" not in redact_url(url)
 
 
 # --- the router binds to loopback --------------------------------------------------------

@@ -256,7 +256,9 @@ class TestConfiguration:
         with pytest.raises(ConfigError) as caught:
             load_config(environ={"SI_PROMPT_MAX_PROMPT_TOKENS": "4000"})
 
-        assert "prompt.max_prompt_tokens (4000) + llm.max_tokens (192) = 4192" in str(caught.value)
+        assert "prompt.max_prompt_tokens: 4000 plus llm.max_tokens (192) is 4192" in str(
+            caught.value
+        )
         assert "llm.max_model_len (4096)" in str(caught.value)
 
     def test_the_defaults_fit_the_context(self) -> None:
@@ -265,7 +267,7 @@ class TestConfiguration:
         assert config.prompt.max_prompt_tokens + config.llm.max_tokens <= config.llm.max_model_len
 
     def test_a_tokenizer_path_that_does_not_exist_is_refused_naming_the_key(self) -> None:
-        with pytest.raises(ConfigError, match=r"prompt\.tokenizer_path '/no/such'"):
+        with pytest.raises(ConfigError, match=r"prompt\.tokenizer_path: '/no/such'"):
             load_config(environ={"SI_PROMPT_TOKENIZER_PATH": "/no/such"})
 
     def test_the_model_folder_is_accepted_as_the_tokenizer_path(self) -> None:

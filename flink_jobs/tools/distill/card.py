@@ -86,7 +86,13 @@ def write_card(adapter_dir: Path, command: str = "") -> Path:
     return path
 
 
-def _card_lines(name, training, summary, results, plotted) -> list[str]:
+def _card_lines(
+    name: str,
+    training: dict[str, Any],
+    summary: dict[str, Any] | None,
+    results: dict[str, Any] | None,
+    plotted: bool,
+) -> list[str]:
     lora = training["lora"]
     settings = training["settings"]
     history = training["history"]

@@ -50,11 +50,11 @@ class Example:
     source: str
     shopper_id: str
     split: Split
-    version_ts: int  # event time of the newest event the prompt covers
-    events_covered: int  # the shopper's events up to the point (a run-independent position)
+    version_ts: int  #: event time of the newest event the prompt covers
+    events_covered: int  #: the shopper's events up to the point (a run-independent position)
     messages: tuple[dict[str, str], ...]
-    target: dict[str, Any]  # the intent body
-    categories: tuple[str, ...]  # the request's category enum
+    target: dict[str, Any]  #: the intent body
+    categories: tuple[str, ...]  #: the request's category enum
     rules_label: str
     estimated_tokens: int
 

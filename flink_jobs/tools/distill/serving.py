@@ -82,7 +82,9 @@ def task_of(x: Example, model: str) -> PromptTask:
     return PromptTask(x.shopper_id, 1, x.version_ts, x.version_ts, prompt, categories=x.categories)
 
 
-def measure(workdir: Path, served: ServedModel, model: str, examples: list[Example]) -> dict:
+def measure(
+    workdir: Path, served: ServedModel, model: str, examples: list[Example]
+) -> dict[str, Any]:
     tier = start_llm_tier(workdir, workers=1, model=served)
     try:
         config = load_config({"llm": {**tier.job_settings(), "model": model}}, environ={})
@@ -120,7 +122,7 @@ def run_serving(adapter: Path, data: Path, calls: int, workdir: Path) -> dict[st
     examples = [x for x in read_examples(data, ["test"]) if x.source == "sample"][:calls]
     name = adapter.name
     merged = merged_model(adapter)
-    result = {
+    result: dict[str, Any] = {
         "adapter": str(adapter.relative_to(REPO)) if adapter.is_relative_to(REPO) else str(adapter),
         "prompts": len(examples),
         "how": "one vLLM worker (one core) behind the router, calls one at a time,"

@@ -91,13 +91,16 @@ def per_source_caps(text: str) -> dict[str, int]:
     return caps
 
 
-def choose(rows: list[dict[str, Any]], caps: dict[str, int], limit: int, seed: int) -> list:
+def choose(
+    rows: list[dict[str, Any]], caps: dict[str, int], limit: int, seed: int
+) -> list[dict[str, Any]]:
     """The rows to train on: shuffled with ``seed``, at most ``caps[source]`` per source
     (sources without a cap: all), at most ``limit`` in all (0: no limit)."""
     rng = random.Random(seed)
     rows = list(rows)
     rng.shuffle(rows)
-    kept, taken = [], {}
+    kept: list[dict[str, Any]] = []
+    taken: dict[str, int] = {}
     for r in rows:
         cap = caps.get(r["source"])
         if cap is not None and taken.get(r["source"], 0) >= cap:
@@ -107,7 +110,11 @@ def choose(rows: list[dict[str, Any]], caps: dict[str, int], limit: int, seed: i
     return kept[:limit] if limit else kept
 
 
-def encode(tokenizer, row: dict[str, Any]) -> tuple[list[int], list[int]]:
+#: An example as (input ids, labels).
+Encoded = tuple[list[int], list[int]]
+
+
+def encode(tokenizer: Any, row: dict[str, Any]) -> Encoded:
     """(input ids, labels): the prompt as the chat template renders it for generation,
     then the target and the end of the turn; labels -100 on the prompt."""
     prompt = tokenizer.apply_chat_template(
@@ -119,7 +126,9 @@ def encode(tokenizer, row: dict[str, Any]) -> tuple[list[int], list[int]]:
     return prompt_ids + target_ids, [-100] * len(prompt_ids) + target_ids
 
 
-def batches(encoded: list, batch_size: int, batch_tokens: int, seed: int) -> list[list[int]]:
+def batches(
+    encoded: list[Encoded], batch_size: int, batch_tokens: int, seed: int
+) -> list[list[int]]:
     """Index batches of similar length: shuffled, sorted by length within windows, cut so
     a batch holds at most ``batch_size`` examples and ``batch_tokens`` padded tokens (the
     attention's activations grow with the square of the longest), the batches shuffled
@@ -146,7 +155,10 @@ def batches(encoded: list, batch_size: int, batch_tokens: int, seed: int) -> lis
     return out
 
 
-def collate(torch, encoded: list, indices: list[int], pad_id: int):
+def collate(
+    torch: Any, encoded: list[Encoded], indices: list[int], pad_id: int
+) -> tuple[Any, Any, Any]:
+    """The batch of ``indices`` as tensors: input ids, labels and attention mask, padded."""
     longest = max(len(encoded[i][0]) for i in indices)
     ids = torch.full((len(indices), longest), pad_id, dtype=torch.long)
     labels = torch.full((len(indices), longest), -100, dtype=torch.long)
@@ -162,7 +174,7 @@ def collate(torch, encoded: list, indices: list[int], pad_id: int):
 # --- training --------------------------------------------------------------------------------
 
 
-def target_loss(model, ids, labels, mask):
+def target_loss(model: Any, ids: Any, labels: Any, mask: Any) -> tuple[Any, int]:
     """Mean cross-entropy over the target's tokens, and their count. The vocabulary's
     logits are computed only where a target token is predicted: over every position they
     would take most of the memory (49,152 floats per token) for the prompt's tokens, whose
@@ -208,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     val = [x for x in (encode(tokenizer, r) for r in val_rows) if len(x[0]) <= args.max_tokens]
     plan = batches(train, args.batch_size, args.batch_tokens, args.seed)
     steps_per_epoch = len(plan)
-    total_steps = args.max_steps or max(1, math.ceil(args.epochs * steps_per_epoch))
+    total_steps: int = args.max_steps or max(1, math.ceil(args.epochs * steps_per_epoch))
 
     model = AutoModelForCausalLM.from_pretrained(
         args.base_model, dtype=torch.float32, attn_implementation="sdpa"
