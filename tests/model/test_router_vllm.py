@@ -41,7 +41,7 @@ from tests.model.clusters import (
     metric_sum,
     shopper_messages,
 )
-from tests.service.fault_proxy import FaultProxy
+from tests.support.fault_proxy import FaultProxy
 
 pytestmark = [pytest.mark.timeout(360)]
 

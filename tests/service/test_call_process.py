@@ -27,9 +27,9 @@ from flink_jobs.runtime.call_process import CallProcess, CallProcessExited
 from flink_jobs.runtime.inference import RedisUnavailable
 from flink_jobs.runtime.intent_store import IntentStore
 from flink_jobs.tools.local_services import free_port
-from tests.builders import EARBUDS, HEADPHONES, T0, session_of
-from tests.builders import numbered_event as event
-from tests.service.job_process import call_processes
+from tests.support.builders import EARBUDS, HEADPHONES, T0, session_of
+from tests.support.builders import numbered_event as event
+from tests.support.job_process import call_processes
 
 # How long the helper may take to start and send its first request: it imports httpx and
 # redis-py, and beside the model tier on two cores that took longer than a second.

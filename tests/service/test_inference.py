@@ -33,9 +33,9 @@ from flink_jobs.runtime.intent_store import (
 )
 from flink_jobs.runtime.llm_client import LlmClient
 from flink_jobs.tools.local_services import free_port
-from tests import builders
-from tests.builders import T0
-from tests.builders import prompt_task as task
+from tests.support import builders
+from tests.support.builders import T0
+from tests.support.builders import prompt_task as task
 
 MODEL = "SmolLM2-135M-Instruct"
 LLM = LlmConfig(base_url="http://llm.test/v1", model=MODEL, max_attempts=1)

@@ -30,7 +30,7 @@ from intent_reader.updates import (
     IntentUpdates,
     MalformedUpdateError,
 )
-from tests.builders import intent_record
+from tests.support.builders import intent_record
 
 
 def record(shopper: str = "s-1", ts: int = 1_000, seq: int = 0, label: str = "browsing"):

@@ -25,9 +25,9 @@ from flink_jobs.runtime.inference import PromptRunner
 from flink_jobs.runtime.intent_store import AsyncIntentStore
 from flink_jobs.runtime.llm_client import LlmClient
 from flink_jobs.runtime.outbox import Outbox
-from tests.builders import completion
-from tests.builders import prompt_task as task
 from tests.service.test_inference import INTENT, LLM
+from tests.support.builders import completion
+from tests.support.builders import prompt_task as task
 
 WAIT_S = 10.0
 

@@ -44,7 +44,7 @@ from flink_jobs.tools.run_summary import (
     read_stats,
 )
 from flink_jobs.tools.sample_data import Sample, SampleConfig, generate_sample
-from tests.service.job_process import JobProcess, job_groups
+from tests.support.job_process import JobProcess, job_groups
 
 # (name, seconds, events per second as a multiple of the sustainable rate)
 PHASES = (("steady", 60.0, 0.2), ("burst", 20.0, 3.0), ("recovery", 120.0, 0.2))

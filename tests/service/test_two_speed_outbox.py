@@ -33,8 +33,8 @@ from flink_jobs.runtime.intent_store import AsyncIntentStore, IntentStore
 from flink_jobs.runtime.llm_client import LlmClient
 from flink_jobs.runtime.outbox import Outbox
 from flink_jobs.tools.local_services import free_port
-from tests.builders import EARBUDS, HEADPHONES, T0, completion, session_of
-from tests.builders import numbered_event as event
+from tests.support.builders import EARBUDS, HEADPHONES, T0, completion, session_of
+from tests.support.builders import numbered_event as event
 
 WAIT_S = 10.0
 ANSWER = {

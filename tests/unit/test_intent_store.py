@@ -16,7 +16,7 @@ from flink_jobs.runtime.intent_store import (
     parse_stored,
     upsert_args,
 )
-from tests.builders import intent_record
+from tests.support.builders import intent_record
 
 
 def make_record(shopper_id: str = "shopper-1", ts: int = 1_000, seq: int = 0) -> IntentRecord:

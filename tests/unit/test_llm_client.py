@@ -31,7 +31,7 @@ from flink_jobs.runtime.llm_client import (
     proxy_for,
     read_answer,
 )
-from tests import builders
+from tests.support import builders
 
 SHOPPER = "shopper-00146"
 PROMPT = RenderedPrompt(

@@ -9,19 +9,7 @@ from collections.abc import Callable
 import pytest
 
 from flink_jobs.metrics import GaugeBoard, GaugeCounters, PublishedGroup, Tally, gauge_names
-
-
-class FakeGroup:
-    """What PyFlink's metric group does with a gauge: keeps the callable, reads it later."""
-
-    def __init__(self) -> None:
-        self.gauges: dict[str, Callable[[], int]] = {}
-
-    def gauge(self, name: str, obj: Callable[[], int]) -> None:
-        self.gauges[name] = obj
-
-    def read(self) -> dict[str, int]:
-        return {name: fn() for name, fn in self.gauges.items()}
+from tests.support.fake_metrics import FakeGroup
 
 
 class Clock:

@@ -17,7 +17,7 @@ from flink_jobs.core.tasks import PromptTask, TaskResult
 from flink_jobs.runtime.call_process import CallProcess
 from flink_jobs.runtime.inference import PromptRunner
 from flink_jobs.runtime.outbox import Outbox, OutboxFailed, Runner
-from tests.builders import prompt_task as task
+from tests.support.builders import prompt_task as task
 
 WAIT_S = 10.0
 

@@ -30,8 +30,8 @@ from flink_jobs.core.prompting import (
 from flink_jobs.core.session import Outcome, SessionState, apply_event, new_session_state
 from flink_jobs.core.token_budget import Utf8Bound, token_counter
 from flink_jobs.tools.sample_data import PROMPT_INJECTIONS, SampleConfig, generate_sample
-from tests.builders import EARBUDS, ESPRESSO, GREEN_TEA, HEADPHONES, session_of
-from tests.builders import numbered_event as event
+from tests.support.builders import EARBUDS, ESPRESSO, GREEN_TEA, HEADPHONES, session_of
+from tests.support.builders import numbered_event as event
 
 GOLDEN_DIR = Path(__file__).parent / "golden"
 UPDATE_GOLDEN = os.environ.get("SI_UPDATE_GOLDEN") == "1"

@@ -20,8 +20,8 @@ from flink_jobs.core.grounding import session_category_enum
 from flink_jobs.core.intents import Intent, parse_intent
 from flink_jobs.core.prompting import PromptRenderer, RenderedPrompt
 from flink_jobs.core.session import SessionState, apply_event
-from tests.builders import EARBUDS, HEADPHONES, T0, session_of
-from tests.builders import numbered_event as event
+from tests.support.builders import EARBUDS, HEADPHONES, T0, session_of
+from tests.support.builders import numbered_event as event
 from tests.unit.test_prompting import (
     SESSION,
     as_golden_text,

@@ -7,7 +7,7 @@ import pytest
 
 from flink_jobs.core.grounding import grounded_facts, rules_intent
 from flink_jobs.core.intents import parse_intent
-from tests.builders import session_of
+from tests.support.builders import session_of
 from tests.unit.test_prompting import (
     first_visit_comparing_headphones,
     returning_buyer_with_a_cart,

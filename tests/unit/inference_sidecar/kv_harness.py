@@ -93,13 +93,6 @@ class FakePublisher:
         self.ctx.term()
 
 
-def wait_for(condition: Any, timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
-
-
 def kv_prefix_router(fake: FakeWorkers) -> Router:
     """A kv_prefix router over workers A and B, with their events fed by hand."""
     config = RouterConfig(

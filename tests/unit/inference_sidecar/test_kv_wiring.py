@@ -18,7 +18,6 @@ from kv_harness import (
     kv_prefix_router,
     prompt_tokens,
     stored_batch,
-    wait_for,
 )
 from router_harness import BODY, CHAT, A, B, C, metric, session
 
@@ -31,6 +30,7 @@ from inference_sidecar.kv.sources import EventSource
 from inference_sidecar.kv.subscriber import KVEventSubscriber
 from inference_sidecar.router import Router, build_app
 from inference_sidecar.workers import KV_EVENTS_OFFSET, ClusterConfig, plan_workers
+from tests.support.waiting import until
 
 
 class TestConfig:
@@ -122,7 +122,7 @@ class TestSubscriber:
             first = stored[-1].seq + 1
             publisher.publish(first, list(range(12)), drop=True)  # lost on the way
             publisher.publish(first + 1, list(range(16)))
-            wait_for(lambda: len(received) == 2)
+            until(lambda: len(received) == 2, "both batches after the lost one")
             assert received == [(first, True), (first + 1, False)]
             assert publisher.replays == replays + 1
             assert stored[-1].events[0] == Stored(

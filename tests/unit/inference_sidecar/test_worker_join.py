@@ -15,7 +15,6 @@ from kv_harness import (
     kv_prefix_router,
     prompt_tokens,
     stored_batch,
-    wait_for,
 )
 from router_harness import (
     ADMIN,
@@ -37,6 +36,7 @@ from inference_sidecar.kv.subscriber import KVEventSubscriber
 from inference_sidecar.policies import make_policy
 from inference_sidecar.router import build_app
 from inference_sidecar.routing_state import RoutingState
+from tests.support.waiting import until
 
 pytestmark = pytest.mark.anyio
 
@@ -150,7 +150,7 @@ def test_the_subscriber_hears_a_worker_added_while_it_runs(tmp_path: Path) -> No
             time.sleep(0.05)
             assert seq < 100
             seq += 1
-        wait_for(lambda: heard and heard[-1][0] == C)
+        until(lambda: heard and heard[-1][0] == C, "a batch from C")
     finally:
         subscriber.stop()
         publisher.close()

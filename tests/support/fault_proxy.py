@@ -37,6 +37,8 @@ from dataclasses import dataclass
 import httpx
 import orjson
 
+from tests.support.waiting import passes_within, until
+
 MODES = ("pass", "slow", "5xx", "invalid_json", "bad_intent")
 BAD_INTENT_TEXT = "Sure! This shopper is probably looking for running shoes."
 
@@ -72,8 +74,6 @@ class FaultProxy:
         self._until = 0.0
         self._started_at = 0.0
         self._served_in_window = 0
-        self._done = threading.Event()
-        self._done.set()
         self._client = httpx.AsyncClient(base_url=self.target, timeout=120)
 
         app = Starlette(routes=[Route("/{path:path}", self._handle, methods=["GET", "POST"])])
@@ -82,11 +82,13 @@ class FaultProxy:
         )
         self._thread = threading.Thread(target=self._server.run, name="fault-proxy", daemon=True)
         self._thread.start()
-        deadline = time.monotonic() + 10
-        while not self._server.started:
-            if time.monotonic() > deadline or not self._thread.is_alive():
-                raise RuntimeError(f"fault proxy did not start on port {port}")
-            time.sleep(0.05)
+        until(
+            lambda: self._server.started,
+            f"the fault proxy to start on port {port}",
+            timeout_s=10,
+            interval_s=0.05,
+            give_up=lambda: not self._thread.is_alive() and "its server thread ended",
+        )
 
     # --- control -------------------------------------------------------------------------
 
@@ -109,16 +111,10 @@ class FaultProxy:
             now = time.time()
             self._mode, self._delay_s, self._left = mode, delay_s, requests
             self._until, self._started_at, self._served_in_window = now + max_s, now, 0
-            self._done.clear()
 
     def wait_done(self, timeout_s: float) -> bool:
-        """Wait until the current fault has ended (by count or by time)."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.mode == "pass":
-                return True
-            self._done.wait(0.2)
-        return self.mode == "pass"
+        """Wait until the current fault has ended (by count or by time); whether it has."""
+        return passes_within(lambda: self.mode == "pass", timeout_s, interval_s=0.2)
 
     def close(self) -> None:
         self._server.should_exit = True
@@ -133,7 +129,6 @@ class FaultProxy:
                 FaultWindow(self._mode, self._started_at, now, self._served_in_window)
             )
             self._mode = "pass"
-            self._done.set()
 
     def _take(self, body: bytes) -> tuple[str, float]:
         """The mode for this request, counting it against the fault's budget."""
