@@ -25,9 +25,9 @@ from flink_jobs.runtime.inference import PromptRunner
 from flink_jobs.runtime.intent_store import AsyncIntentStore
 from flink_jobs.runtime.llm_client import LlmClient
 from flink_jobs.runtime.outbox import Outbox
-from tests.service.test_inference import INTENT, LLM
 from tests.support.builders import completion
 from tests.support.builders import prompt_task as task
+from tests.support.llm_call import COMPARING_INTENT, ONE_ATTEMPT_LLM
 
 WAIT_S = 10.0
 
@@ -50,7 +50,7 @@ class HeldLlm:
         self.started.release()
         while not self._gate.is_set():
             await asyncio.sleep(0.005)
-        return completion(orjson.dumps(INTENT).decode())
+        return completion(orjson.dumps(COMPARING_INTENT).decode())
 
 
 def job_runner(redis_url: str, prefix: str, llm: HeldLlm) -> PromptRunner:
@@ -58,9 +58,9 @@ def job_runner(redis_url: str, prefix: str, llm: HeldLlm) -> PromptRunner:
 
     def clients() -> tuple[LlmClient, AsyncIntentStore]:
         store = AsyncIntentStore(redis.asyncio.Redis.from_url(redis_url), prefix)
-        return LlmClient(LLM, transport=httpx.MockTransport(llm)), store
+        return LlmClient(ONE_ATTEMPT_LLM, transport=httpx.MockTransport(llm)), store
 
-    return PromptRunner(replace(AppConfig(), llm=LLM), clients)
+    return PromptRunner(replace(AppConfig(), llm=ONE_ATTEMPT_LLM), clients)
 
 
 @pytest.fixture

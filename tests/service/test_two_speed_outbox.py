@@ -19,49 +19,22 @@ import redis.asyncio
 
 from flink_jobs.config import AppConfig, load_config
 from flink_jobs.core.grounding import (
-    grounded_facts,
     reconcile,
-    rules_intent,
-    session_category_enum,
 )
 from flink_jobs.core.intents import parse_intent
-from flink_jobs.core.prompting import PromptRenderer
-from flink_jobs.core.tasks import PromptTask
 from flink_jobs.runtime.call_process import CallProcess
 from flink_jobs.runtime.inference import PromptRunner, RedisUnavailable
 from flink_jobs.runtime.intent_store import AsyncIntentStore, IntentStore
 from flink_jobs.runtime.llm_client import LlmClient
 from flink_jobs.runtime.outbox import Outbox
 from flink_jobs.tools.local_services import free_port
-from tests.support.builders import EARBUDS, HEADPHONES, T0, completion, session_of
-from tests.support.builders import numbered_event as event
+from tests.support.builders import completion, grounded_task
 
 WAIT_S = 10.0
 ANSWER = {
     "intents": [{"label": "comparing_options", "confidence": 0.8, "category": "Headphones"}],
     "summary": "Comparing two pairs of headphones",
 }
-
-
-def grounded_task(shopper_id: str = "shopper-00146", seq: int = 2) -> PromptTask:
-    """The task the timeline makes when the second view fires a prompt."""
-    state = session_of(
-        event(1, "view", 28.6, HEADPHONES, shopper_id=shopper_id),
-        event(2, "view", 60.6, EARBUDS, shopper_id=shopper_id),
-    )
-    facts = grounded_facts(state)
-    prompt = PromptRenderer(AppConfig().prompt).render(state)
-    at = T0 + 60_600
-    return PromptTask(
-        shopper_id,
-        seq,
-        at,
-        at,
-        prompt,
-        facts_json=facts.to_json().decode(),
-        rules=rules_intent(facts, state),
-        categories=session_category_enum(facts),
-    )
 
 
 class HeldLlm:

@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 import yaml
 
+from tests.support.compose_file import bind_mounts, command_argv
 from tests.support.dashboards import (
     DASHBOARDS,
     FLINK_BUILTIN,
@@ -30,7 +31,6 @@ from tests.support.dashboards import (
     panels,
     queries,
 )
-from tests.unit.test_compose_file import bind_mounts, command_argv
 
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE = REPO / "docker-compose.yml"

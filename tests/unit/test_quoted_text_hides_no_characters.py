@@ -19,7 +19,7 @@ from flink_jobs.config import PromptConfig
 from flink_jobs.core.prompting import PromptRenderer, untrusted
 from tests.support.builders import HEADPHONES, session_of
 from tests.support.builders import numbered_event as event
-from tests.unit.test_prompting import events_block, user_message
+from tests.support.prompts import events_block, user_message
 
 MAX_CHARS = 120
 

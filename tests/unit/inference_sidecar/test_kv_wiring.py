@@ -30,6 +30,7 @@ from inference_sidecar.kv.sources import EventSource
 from inference_sidecar.kv.subscriber import KVEventSubscriber
 from inference_sidecar.router import Router, build_app
 from inference_sidecar.workers import KV_EVENTS_OFFSET, ClusterConfig, plan_workers
+from tests.support.clock import FakeClock
 from tests.support.waiting import until
 
 
@@ -216,15 +217,15 @@ class TestRouter:
     async def test_a_served_request_without_events_makes_its_worker_stale(
         self, kv_router: Router, fake: FakeWorkers
     ) -> None:
-        now = [1000.0]
+        clock = FakeClock(1000.0)
         index = kv_router.kv_index
         assert index is not None
-        index._clock = lambda: now[0]
+        index._clock = clock
         async with httpx.AsyncClient(
             transport=httpx.ASGITransport(app=build_app(kv_router)), base_url="http://r"
         ) as client:
             reply = await client.post(CHAT, json=BODY, headers=session("s"))
         worker = reply.headers["x-sidecar-worker"]
-        now[0] += index.stale_after_s + 1
+        clock.advance(index.stale_after_s + 1)
         assert not index.is_fresh(worker)
         await kv_router.aclose()

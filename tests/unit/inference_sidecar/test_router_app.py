@@ -30,6 +30,7 @@ from router_harness import (
 from inference_sidecar.health import HealthConfig
 from inference_sidecar.pd import PREFILL_KV_TRANSFER_PARAMS
 from inference_sidecar.router import WORKER_HEADER, build_app
+from tests.support.clock import FakeClock
 
 pytestmark = pytest.mark.anyio
 
@@ -534,14 +535,14 @@ class TestHealthAndMetrics:
         assert r.status_code == 503 and r.json()["pools"]["worker"][A]["down"]
 
     async def test_ejected_worker_is_readmitted_by_probe(self, fake, client_for) -> None:
-        now = [0.0]
+        clock = FakeClock()
         _, router = client_for(health_interval_s=5)
-        router.clock = lambda: now[0]
+        router.clock = clock
         pool = router.pools["worker"]
         for _ in range(3):
-            pool.finish(A, False, 0.1, now[0], pool.start(A))
+            pool.finish(A, False, 0.1, clock.now, pool.start(A))
         assert not pool.is_in_service(A)
-        now[0] = 100.0
+        clock.advance(100.0)
         await router.probe_all()
         assert pool.is_in_service(A)
         assert (
