@@ -44,7 +44,7 @@ import redis
 
 from intent_reader.layout import intent_key
 from tests.compose.stack import POLL_S, REPO, Stack, docker
-from tests.support.waiting import WaitFailed, until
+from tests.support.waiting import WaitFailed, passes_within, until
 
 pytestmark = pytest.mark.timeout(45 * 60)
 
@@ -151,6 +151,13 @@ def _process_table(container: str) -> list[tuple[int, str]]:
     return rows
 
 
+def _run_state(container: str) -> str:
+    """``false``, or ``true`` and when the container's current run started."""
+    state = docker("inspect", "--format", "{{.State.Running}} {{.State.StartedAt}}", container)
+    running, _, started_at = state.strip().partition(" ")
+    return f"true {started_at}" if running == "true" else "false"
+
+
 @pytest.fixture(scope="module")
 def run() -> Run:
     stack = Stack.from_environment(f"si-compose-{time.time_ns() % 10**8}")
@@ -221,11 +228,15 @@ def run() -> Run:
             )  # fmt: skip
 
         victim = stack.containers("taskmanager")[0]["Name"]
+        before_kill = _run_state(victim)
         docker("kill", victim)
         result.killed = victim
         killed_at = time.monotonic()
-        time.sleep(5)  # Docker's restart policy acts within a second, if at all
-        if not any(c["Name"] == victim for c in stack.containers("taskmanager")):
+        # Docker's restart policy acts within a second, if at all.
+        restarted_by_docker = passes_within(
+            lambda: _run_state(victim) not in (before_kill, "false"), 5, interval_s=POLL_S
+        )
+        if not restarted_by_docker:
             docker("start", victim)
         until(
             lambda: _restarted(stack, job_id) and stack.running_job() is not None,

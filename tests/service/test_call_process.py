@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import os
 import socket
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -171,17 +170,15 @@ def test_a_dead_helper_fails_its_calls_in_flight_and_later_ones():
             try:
                 in_flight = await call_under_way(silent, "shopper-00148")
                 psutil.Process(calls.pid).kill()
-                started = time.monotonic()
+                # Failed by the helper's exit, not by a timeout of the call.
                 with pytest.raises(CallProcessExited, match="exited"):
                     await asyncio.wait_for(in_flight, 30)
-                waited = time.monotonic() - started
                 with pytest.raises(CallProcessExited):
                     await calls.run(prompt_task("shopper-00149"))
-                return waited
             finally:
                 await calls.aclose()
 
-        assert asyncio.run(go()) < 10
+        asyncio.run(go())
 
 
 def test_a_superseded_call_is_stopped_in_the_helper_and_answers_superseded():

@@ -120,6 +120,8 @@ PROXY_FAULTS: list[tuple[str, int, dict]] = [
     ("slow", 2, {"delay_s": 6.0}),
 ]
 PROXY_FAULT_MAX_S = 40.0
+# What the router counts a proxy fault's answers as (the others are answers to it).
+ROUTER_ERROR_KINDS = {"5xx": "status_5xx", "invalid_json": "invalid_response"}
 # Redis stays down until an answer has reached the job and the job has failed to write it
 # (its retry is logged), at least REDIS_MIN_DOWN_S and at most REDIS_MAX_DOWN_S (well inside
 # the write retry budget). A fixed second after the router's answer was once too short.
@@ -498,6 +500,27 @@ def scenario() -> Iterator[Scenario]:
                 return 0.0
             return metric_sum(text, "inference_sidecar_requests_total", status="200")
 
+        def fault_answered(mode: str) -> Callable[[], bool]:
+            """Every answer the fault changed has left the proxy, and the router has
+            counted each one it takes for a failure."""
+
+            def check() -> bool:
+                if proxy.changing:
+                    return False
+                kind = ROUTER_ERROR_KINDS.get(mode)
+                if kind is None:
+                    return True
+                try:
+                    text = router.metrics()
+                except httpx.HTTPError:
+                    return False
+                errors = metric_sum(
+                    text, "inference_sidecar_worker_errors_total", worker=proxy.url, kind=kind
+                )
+                return errors >= proxy.served[mode]
+
+            return check
+
         def inject_faults() -> None:
             passes_within(in_flight(), FIRST_REQUEST_WAIT_S, interval_s=0.25)
             for mode, count, extra in PROXY_FAULTS:
@@ -505,7 +528,7 @@ def scenario() -> Iterator[Scenario]:
                 began(mode)
                 proxy.inject(mode, count, PROXY_FAULT_MAX_S, **extra)
                 proxy.wait_done(PROXY_FAULT_MAX_S + 5)
-                time.sleep(2.0)
+                passes_within(fault_answered(mode), ROUTER_REQUEST_TIMEOUT_S, interval_s=0.25)
                 metrics_after_proxy_fault[mode] = router.metrics()
 
             # Redis goes away while answers are on their way, and comes back once one has
@@ -531,6 +554,7 @@ def scenario() -> Iterator[Scenario]:
             # and another run starting truncates it.
             redis_retry_lines.extend(_job_log_lines(REDIS_RETRY_LOG))
             redis_service.start()
+            written_before = stats_by_fault["redis"].get("intents_written", 0)
             faults["redis"] = Fault(
                 "redis",
                 started,
@@ -542,7 +566,11 @@ def scenario() -> Iterator[Scenario]:
                     "pid_after": redis_service.process.pid,
                 },
             )
-            time.sleep(3.0)
+            passes_within(  # the job writes again before the next fault
+                lambda: stats_now().get("intents_written", 0) > written_before,
+                IN_FLIGHT_WAIT_S,
+                interval_s=0.25,
+            )
 
             metrics_before_restart.append(router.metrics())
             pid_before = router.process.pid
@@ -560,7 +588,8 @@ def scenario() -> Iterator[Scenario]:
                 time.time(),
                 {"in_flight": busy, "pid_before": pid_before, "pid_after": router.process.pid},
             )
-            time.sleep(3.0)
+            # The restarted router answers again before the next fault.
+            passes_within(lambda: answers_sent() > 0, IN_FLIGHT_WAIT_S, interval_s=0.25)
 
             passes_within(in_flight(worker=direct_worker.url), IN_FLIGHT_WAIT_S, interval_s=0.25)
             started = began("worker_kill")

@@ -412,13 +412,16 @@ class TestSupersede:
     def test_stopping_the_runner_cancels_the_call_rather_than_settling_it(
         self, redis_url: str, prefix: str
     ) -> None:
+        asked = asyncio.Event()
+
         async def never_answers(request: httpx.Request) -> httpx.Response:
+            asked.set()
             await asyncio.sleep(60)
             raise AssertionError("unreachable")
 
         async def body(p: Pipeline) -> bool:
             call = asyncio.create_task(self.runner(p).run(task(seq=3)))
-            await asyncio.sleep(0.05)
+            await asyncio.wait_for(asked.wait(), 5)
             call.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await call

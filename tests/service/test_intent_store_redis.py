@@ -16,7 +16,6 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -38,6 +37,7 @@ from flink_jobs.runtime.intent_store import (
 )
 from flink_jobs.tools.local_services import free_port, start_redis
 from tests.support.builders import versioned_record
+from tests.support.waiting import until
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -145,10 +145,12 @@ class TestUpsert:
     def test_expired_intent_is_gone(self, redis_client: redis.Redis, prefix: str) -> None:
         store = IntentStore(redis_client, prefix=prefix, ttl_ms=50)
         store.upsert(versioned_record())
-        deadline = time.monotonic() + 2.0
-        while store.read("shopper-1") is not None:
-            assert time.monotonic() < deadline, "the intent did not expire"
-            time.sleep(0.02)
+        until(
+            lambda: store.read("shopper-1") is None,
+            "the intent to expire",
+            timeout_s=2.0,
+            interval_s=0.02,
+        )
 
     def test_read_missing_shopper(self, store: IntentStore) -> None:
         assert store.read("nobody") is None

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import threading
-import time
 
 import httpx
 import orjson
@@ -29,6 +28,7 @@ from flink_jobs.runtime.llm_client import LlmClient
 from flink_jobs.runtime.outbox import Outbox
 from flink_jobs.tools.local_services import free_port
 from tests.support.builders import completion, grounded_task
+from tests.support.waiting import until
 
 WAIT_S = 10.0
 ANSWER = {
@@ -73,9 +73,7 @@ def test_the_rules_record_lands_first_and_the_models_answer_replaces_it(
         t = grounded_task()
         outbox.submit(t)
         assert llm.started.wait(WAIT_S)
-        deadline = time.monotonic() + WAIT_S
-        while stored(redis_client, unique_name) is None and time.monotonic() < deadline:
-            time.sleep(0.01)
+        until(lambda: stored(redis_client, unique_name), "the rules record", timeout_s=WAIT_S)
 
         first = stored(redis_client, unique_name)
         assert (first.source, first.version, first.model) == ("rules", (t.version_ts, 2), "")

@@ -22,8 +22,9 @@ its own; :meth:`wait_done` blocks until then. ``GET`` (``/health``, ``/metrics``
 always forwarded at once, as a sick worker still answers its health check.
 
 Every answer is counted per mode (``served``), and each faulty one names the shopper it
-went to (``shoppers``, from the body's ``user``); the proxy runs uvicorn in a daemon
-thread of the test process, on a loopback port.
+went to (``shoppers``, from the body's ``user``); ``changing`` is how many faulty answers
+are still being made (a slow one takes its delay, a prose one the real answer's time). The
+proxy runs uvicorn in a daemon thread of the test process, on a loopback port.
 """
 
 from __future__ import annotations
@@ -74,6 +75,7 @@ class FaultProxy:
         self._until = 0.0
         self._started_at = 0.0
         self._served_in_window = 0
+        self._changing = 0
         self._client = httpx.AsyncClient(base_url=self.target, timeout=120)
 
         app = Starlette(routes=[Route("/{path:path}", self._handle, methods=["GET", "POST"])])
@@ -97,6 +99,12 @@ class FaultProxy:
         with self._lock:
             self._expire(time.time())
             return self._mode
+
+    @property
+    def changing(self) -> int:
+        """Faulty answers taken but not yet handed back."""
+        with self._lock:
+            return self._changing
 
     def inject(self, mode: str, requests: int, max_s: float, delay_s: float = 0.0) -> None:
         """Apply ``mode`` to the next ``requests`` POSTs, for at most ``max_s`` seconds."""
@@ -138,17 +146,27 @@ class FaultProxy:
             if mode != "pass":
                 self._left -= 1
                 self._served_in_window += 1
+                self._changing += 1
                 self.shoppers.setdefault(mode, []).append(_field(body, "user"))
             self.served[mode] += 1
             return mode, delay
 
     async def _handle(self, request):
-        from starlette.responses import Response
-
         body = await request.body()
         if request.method == "GET":
             return await self._forward(request, body)
         mode, delay = self._take(body)
+        if mode == "pass":
+            return await self._forward(request, body)
+        try:
+            return await self._changed(mode, delay, request, body)
+        finally:
+            with self._lock:
+                self._changing -= 1
+
+    async def _changed(self, mode: str, delay: float, request, body: bytes):
+        from starlette.responses import Response
+
         if mode == "5xx":
             error = {"error": {"message": "injected fault", "type": "server_error", "code": 503}}
             return Response(orjson.dumps(error), 503, media_type="application/json")

@@ -36,13 +36,7 @@ BAD_ENDPOINTS = [
 def heard_from(publisher: FakePublisher, heard: Heard, worker: str) -> int:
     """Publish until ``worker``'s subscriber hears a batch (a SUB socket misses what is
     sent before it has joined); returns the next sequence number."""
-    seq = 0
-    while not heard.seqs(worker):
-        publisher.buffer.clear()
-        publisher.publish(seq, list(range(8)))
-        time.sleep(0.05)
-        seq += 1
-        assert seq < 100, f"{worker}'s subscriber heard nothing"
+    publisher.publish_until(lambda: heard.seqs(worker), replayable=False)
     return heard.seqs(worker)[-1][0] + 1
 
 

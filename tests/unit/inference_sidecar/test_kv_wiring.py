@@ -110,14 +110,7 @@ class TestSubscriber:
         subscriber = KVEventSubscriber({A: source}, deliver)
         subscriber.start()
         try:
-            # A SUB socket misses what is sent before it has joined: publish until heard.
-            seq = 0
-            while not received:
-                publisher.buffer.clear()
-                publisher.publish(seq, list(range(8)))
-                time.sleep(0.05)
-                assert seq < 100
-                seq += 1
+            publisher.publish_until(lambda: received, replayable=False)
             received.clear()
             replays = publisher.replays  # joining after batch 0 asked for a replay already
             first = stored[-1].seq + 1

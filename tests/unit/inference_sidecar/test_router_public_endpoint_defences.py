@@ -108,8 +108,7 @@ class TestAdmission:
         client, _ = client_for(workers=(A,), max_concurrent_requests=1, request_timeout_s=0.5)
         fake.behaviour = {A: "stall_stream"}
         stream = asyncio.create_task(client.post(CHAT, json={**BODY, "stream": True}))
-        await until_async(lambda: len(fake.received) == 1, "the stream to reach the worker")
-        await asyncio.sleep(0.1)  # its first chunk has been relayed by now
+        await until_async(lambda: fake.chunks_taken.get(A), "the stream's first chunk relayed")
         assert (await client.post(CHAT, json=BODY)).status_code == 429
         await stream
         fake.behaviour = {}

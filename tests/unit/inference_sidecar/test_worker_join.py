@@ -4,7 +4,6 @@ router subscribes to its KV events and sends it the prompts it holds."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import httpx
@@ -144,12 +143,7 @@ def test_the_subscriber_hears_a_worker_added_while_it_runs(tmp_path: Path) -> No
     subscriber.start()
     try:
         subscriber.add(C, EventSource(publisher.endpoint))
-        seq = 0
-        while not heard:  # a SUB socket misses what is sent before it has joined
-            publisher.publish(seq, list(range(8)))
-            time.sleep(0.05)
-            assert seq < 100
-            seq += 1
+        publisher.publish_until(lambda: heard)
         until(lambda: heard and heard[-1][0] == C, "a batch from C")
     finally:
         subscriber.stop()
