@@ -1,5 +1,13 @@
 """Shared test fixtures.
 
+Shared helpers that are not fixtures live in ``tests/support`` (builders, fakes, the job
+process and fault harnesses), and every wait goes through ``tests.support.waiting.until``
+(``until_async`` in an event loop): a test waits on a condition, never sleeps to let
+something happen, and asserts no wall-clock figure (those are ``bench/``'s). A test module
+imports no other test module and no other tier's modules
+(``tests/unit/test_test_modules_share_helpers_through_tests_support.py``);
+``docs/development.md`` (Writing a test) has the rules.
+
 Sections, in file order:
 
 1. Tiers, by folder, each marked so: ``unit`` (pure: no service, no JVM, no network),

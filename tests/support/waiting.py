@@ -16,7 +16,7 @@ state of the cluster), so a failed run explains itself from the CI output alone.
 - :func:`held_for` makes a check that passes only once a state has lasted: a pipeline
   that is settled and stays so past its last timer.
 
-Nothing here starts I/O on import: the unit tier imports it too.
+Nothing here connects or starts a process on import: the unit tier imports it too.
 """
 
 from __future__ import annotations
