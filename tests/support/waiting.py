@@ -10,7 +10,8 @@ state of the cluster), so a failed run explains itself from the CI output alone.
   returns. An exception from ``check`` ends the wait: a check that may meet a service not
   yet up catches that itself.
 - ``give_up`` ends the wait early when what is waited for can no longer come: it returns
-  a reason (the job exited, the job FAILED) or something false to go on waiting.
+  a reason (the job exited, the job FAILED) or something false to go on waiting. The check
+  runs once more before the wait gives up: a bounded job may finish as it exits.
 - :func:`passes_within` is the wait for a scenario that records whether a thing came
   about, for its tests to assert, instead of failing where it waits.
 - :func:`held_for` makes a check that passes only once a state has lasted: a pipeline
@@ -79,6 +80,8 @@ def until(
         if value:
             return value
         if give_up is not None and (reason := give_up()):
+            if value := check():
+                return value
             raise _gave_up(what, reason, time.monotonic() - started, explain)
         if time.monotonic() >= deadline:
             raise _timed_out(what, timeout_s, explain)
@@ -105,6 +108,11 @@ async def until_async(
         if value:
             return value  # type: ignore[return-value]
         if give_up is not None and (reason := give_up()):
+            value = check()
+            if inspect.isawaitable(value):
+                value = await value
+            if value:
+                return value  # type: ignore[return-value]
             raise _gave_up(what, reason, time.monotonic() - started, explain)
         if time.monotonic() >= deadline:
             raise _timed_out(what, timeout_s, explain)

@@ -81,14 +81,14 @@ def test_no_test_module_imports_another_and_no_tier_another_tiers_modules() -> N
 @pytest.mark.parametrize(
     ("where", "source"),
     [
-        ("service/test_outbox.py", "from tests.service.test_inference import INTENT"),
-        ("unit/test_arms.py", "from tests.unit.test_outcome_recorder import FakeGroup"),
-        ("unit/test_arms.py", "import tests.unit.test_outcome_recorder"),
-        ("unit/test_arms.py", "from tests.unit import test_outcome_recorder"),
+        ("service/test_outbox.py", "import tests.service.test_inference"),
         ("unit/test_arms.py", "from .test_outcome_recorder import FakeGroup"),
-        ("model/test_e2e.py", "from tests.service.job_process import job_groups"),
-        ("model/clusters.py", "from tests.service import fault_proxy"),
-        ("support/builders.py", "from tests.unit.conftest import ImpureUnitTest"),
+        ("unit/distill/test_splits.py", "from ..test_outcome_recorder import FakeGroup"),
+        ("service/test_stats.py", "from tests import support, unit"),
+        ("model/test_e2e.py", "import tests.service.job_process"),
+        ("model/test_e2e.py", "from tests import service"),
+        ("compose/test_compose_stack.py", "from tests.model.clusters import Stack"),
+        ("support/builders.py", "import tests.unit.conftest"),
     ],
 )
 def test_an_import_of_a_test_module_or_of_another_tier_is_found(where: str, source: str) -> None:
@@ -107,7 +107,7 @@ def test_a_sibling_test_module_imported_by_its_bare_name_is_found(tmp_path: Path
     [
         ("model/test_e2e.py", "from tests.support.job_process import job_groups"),
         ("model/test_router.py", "from tests.model.clusters import Stack"),
-        ("unit/test_purity_guard.py", "from tests.unit.conftest import ImpureUnitTest"),
+        ("unit/test_purity_guard.py", "import tests.unit.conftest"),
         ("unit/inference_sidecar/test_kv_wiring.py", "from kv_harness import FakePublisher"),
         ("unit/test_service_backend.py", "from tests.conftest import choose_backend"),
         ("service/test_stats.py", "from tests.support import builders"),

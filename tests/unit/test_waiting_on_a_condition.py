@@ -45,6 +45,10 @@ class TestUntil:
     def test_the_check_passing_wins_over_giving_up(self) -> None:
         assert until(lambda: 1, "a write", give_up=lambda: "the job exited") == 1
 
+    def test_the_check_runs_once_more_before_giving_up(self) -> None:
+        """A bounded job's last counts may land as it exits."""
+        assert until(true_on_call(2), "the counts", give_up=lambda: "the job exited") == "done"
+
     def test_an_exception_from_the_check_ends_the_wait(self) -> None:
         def check() -> bool:
             raise ConnectionError("refused")
