@@ -1,5 +1,13 @@
 """Shared test fixtures.
 
+Shared helpers that are not fixtures live in ``tests/support`` (builders, fakes, the job
+process and fault harnesses), and every wait goes through ``tests.support.waiting.until``
+(``until_async`` in an event loop): a test waits on a condition, never sleeps to let
+something happen, and asserts no wall-clock figure (those are ``bench/``'s). A test module
+imports no other test module and no other tier's modules
+(``tests/unit/test_test_modules_share_helpers_through_tests_support.py``);
+``docs/development.md`` (Writing a test) has the rules.
+
 Sections, in file order:
 
 1. Tiers, by folder, each marked so: ``unit`` (pure: no service, no JVM, no network),
@@ -33,9 +41,8 @@ backends.
 from __future__ import annotations
 
 import os
-import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
@@ -44,6 +51,7 @@ import redis
 from hypothesis import settings
 
 from flink_jobs.tools import embedded_stack, local_services
+from tests.support.waiting import until
 
 # Timing is the benchmarks' business (bench/), not the tests': hypothesis checks no
 # per-example deadline (a CI run beside the model tier once took 603 ms for one example).
@@ -146,14 +154,6 @@ def services_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("services")
 
 
-def _wait_until(check: Callable[[], bool], what: str, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        if time.monotonic() >= deadline:
-            raise TimeoutError(f"{what} not ready after {timeout_s:.0f} s")
-        time.sleep(0.2)
-
-
 def _redis_answers(url: str) -> bool:
     client = redis.Redis.from_url(url, socket_connect_timeout=1, socket_timeout=1)
     try:
@@ -198,7 +198,12 @@ class _ContainerService:
 
     def restart(self) -> _ContainerService:
         self.container.get_wrapped_container().restart(timeout=10)
-        _wait_until(self.ready, type(self).__name__, SERVICE_READY_TIMEOUT_S)
+        until(
+            self.ready,
+            f"{type(self).__name__} to answer",
+            timeout_s=SERVICE_READY_TIMEOUT_S,
+            interval_s=0.2,
+        )
         return self
 
     def stop(self) -> None:
@@ -229,7 +234,12 @@ def _start_redis_container() -> _RedisContainerService:
     container = RedisContainer(REDIS_IMAGE).with_bind_ports(6379, local_services.free_port())
     container.start()
     service = _RedisContainerService(container, 6379)
-    _wait_until(service.ready, "Redis container", SERVICE_READY_TIMEOUT_S)
+    until(
+        service.ready,
+        "the Redis container to answer",
+        timeout_s=SERVICE_READY_TIMEOUT_S,
+        interval_s=0.2,
+    )
     return service
 
 
@@ -277,7 +287,12 @@ def _start_kafka_container() -> _KafkaContainerService:
     container.with_bind_ports(9093, local_services.free_port())
     container.start(timeout=int(SERVICE_READY_TIMEOUT_S))
     service = _KafkaContainerService(container, 9093)
-    _wait_until(service.ready, "Kafka container", SERVICE_READY_TIMEOUT_S)
+    until(
+        service.ready,
+        "the Kafka container to answer",
+        timeout_s=SERVICE_READY_TIMEOUT_S,
+        interval_s=0.2,
+    )
     return service
 
 

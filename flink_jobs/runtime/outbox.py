@@ -54,6 +54,7 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -105,7 +106,8 @@ class Outbox:
     """``runner`` makes the calls; at most ``capacity`` prompts queued or running, at most
     ``max_concurrency`` running; ``rules_first``: also write each prompt's rules-only intent
     at once; ``latest_wins``: a newer prompt of a shopper replaces its queued one and stops
-    its running one (module docstring)."""
+    its running one (module docstring); ``clock``: the monotonic seconds a prompt's queued
+    time is measured in."""
 
     def __init__(
         self,
@@ -115,12 +117,14 @@ class Outbox:
         *,
         rules_first: bool = True,
         latest_wins: bool = True,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if capacity < 1 or max_concurrency < 1:
             raise ValueError("capacity and max_concurrency must be >= 1")
         self._runner = runner
         self._rules_first = rules_first
         self._latest_wins = latest_wins
+        self._clock = clock
         self._capacity = capacity
         self._max_concurrency = max_concurrency
         self._cond = threading.Condition()
@@ -158,13 +162,13 @@ class Outbox:
                 queued, _ = line[0]
                 older, newer = sorted((queued, task), key=lambda t: t.seq)
                 if newer is task:  # keeps its place in the line
-                    line[0] = (task, time.monotonic())
+                    line[0] = (task, self._clock())
                 self._settle(older, TaskResult("superseded"))
                 return
             while self._queued_count + len(self._running) >= self._capacity:
                 self._cond.wait(1.0)
                 self._raise_if_failed()
-            self._queued.setdefault(task.shopper_id, deque()).append((task, time.monotonic()))
+            self._queued.setdefault(task.shopper_id, deque()).append((task, self._clock()))
             self._queued_count += 1
             running = self._running.get(task.shopper_id)
             stopped = running if running is not None and self._may_stop(task.shopper_id) else None
@@ -264,7 +268,7 @@ class Outbox:
                 if line:  # in order: the shopper's next prompt goes to the back of the line
                     self._queued[shopper] = line
                 self._queued_count -= 1
-                queued_ms = int((time.monotonic() - since) * 1000)
+                queued_ms = int((self._clock() - since) * 1000)
                 self._running[task.shopper_id] = task
                 if task.shopper_id in self._stopping:
                     self._stopping.discard(task.shopper_id)

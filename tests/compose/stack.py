@@ -1,7 +1,6 @@
 """Driving one compose project from a test: ``docker compose`` with the shipped file and the
 test's override, the Flink REST API, Prometheus and Redis on the ports the override
-publishes, and waits on conditions that say, when they time out, what they waited for and
-the state they saw last.
+publishes; the test waits on them with ``tests.support.waiting.until``.
 
 The engine is the one ``DOCKER_HOST`` names (``scripts/compose_test.sh`` starts it), the
 settings are ``SI_COMPOSE_ENV_FILE`` and the ``SI_TEST_*_PORT`` variables it exports.
@@ -12,8 +11,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,25 +25,9 @@ PROFILE = "cpu"
 COMPOSE_TIMEOUT_S = 900.0
 
 
-class WaitTimeout(AssertionError):
-    """A condition did not hold in time; the message says which and what was seen."""
-
-
-def wait_for(
-    check: Callable[[], Any], what: str, timeout_s: float, seen: Callable[[], Any] = lambda: None
-) -> Any:
-    """Poll ``check`` every second until it returns something true (returned); past
-    ``timeout_s``, fail naming ``what`` and ``seen()``, the state at the end."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        result = check()
-        if result:
-            return result
-        if time.monotonic() >= deadline:
-            raise WaitTimeout(
-                f"timed out after {timeout_s:.0f} s waiting for {what}; saw: {seen()}"
-            )
-        time.sleep(1.0)
+#: How often a wait polls the stack (``tests.support.waiting.until``): each poll is a docker
+#: compose call, a REST call or a query.
+POLL_S = 1.0
 
 
 def env_values(path: Path) -> dict[str, str]:

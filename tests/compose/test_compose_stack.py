@@ -43,7 +43,8 @@ import pytest
 import redis
 
 from intent_reader.layout import intent_key
-from tests.compose.stack import REPO, Stack, WaitTimeout, docker, wait_for
+from tests.compose.stack import POLL_S, REPO, Stack, docker
+from tests.support.waiting import WaitFailed, passes_within, until
 
 pytestmark = pytest.mark.timeout(45 * 60)
 
@@ -150,6 +151,13 @@ def _process_table(container: str) -> list[tuple[int, str]]:
     return rows
 
 
+def _run_state(container: str) -> str:
+    """``false``, or ``true`` and when the container's current run started."""
+    state = docker("inspect", "--format", "{{.State.Running}} {{.State.StartedAt}}", container)
+    running, _, started_at = state.strip().partition(" ")
+    return f"true {started_at}" if running == "true" else "false"
+
+
 @pytest.fixture(scope="module")
 def run() -> Run:
     stack = Stack.from_environment(f"si-compose-{time.time_ns() % 10**8}")
@@ -159,15 +167,17 @@ def run() -> Run:
     try:
         stack.compose("up", "-d", "--no-build", "--pull", "never", timeout_s=UP_TIMEOUT_S)
         result.timings["up_s"] = time.monotonic() - started
-        job = wait_for(
-            stack.running_job, "the job to run with every task", JOB_RUNNING_TIMEOUT_S,
-            seen=lambda: (stack.flink("/jobs/overview"), stack.logs("job-submit", tail=20)),
+        job = until(
+            stack.running_job, "the job to run with every task",
+            timeout_s=JOB_RUNNING_TIMEOUT_S, interval_s=POLL_S,
+            explain=lambda: (stack.flink("/jobs/overview"), stack.logs("job-submit", tail=20)),
         )  # fmt: skip
         job_id = job["jid"]
         client = redis.Redis.from_url(stack.redis_url)
-        wait_for(
+        until(
             lambda: _stats(client).get("task_starts", 0) >= PARALLELISM,
-            "both source subtasks to start", JOB_RUNNING_TIMEOUT_S, seen=lambda: _stats(client),
+            "both source subtasks to start", timeout_s=JOB_RUNNING_TIMEOUT_S, interval_s=POLL_S,
+            explain=lambda: _stats(client),
         )  # fmt: skip
         result.timings["job_running_s"] = time.monotonic() - started
 
@@ -176,22 +186,24 @@ def run() -> Run:
             stack.compose_argv("run", "--rm", "--use-aliases", "-T", "replayer"),
             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )  # fmt: skip
-        wait_for(
+        until(
             lambda: (
                 _checkpoints(stack, job_id).get("counts", {}).get("completed", 0) > 0
                 and len(_intents(client)) >= 10
             ),
-            "a completed checkpoint and ten intents", BEFORE_KILL_TIMEOUT_S,
-            seen=lambda: (_checkpoints(stack, job_id).get("counts"), _stats(client)),
+            "a completed checkpoint and ten intents",
+            timeout_s=BEFORE_KILL_TIMEOUT_S, interval_s=POLL_S,
+            explain=lambda: (_checkpoints(stack, job_id).get("counts"), _stats(client)),
         )  # fmt: skip
         result.timings["first_checkpoint_after_replay_s"] = time.monotonic() - replay_started
         assert replay.poll() is None, "the replay ended before the kill: not mid-stream"
-        wait_for(
+        until(
             lambda: sum(
                 t["labels"].get("component") == "taskmanager" and t["health"] == "up"
                 for t in stack.scrape_targets()
             ) == PARALLELISM,
-            "Prometheus to scrape both TaskManagers", 120, seen=stack.scrape_targets,
+            "Prometheus to scrape both TaskManagers", timeout_s=120, interval_s=POLL_S,
+            explain=stack.scrape_targets,
         )  # fmt: skip
         result.targets = stack.scrape_targets()
 
@@ -208,24 +220,29 @@ def run() -> Run:
         # A TaskManager's job metrics reach Prometheus at its first scrape after its subtask
         # registered them, which may come after the target is already up; a timeout leaves
         # the instances seen for the test that asserts them.
-        with contextlib.suppress(WaitTimeout):
-            wait_for(
+        with contextlib.suppress(WaitFailed):
+            until(
                 lambda: len(job_metric_instances()) == PARALLELISM,
-                "both TaskManagers' job metrics in Prometheus", METRICS_TIMEOUT_S,
-                seen=lambda: result.job_metric_instances,
+                "both TaskManagers' job metrics in Prometheus",
+                timeout_s=METRICS_TIMEOUT_S, interval_s=POLL_S,
             )  # fmt: skip
 
         victim = stack.containers("taskmanager")[0]["Name"]
+        before_kill = _run_state(victim)
         docker("kill", victim)
         result.killed = victim
         killed_at = time.monotonic()
-        time.sleep(5)  # Docker's restart policy acts within a second, if at all
-        if not any(c["Name"] == victim for c in stack.containers("taskmanager")):
+        # Docker's restart policy acts within a second, if at all.
+        restarted_by_docker = passes_within(
+            lambda: _run_state(victim) not in (before_kill, "false"), 5, interval_s=POLL_S
+        )
+        if not restarted_by_docker:
             docker("start", victim)
-        wait_for(
+        until(
             lambda: _restarted(stack, job_id) and stack.running_job() is not None,
-            "the job to restart and run every task again", RESTART_TIMEOUT_S,
-            seen=lambda: (stack.flink(f"/jobs/{job_id}") or {}).get("state"),
+            "the job to restart and run every task again",
+            timeout_s=RESTART_TIMEOUT_S, interval_s=POLL_S,
+            explain=lambda: (stack.flink(f"/jobs/{job_id}") or {}).get("state"),
         )  # fmt: skip
         result.restarted_after_kill = True
         result.restored_checkpoint = _checkpoints(stack, job_id).get("latest", {}).get("restored")
@@ -234,7 +251,7 @@ def run() -> Run:
         try:
             output, _ = replay.communicate(timeout=REPLAY_TIMEOUT_S)
         except subprocess.TimeoutExpired as exc:
-            raise WaitTimeout(f"the replay still running after {REPLAY_TIMEOUT_S:.0f} s") from exc
+            raise WaitFailed(f"the replay still running after {REPLAY_TIMEOUT_S:.0f} s") from exc
         result.replay_exit, result.replay_output = replay.returncode, output[-2000:]
         result.timings["replay_s"] = time.monotonic() - replay_started
 
@@ -257,9 +274,9 @@ def run() -> Run:
                 inspected["lag"] == 0 and not open_ and time.monotonic() - last["since"] > QUIET_S
             )
 
-        wait_for(
+        until(
             settled, "every record committed and every newest prompt answered",
-            SETTLE_TIMEOUT_S, seen=lambda: last["seen"],
+            timeout_s=SETTLE_TIMEOUT_S, interval_s=POLL_S, explain=lambda: last["seen"],
         )  # fmt: skip
         result.timings["settled_after_replay_s"] = time.monotonic() - replay_started
         result.intents = _intents(client)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +28,7 @@ from inference_sidecar.workers import (
     log_tail,
     port_is_free,
 )
+from tests.support.waiting import WaitFailed, until
 
 MODEL = "SmolLM2-135M-Instruct"
 CHAT = "/v1/chat/completions"
@@ -57,6 +57,13 @@ def chat_body(messages: list[dict[str, str]], max_tokens: int = 16, **extra: obj
         "temperature": 0,
         **extra,
     }
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 def metric_sum(text: str, name: str, **labels: str) -> float:
@@ -186,18 +193,19 @@ class Stack:
         with log.open("wb") as out:
             proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
         router = RouterProcess(f"http://127.0.0.1:{port}", proc, log)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(f"router exited:\n{log_tail(log)}")
-            try:
-                if httpx.get(f"{router.url}/health", timeout=1).status_code == 200:
-                    return router
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        router.stop()
-        raise RuntimeError(f"router not healthy after 30 s:\n{log_tail(log)}")
+        try:
+            until(
+                lambda: _healthy(router.url),
+                f"the {name} router's /health",
+                timeout_s=30,
+                interval_s=0.2,
+                give_up=lambda: proc.poll() is not None and "the router exited",
+                explain=lambda: log_tail(log),
+            )
+        except WaitFailed:
+            router.stop()
+            raise
+        return router
 
     def close(self) -> None:
         if self.current is not None:

@@ -30,7 +30,7 @@ from flink_jobs.tools.distill.hindsight import CONFIDENCES
 from flink_jobs.tools.embedded_stack import ServedModel, start_llm_tier
 from flink_jobs.tools.eval_runner import select_records
 from inference_sidecar.workers import find_model_dir, find_vllm_python
-from tests.builders import prompt_task
+from tests.support.builders import prompt_task
 
 pytestmark = [pytest.mark.timeout(900)]
 

@@ -29,8 +29,8 @@ from flink_jobs.tools.replay import replay_records
 from flink_jobs.tools.run_summary import read_stats
 from flink_jobs.tools.sample_data import BadRecords, SampleConfig, generate_sample
 from intent_reader.updates import IntentUpdates
-from tests.service.job_process import job_groups
-from tests.service.test_two_speed_outbox import grounded_task
+from tests.support.builders import grounded_task
+from tests.support.job_process import job_groups
 
 pytestmark = [pytest.mark.timeout(900)]
 

@@ -38,7 +38,8 @@ from flink_jobs.tools.run_summary import (
     read_stats,
 )
 from flink_jobs.tools.sample_data import SampleConfig, generate_sample
-from tests.service.job_process import job_groups
+from tests.support.job_process import job_groups
+from tests.support.waiting import held_for, until
 
 # Ten minutes of 40 shoppers' events at 5x: two minutes of replay, the same events per
 # second the CPU workers faced with 80 shoppers at 2.5x (every other assertion here is
@@ -89,7 +90,7 @@ def pipeline_run(kafka_bootstrap: str, redis_url: str, llm_tier) -> PipelineRun:
         )
         assert summary.ok, summary.describe(config.kafka.events_topic)
         replay_s = time.monotonic() - started
-        stats = _wait_until_settled(client, config, len(sample.records))
+        stats = _settled_stats(client, config, len(sample.records))
         elapsed_s = time.monotonic() - started
     finally:
         job.cancel().result()
@@ -117,22 +118,22 @@ def pipeline_run(kafka_bootstrap: str, redis_url: str, llm_tier) -> PipelineRun:
     return run
 
 
-def _wait_until_settled(client: redis.Redis, config: AppConfig, produced: int) -> dict[str, int]:
-    """Settled = every record and prompt has an outcome, and it stays so for longer than
-    the trigger's max wait (the last prompts fire from timers after the replay)."""
-    quiet_needed = config.trigger.max_wait_s + 5
-    deadline = time.monotonic() + RUN_TIMEOUT_S
-    settled_since = None
-    while time.monotonic() < deadline:
-        stats = read_stats(client, config.redis.key_prefix)
-        if not is_settled(stats, produced):
-            settled_since = None
-        elif settled_since is None:
-            settled_since = time.monotonic()
-        elif time.monotonic() - settled_since >= quiet_needed:
-            return stats
-        time.sleep(1.0)
-    pytest.fail(f"the pipeline did not settle within {RUN_TIMEOUT_S} s; last stats: {stats}")
+def _settled_stats(client: redis.Redis, config: AppConfig, produced: int) -> dict[str, int]:
+    """The stats once settled: every record and prompt has an outcome, and it stays so for
+    longer than the trigger's max wait (the last prompts fire from timers after the replay)."""
+    seen: dict[str, dict[str, int]] = {}
+
+    def settled() -> dict[str, int] | None:
+        seen["stats"] = stats = read_stats(client, config.redis.key_prefix)
+        return stats if is_settled(stats, produced) else None
+
+    return until(
+        held_for(settled, config.trigger.max_wait_s + 5),
+        "the pipeline to settle",
+        timeout_s=RUN_TIMEOUT_S,
+        interval_s=1.0,
+        explain=lambda: f"last stats {seen.get('stats')}",
+    )
 
 
 def _write_report(run: PipelineRun) -> None:

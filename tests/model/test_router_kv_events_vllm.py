@@ -15,7 +15,7 @@ their KV cache events on; this module adds only its router.
 from __future__ import annotations
 
 import threading
-import time
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +38,7 @@ from tests.model.clusters import (
     metric_sum,
     shopper_messages,
 )
+from tests.support.waiting import passes_within, until
 
 pytestmark = [pytest.mark.timeout(420)]
 
@@ -66,6 +67,17 @@ class EventLog:
 
     def stored(self) -> list[Stored]:
         return [e for b in list(self.batches) for e in b.events if isinstance(e, Stored)]
+
+    def hears(self, worker: str) -> bool:
+        """Whether a probe sent to ``worker`` now is heard. A SUB socket hears only what is
+        published after it has joined, and when that is is not observable: a probe is a
+        request with a new salt (a chain of its own, which leaves the unsalted prefix
+        cache as it was) that is either heard or not."""
+        salt = f"probe-{uuid.uuid4().hex[:8]}"
+        probe = chat_body(shopper_messages("probe", 2), max_tokens=1, cache_salt=salt)
+        reply = httpx.post(f"{worker}/v1/chat/completions", json=probe, timeout=120)
+        assert reply.status_code == 200, reply.text
+        return passes_within(self.stored, 5, interval_s=0.1)
 
     def close(self) -> None:
         self._stop.set()
@@ -102,17 +114,15 @@ def cluster(stack: Stack) -> Iterator[KVCluster]:
         extra += ["--kv-events", f"{url}={events},{replay}"]
     router = stack.start_router(pool.worker_urls, "kv", extra)
     try:
-        wait_until(lambda: bool(httpx.get(f"{router.url}/health", timeout=2).json()["kv_blocks"]))
+        until(
+            lambda: bool(httpx.get(f"{router.url}/health", timeout=2).json()["kv_blocks"]),
+            "the router to hold the workers' KV blocks",
+            timeout_s=20,
+            interval_s=0.1,
+        )
         yield KVCluster(pool, router)
     finally:
         router.stop()
-
-
-def wait_until(condition, timeout_s: float = 20.0) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.1)
 
 
 def test_the_routers_block_hashes_equal_what_the_worker_published(cluster: KVCluster) -> None:
@@ -127,11 +137,14 @@ def test_the_routers_block_hashes_equal_what_the_worker_published(cluster: KVClu
     assert len(ours) >= 2, f"the prompt must span blocks of {hashing.block_size} tokens"
     log = EventLog(endpoint)
     try:
-        time.sleep(1.0)  # a SUB socket hears only what is sent after it joined
+        until(lambda: log.hears(worker), "the test's SUB socket to hear the worker",
+              timeout_s=60, interval_s=0)  # fmt: skip
+        log.batches.clear()
         reply = httpx.post(f"{worker}/v1/chat/completions", json=body, timeout=120)
         assert reply.status_code == 200, reply.text
         assert reply.json()["usage"]["prompt_tokens"] == len(tokens)
-        wait_until(lambda: any(e.parent is None for e in log.stored()))
+        until(lambda: any(e.parent is None for e in log.stored()), "the prompt's root chain",
+              timeout_s=20, interval_s=0.1)  # fmt: skip
     finally:
         log.close()
     published = [h for e in log.stored() for h in e.hashes]
@@ -151,7 +164,7 @@ def test_a_shared_prefix_goes_to_the_worker_that_holds_it(cluster: KVCluster) ->
     )
     assert first.status_code == 200, first.text
     holder = first.headers["x-sidecar-worker"]
-    wait_until(
+    until(
         lambda: (
             metric_sum(
                 httpx.get(f"{cluster.url}/metrics", timeout=5).text,
@@ -159,7 +172,10 @@ def test_a_shared_prefix_goes_to_the_worker_that_holds_it(cluster: KVCluster) ->
                 worker=holder,
             )
             > 0
-        )
+        ),
+        "the router to hold the first prompt's blocks",
+        timeout_s=20,
+        interval_s=0.1,
     )
     # Another shopper whose own hash order prefers the other worker, with the same long
     # prompt and a different question at the end.

@@ -15,9 +15,8 @@ their KV cache events; this module adds only its router.
 from __future__ import annotations
 
 import threading
-import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import httpx
 import msgspec
@@ -29,6 +28,7 @@ from inference_sidecar.kv.blocks import BlockExtras, hashing_from_metrics
 from inference_sidecar.kv.prompt_tokens import PromptTokenizer
 from inference_sidecar.workers import WorkerProcesses
 from tests.model.clusters import CHAT, RouterProcess, Stack, chat_body, shopper_messages
+from tests.support.waiting import passes_within, until
 
 pytestmark = [pytest.mark.timeout(420)]
 
@@ -69,13 +69,6 @@ class RootChains:
         self._ctx.term()
 
 
-def wait_until(condition: Callable[[], object], timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.1)
-
-
 @pytest.fixture(scope="module")
 def pool(stack: Stack) -> WorkerProcesses:
     pool = stack.get("aggregated").pool
@@ -91,7 +84,12 @@ def kv_router(stack: Stack, pool: WorkerProcesses) -> Iterator[RouterProcess]:
         extra += ["--kv-events", f"{url}={events},{replay}"]
     router = stack.start_router(pool.worker_urls, "kv-salt", extra)
     try:
-        wait_until(lambda: bool(httpx.get(f"{router.url}/health", timeout=2).json()["kv_blocks"]))
+        until(
+            lambda: bool(httpx.get(f"{router.url}/health", timeout=2).json()["kv_blocks"]),
+            "the router to hold the workers' KV blocks",
+            timeout_s=20,
+            interval_s=0.1,
+        )
         yield router
     finally:
         router.stop()
@@ -114,11 +112,8 @@ def test_the_routers_salted_hashes_equal_what_the_worker_published(
             body = chat_body(shopper_messages("salted", 30), max_tokens=1, cache_salt=salt)
             reply = httpx.post(f"{worker}{CHAT}", json=body, timeout=120)
             assert reply.status_code == 200, reply.text
-            try:
-                wait_until(lambda s=salt: chains.salted_with(s), timeout_s=5)
+            if passes_within(lambda s=salt: chains.salted_with(s), 5, interval_s=0.1):
                 break
-            except AssertionError:
-                continue
         chain = chains.salted_with(salt)
     finally:
         chains.close()
@@ -142,7 +137,12 @@ def test_salted_requests_through_the_router_keep_their_worker_trusted(
         assert reply.status_code == 200, reply.text
         holders.add(reply.headers["x-sidecar-worker"])
     for holder in holders:  # the salted chains were heard and applied
-        wait_until(lambda w=holder: kv_router.metric("inference_sidecar_kv_blocks", worker=w) > 0)
+        until(
+            lambda w=holder: kv_router.metric("inference_sidecar_kv_blocks", worker=w) > 0,
+            f"the router to hold {holder}'s salted blocks",
+            timeout_s=20,
+            interval_s=0.1,
+        )
     assert kv_router.metric("inference_sidecar_kv_hash_mismatches_total") == 0
     assert kv_router.metric("inference_sidecar_kv_unhashed_requests_total") == 0
     for holder in holders:

@@ -41,7 +41,8 @@ from tests.model.clusters import (
     metric_sum,
     shopper_messages,
 )
-from tests.service.fault_proxy import FaultProxy
+from tests.support.fault_proxy import FaultProxy
+from tests.support.waiting import until
 
 pytestmark = [pytest.mark.timeout(360)]
 
@@ -176,9 +177,7 @@ class SlowProxy:
         )
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
-        deadline = time.monotonic() + 10
-        while not self.server.started and time.monotonic() < deadline:
-            time.sleep(0.05)
+        until(lambda: self.server.started, "the slow proxy to start", timeout_s=10, interval_s=0.05)
 
     def close(self) -> None:
         self.server.should_exit = True
@@ -332,11 +331,12 @@ class TestAggregated:
             health = httpx.get(f"{router.url}/health", timeout=5).json()
             assert health["pools"]["worker"][proxy.url]["ejected"]
             proxy.delay_s = 0.0  # it recovers
-            deadline = ejected_at + 20
-            while time.monotonic() < deadline:
-                if router.metric("inference_sidecar_health_events_total", event="readmitted"):
-                    break
-                time.sleep(0.5)
+            until(
+                lambda: router.metric("inference_sidecar_health_events_total", event="readmitted"),
+                "the recovered worker to be readmitted",
+                timeout_s=max(0.0, ejected_at + 20 - time.monotonic()),
+                interval_s=0.5,
+            )
             assert router.metric("inference_sidecar_health_events_total", event="readmitted") == 1
             assert router.metric("inference_sidecar_requests_total", status="200") == i + 1
         finally:
@@ -353,7 +353,16 @@ class TestAggregated:
                 ex.submit(aggregated.post, chat_body(shopper_messages(s, 4), 48), s)
                 for s in shoppers
             ]
-            time.sleep(1.0)  # requests are in flight on both workers
+            until(
+                lambda: metric_sum(
+                    httpx.get(f"{aggregated.router_url}/metrics", timeout=10).text,
+                    "inference_sidecar_worker_in_flight",
+                    worker=victim.url,
+                ),
+                "requests in flight to the worker to kill",
+                timeout_s=60,
+                interval_s=0.1,
+            )
             aggregated.pool.kill(victim.name)
             replies = [f.result() for f in futures]
         assert [r.status_code for r in replies] == [200] * len(shoppers), [

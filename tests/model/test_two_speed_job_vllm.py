@@ -30,7 +30,8 @@ from flink_jobs.tools.run_summary import read_stats
 from flink_jobs.tools.sample_data import BadRecords, SampleConfig, generate_sample
 from intent_reader.layout import SOURCE_RANKS, intent_key
 from intent_reader.updates import IntentUpdate, IntentUpdates
-from tests.service.job_process import JobProcess, job_groups
+from tests.support.job_process import JobProcess, job_groups
+from tests.support.waiting import until
 
 SHOPPERS = 12
 SPEED = 2.0
@@ -47,15 +48,6 @@ class Run:
     killed_at_ms: int
     restarted_log: str
     stats: dict[str, int]
-
-
-def _wait(check, what: str, job: JobProcess | None = None, timeout_s: float = TIMEOUT_S) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        if job is not None and not job.running():
-            raise AssertionError(f"the job exited waiting for {what}:\n{job.log_text()[-3000:]}")
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.5)
 
 
 @pytest.fixture(scope="module")
@@ -106,19 +98,19 @@ def run(kafka_bootstrap, redis_url, llm_tier, tmp_path_factory) -> Run:
     try:
         # The stream proper starts once the job reads: its start-up takes a while.
         replay(sample.records[:WARM_UP])
-        _wait(
+        until(
             lambda: read_stats(client, name).get("events_in", 0) >= WARM_UP,
             "the job to read the first records",
-            first,
+            **first.waits(TIMEOUT_S),
         )
         threading.Thread(target=replay_rest, daemon=True).start()
-        _wait(
+        until(
             lambda: (
                 latest_checkpoint(workdir / "checkpoints") is not None
                 and read_stats(client, name).get("intents_written", 0) >= 3
             ),
             "a completed checkpoint and three model intents",
-            first,
+            **first.waits(TIMEOUT_S),
         )
         assert not replayed.is_set(), "the replay ended before the kill: not mid-stream"
         first.kill()
@@ -126,7 +118,7 @@ def run(kafka_bootstrap, redis_url, llm_tier, tmp_path_factory) -> Run:
         killed.set()
         groups["job"]["restore_from"] = "latest"
         restarted = JobProcess(groups, workdir / "restarted.log")
-        _wait(replayed.is_set, "the replay to end", restarted)
+        until(replayed.is_set, "the replay to end", **restarted.waits(TIMEOUT_S))
         last, since = -1, time.monotonic()
 
         def quiet() -> bool:
@@ -136,7 +128,7 @@ def run(kafka_bootstrap, redis_url, llm_tier, tmp_path_factory) -> Run:
                 last, since = now, time.monotonic()
             return time.monotonic() - since > QUIET_S
 
-        _wait(quiet, f"no write to land for {QUIET_S} s", restarted)
+        until(quiet, f"no write to land for {QUIET_S} s", **restarted.waits(TIMEOUT_S))
     finally:
         killed.set()
         first.kill()

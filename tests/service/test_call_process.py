@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import os
 import socket
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -27,9 +26,9 @@ from flink_jobs.runtime.call_process import CallProcess, CallProcessExited
 from flink_jobs.runtime.inference import RedisUnavailable
 from flink_jobs.runtime.intent_store import IntentStore
 from flink_jobs.tools.local_services import free_port
-from tests.builders import EARBUDS, HEADPHONES, T0, session_of
-from tests.builders import numbered_event as event
-from tests.service.job_process import call_processes
+from tests.support.builders import EARBUDS, HEADPHONES, T0, session_of
+from tests.support.builders import numbered_event as event
+from tests.support.job_process import call_processes
 
 # How long the helper may take to start and send its first request: it imports httpx and
 # redis-py, and beside the model tier on two cores that took longer than a second.
@@ -171,17 +170,15 @@ def test_a_dead_helper_fails_its_calls_in_flight_and_later_ones():
             try:
                 in_flight = await call_under_way(silent, "shopper-00148")
                 psutil.Process(calls.pid).kill()
-                started = time.monotonic()
+                # Failed by the helper's exit, not by a timeout of the call.
                 with pytest.raises(CallProcessExited, match="exited"):
                     await asyncio.wait_for(in_flight, 30)
-                waited = time.monotonic() - started
                 with pytest.raises(CallProcessExited):
                     await calls.run(prompt_task("shopper-00149"))
-                return waited
             finally:
                 await calls.aclose()
 
-        assert asyncio.run(go()) < 10
+        asyncio.run(go())
 
 
 def test_a_superseded_call_is_stopped_in_the_helper_and_answers_superseded():

@@ -38,9 +38,10 @@ from flink_jobs.tools.run_summary import (
 )
 from flink_jobs.tools.sample_data import SampleConfig, generate_sample
 from intent_reader.layout import intent_key
-from tests.service.job_process import JobProcess, call_processes
 from tests.support.answers import Unanswered, unanswered_in
+from tests.support.job_process import JobProcess, call_processes
 from tests.support.stream import move_event_time
+from tests.support.waiting import until
 
 SHOPPERS = 30
 SPEED = 2.0
@@ -141,64 +142,41 @@ def _groups(name: str, bootstrap: str, redis_url: str, llm: dict, run: str) -> d
     }
 
 
-def _wait(
-    check, what: str, timeout_s: float = PHASE_TIMEOUT_S, job: JobProcess | None = None,
-    state=lambda: "",
-):  # fmt: skip
-    """Polls ``check``; a timeout says ``state()``, what was still missing, and the job's
-    log tail, so a failed run can be diagnosed from the CI output alone."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if check():
-            return
-        if job is not None and not job.running():
-            raise AssertionError(
-                f"the job exited while waiting for {what}:\n{job.log_text()[-3000:]}"
-            )
-        time.sleep(0.5)
-    log = f"\njob log tail:\n{job.log_text()[-3000:]}" if job is not None else ""
-    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}{state()}{log}")
-
-
 def _checkpoint_number(checkpoints: Path) -> int:
     """The newest completed checkpoint's number (``chk-N``), 0 before the first."""
     newest = latest_checkpoint(checkpoints)
     return int(newest.name.removeprefix("chk-")) if newest is not None else 0
 
 
-def _wait_answered(
-    client: redis.Redis, prefix: str, bootstrap: str, name: str, checkpoints: Path,
-    job: JobProcess,
-) -> None:  # fmt: skip
-    """Until a checkpoint covers every record, the event-time marker included
-    (``tests.support.stream``), a later checkpoint has completed, and every shopper's
-    newest prompt is answered (or dead-lettered). Reading the marker moves the watermark
-    past every trigger, and the prompts those triggers fire reach the prompts topic before
-    the barrier of a checkpoint taken after it. The stats cannot tell: the killed job lost
-    the counts it had not flushed, some of records before its last checkpoint, and the
-    restarted job counts records after that checkpoint again. The group's committed
-    offsets, the checkpoints, the prompts topic and Redis can."""
-    covered: dict[str, int] = {}
-    seen: dict = {}
+class RunBAnswered:
+    """The check that run B is done: a checkpoint covers every record, the event-time
+    marker included (``tests.support.stream``), a later checkpoint has completed, and every
+    shopper's newest prompt is answered (or dead-lettered). Reading the marker moves the
+    watermark past every trigger, and the prompts those triggers fire reach the prompts
+    topic before the barrier of a checkpoint taken after it. The stats cannot tell: the
+    killed job lost the counts it had not flushed, some of records before its last
+    checkpoint, and the restarted job counts records after that checkpoint again. The
+    group's committed offsets, the checkpoints, the prompts topic and Redis can."""
 
-    def answered() -> bool:
-        lag = group_lag(bootstrap, f"{name}-b", f"{name}-events")
-        seen.update(lag=lag, stats=read_stats(client, prefix))
+    def __init__(
+        self, client: redis.Redis, prefix: str, bootstrap: str, name: str, checkpoints: Path
+    ) -> None:
+        self.client, self.prefix, self.bootstrap = client, prefix, bootstrap
+        self.name, self.checkpoints = name, checkpoints
+        self.covered: dict[str, int] = {}
+        self.seen: dict = {}
+
+    def __call__(self) -> bool:
+        lag = group_lag(self.bootstrap, f"{self.name}-b", f"{self.name}-events")
+        self.seen.update(lag=lag, stats=read_stats(self.client, self.prefix))
         if lag:
             return False
-        covered.setdefault("at", _checkpoint_number(checkpoints))
-        prompts = read_json_topic(bootstrap, f"{name}-b-prompts", timeout_s=10)
-        dead_letters = read_json_topic(bootstrap, f"{name}-b-dlq", timeout_s=10)
-        open_ = unanswered_in(client, prefix, prompts, dead_letters)
-        seen.update(prompts=len(prompts), unanswered=[str(u) for u in open_])
-        return not open_ and _checkpoint_number(checkpoints) > covered["at"]
-
-    _wait(
-        answered,
-        "run B to answer every shopper's newest prompt",
-        job=job,
-        state=lambda: f"; last seen: {seen}",
-    )
+        self.covered.setdefault("at", _checkpoint_number(self.checkpoints))
+        prompts = read_json_topic(self.bootstrap, f"{self.name}-b-prompts", timeout_s=10)
+        dead_letters = read_json_topic(self.bootstrap, f"{self.name}-b-dlq", timeout_s=10)
+        open_ = unanswered_in(self.client, self.prefix, prompts, dead_letters)
+        self.seen.update(prompts=len(prompts), unanswered=[str(u) for u in open_])
+        return not open_ and _checkpoint_number(self.checkpoints) > self.covered["at"]
 
 
 @pytest.fixture(scope="module")
@@ -238,32 +216,32 @@ def runs(kafka_bootstrap, redis_url, standin_tier, tmp_path_factory) -> Runs:
     try:
         # The stream proper starts once the job is reading: its start-up takes a while.
         replay(sample.records[:WARM_UP])
-        _wait(
+        until(
             lambda: read_stats(client, prefix_b).get("events_in", 0) >= WARM_UP,
             "the job to read the first records",
-            job=first,
+            **first.waits(PHASE_TIMEOUT_S),
         )
         threading.Thread(target=replay_rest, daemon=True).start()
         watcher.start()
-        _wait(
+        until(
             lambda: (
                 latest_checkpoint(workdir / "checkpoints") is not None
                 and read_stats(client, prefix_b).get("intents_written", 0) >= 3
             ),
             "a completed checkpoint and three intents",
-            job=first,
+            **first.waits(PHASE_TIMEOUT_S),
         )
         assert not replayed.is_set(), "the replay ended before the kill: not mid-stream"
         [killed_call_process] = call_processes(first.pid)
         intents_before_helper_kill = read_stats(client, prefix_b)["intents_written"]
         psutil.Process(killed_call_process).kill()
-        _wait(
+        until(
             lambda: (
                 call_processes(first.pid) not in ([], [killed_call_process])
                 and read_stats(client, prefix_b)["intents_written"] > intents_before_helper_kill
             ),
             "a new call process and a new intent after the call process was killed",
-            job=first,
+            **first.waits(PHASE_TIMEOUT_S),
         )
         [call_process_after] = call_processes(first.pid)
         intents_after_helper_kill = read_stats(client, prefix_b)["intents_written"]
@@ -271,12 +249,16 @@ def runs(kafka_bootstrap, redis_url, standin_tier, tmp_path_factory) -> Runs:
         # job must send it again (``prompts_resent``).
         hung_before = _hung(standin_tier)
         standin_tier.inject("hang", 1)
-        _wait(lambda: _hung(standin_tier) > hung_before, "a request to hang", job=first)
+        until(
+            lambda: _hung(standin_tier) > hung_before,
+            "a request to hang",
+            **first.waits(PHASE_TIMEOUT_S),
+        )
         checkpoint_before = latest_checkpoint(workdir / "checkpoints")
-        _wait(
+        until(
             lambda: latest_checkpoint(workdir / "checkpoints") != checkpoint_before,
             "a checkpoint taken while a prompt waits for its answer",
-            job=first,
+            **first.waits(PHASE_TIMEOUT_S),
         )
         assert not replayed.is_set(), "the replay ended before the kill: not mid-stream"
         first.kill()
@@ -292,17 +274,24 @@ def runs(kafka_bootstrap, redis_url, standin_tier, tmp_path_factory) -> Runs:
             return group_progress(kafka_bootstrap, f"{name}-b", f"{name}-events")[1]
 
         at_kill = on_topic()
-        _wait(
+        until(
             lambda: replayed.is_set() or on_topic() >= at_kill + 5,
             "records written while the job is down",
+            timeout_s=PHASE_TIMEOUT_S,
+            interval_s=0.5,
         )
 
         groups_b["job"]["restore_from"] = "latest"
         restarted = JobProcess(groups_b, workdir / "b-restarted.log")
-        _wait(replayed.is_set, "the replay to finish")
+        until(replayed.is_set, "the replay to finish", timeout_s=PHASE_TIMEOUT_S, interval_s=0.5)
         # Past the quiet period and max wait of the replay's last events.
         move_event_time(kafka_bootstrap, f"{name}-events", 1, int(time.time() * 1000) + 30_000)
-        _wait_answered(client, prefix_b, kafka_bootstrap, name, workdir / "checkpoints", restarted)
+        answered = RunBAnswered(client, prefix_b, kafka_bootstrap, name, workdir / "checkpoints")
+        until(
+            answered,
+            "run B to answer every shopper's newest prompt",
+            **restarted.waits(PHASE_TIMEOUT_S, state=lambda: f"last seen: {answered.seen}"),
+        )
         watcher.poll()
     finally:
         watcher.stop()
@@ -314,12 +303,12 @@ def runs(kafka_bootstrap, redis_url, standin_tier, tmp_path_factory) -> Runs:
     groups_a["kafka"]["bounded"] = True
     uninterrupted = JobProcess(groups_a, workdir / "a.log")
     try:
-        _wait(
+        until(
             lambda: is_settled(
                 read_stats(client, groups_a["redis"]["key_prefix"]), len(sample.records)
             ),
             "run A to settle",
-            job=uninterrupted,
+            **uninterrupted.waits(PHASE_TIMEOUT_S),
         )
     finally:
         uninterrupted.kill()

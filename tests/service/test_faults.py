@@ -78,7 +78,8 @@ from flink_jobs.tools.run_summary import (
     read_stats,
 )
 from flink_jobs.tools.sample_data import SampleConfig, generate_sample
-from tests.service.fault_proxy import BAD_INTENT_TEXT, FaultProxy, FaultWindow
+from tests.support.fault_proxy import BAD_INTENT_TEXT, FaultProxy, FaultWindow
+from tests.support.waiting import WaitFailed, held_for, passes_within, until
 
 pytestmark = pytest.mark.timeout(15 * 60)
 
@@ -119,6 +120,8 @@ PROXY_FAULTS: list[tuple[str, int, dict]] = [
     ("slow", 2, {"delay_s": 6.0}),
 ]
 PROXY_FAULT_MAX_S = 40.0
+# What the router counts a proxy fault's answers as (the others are answers to it).
+ROUTER_ERROR_KINDS = {"5xx": "status_5xx", "invalid_json": "invalid_response"}
 # Redis stays down until an answer has reached the job and the job has failed to write it
 # (its retry is logged), at least REDIS_MIN_DOWN_S and at most REDIS_MAX_DOWN_S (well inside
 # the write retry budget). A fixed second after the router's answer was once too short.
@@ -185,15 +188,6 @@ def metric_sum(text: str, name: str, **labels: str) -> float:
         if all(f'{k}="{v}"' in line for k, v in labels.items()):
             total += float(line.rsplit(" ", 1)[1])
     return total
-
-
-def _wait_for(check: Callable[[], bool], timeout_s: float, interval_s: float = 0.25) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if check():
-            return True
-        time.sleep(interval_s)
-    return check()
 
 
 # --- the broker's log, kept across a restart ---------------------------------------------
@@ -506,36 +500,61 @@ def scenario() -> Iterator[Scenario]:
                 return 0.0
             return metric_sum(text, "inference_sidecar_requests_total", status="200")
 
+        def fault_answered(mode: str) -> Callable[[], bool]:
+            """Every answer the fault changed has left the proxy, and the router has
+            counted each one it takes for a failure."""
+
+            def check() -> bool:
+                if proxy.changing:
+                    return False
+                kind = ROUTER_ERROR_KINDS.get(mode)
+                if kind is None:
+                    return True
+                try:
+                    text = router.metrics()
+                except httpx.HTTPError:
+                    return False
+                errors = metric_sum(
+                    text, "inference_sidecar_worker_errors_total", worker=proxy.url, kind=kind
+                )
+                return errors >= proxy.served[mode]
+
+            return check
+
         def inject_faults() -> None:
-            _wait_for(in_flight(), FIRST_REQUEST_WAIT_S)
+            passes_within(in_flight(), FIRST_REQUEST_WAIT_S, interval_s=0.25)
             for mode, count, extra in PROXY_FAULTS:
-                _wait_for(in_flight(worker=proxy.url), IN_FLIGHT_WAIT_S)
+                passes_within(in_flight(worker=proxy.url), IN_FLIGHT_WAIT_S, interval_s=0.25)
                 began(mode)
                 proxy.inject(mode, count, PROXY_FAULT_MAX_S, **extra)
                 proxy.wait_done(PROXY_FAULT_MAX_S + 5)
-                time.sleep(2.0)
+                passes_within(fault_answered(mode), ROUTER_REQUEST_TIMEOUT_S, interval_s=0.25)
                 metrics_after_proxy_fault[mode] = router.metrics()
 
             # Redis goes away while answers are on their way, and comes back once one has
             # reached the job and its write has failed: that write has to wait for it.
-            busy = _wait_for(in_flight(), IN_FLIGHT_WAIT_S)
+            busy = passes_within(in_flight(), IN_FLIGHT_WAIT_S, interval_s=0.25)
             pid_before = redis_service.process.pid
             answered_before = answers_sent()
             retries_before = len(_job_log_lines(REDIS_RETRY_LOG))
             started = began("redis")
             redis_service.stop()
             time.sleep(REDIS_MIN_DOWN_S)
-            answered = _wait_for(
-                lambda: answers_sent() > answered_before, REDIS_MAX_DOWN_S - REDIS_MIN_DOWN_S
+            answered = passes_within(
+                lambda: answers_sent() > answered_before,
+                REDIS_MAX_DOWN_S - REDIS_MIN_DOWN_S,
+                interval_s=0.25,
             )
-            _wait_for(
+            passes_within(
                 lambda: len(_job_log_lines(REDIS_RETRY_LOG)) > retries_before,
                 max(0.0, started + REDIS_MAX_DOWN_S - time.time()),
+                interval_s=0.25,
             )
             # Kept now: the Flink log file is shared by every PyFlink run from this venv,
             # and another run starting truncates it.
             redis_retry_lines.extend(_job_log_lines(REDIS_RETRY_LOG))
             redis_service.start()
+            written_before = stats_by_fault["redis"].get("intents_written", 0)
             faults["redis"] = Fault(
                 "redis",
                 started,
@@ -547,15 +566,19 @@ def scenario() -> Iterator[Scenario]:
                     "pid_after": redis_service.process.pid,
                 },
             )
-            time.sleep(3.0)
+            passes_within(  # the job writes again before the next fault
+                lambda: stats_now().get("intents_written", 0) > written_before,
+                IN_FLIGHT_WAIT_S,
+                interval_s=0.25,
+            )
 
             metrics_before_restart.append(router.metrics())
             pid_before = router.process.pid
-            _wait_for(in_flight(), IN_FLIGHT_WAIT_S)
+            passes_within(in_flight(), IN_FLIGHT_WAIT_S, interval_s=0.25)
             started = began("router")
             # Checked again with nothing between it and the kill: reading the job's counters
             # took long enough on a loaded host for the request seen first to be answered.
-            busy = _wait_for(in_flight(), IN_FLIGHT_WAIT_S, interval_s=0.05)
+            busy = passes_within(in_flight(), IN_FLIGHT_WAIT_S, interval_s=0.05)
             router.process.kill()
             time.sleep(ROUTER_DOWN_S)
             router.start()
@@ -565,11 +588,14 @@ def scenario() -> Iterator[Scenario]:
                 time.time(),
                 {"in_flight": busy, "pid_before": pid_before, "pid_after": router.process.pid},
             )
-            time.sleep(3.0)
+            # The restarted router answers again before the next fault.
+            passes_within(lambda: answers_sent() > 0, IN_FLIGHT_WAIT_S, interval_s=0.25)
 
-            _wait_for(in_flight(worker=direct_worker.url), IN_FLIGHT_WAIT_S)
+            passes_within(in_flight(worker=direct_worker.url), IN_FLIGHT_WAIT_S, interval_s=0.25)
             started = began("worker_kill")
-            busy = _wait_for(in_flight(worker=direct_worker.url), IN_FLIGHT_WAIT_S, 0.05)
+            busy = passes_within(
+                in_flight(worker=direct_worker.url), IN_FLIGHT_WAIT_S, interval_s=0.05
+            )
             direct_worker.process.kill()
             faults["worker_kill"] = Fault("worker_kill", started, time.time(), {"in_flight": busy})
 
@@ -588,7 +614,7 @@ def scenario() -> Iterator[Scenario]:
             faults_lasted_s = injector.ended_at - started
             for mode, window in _windows_by_mode(proxy.windows).items():
                 faults[mode] = Fault(mode, window.started_at, window.ended_at)
-            stats_before_broker, settled_before_broker = _wait_until_settled(
+            stats_before_broker, settled_before_broker = _settled_stats(
                 stats_now, config, len(main), watcher
             )
             router_metrics_after_kill = router.metrics()
@@ -610,7 +636,7 @@ def scenario() -> Iterator[Scenario]:
             )
             assert sent.ok, sent.describe(config.kafka.events_topic)
             produced = len(main) + len(tail)
-            stats, settled = _wait_until_settled(stats_now, config, produced, watcher)
+            stats, settled = _settled_stats(stats_now, config, produced, watcher)
             faults["broker"] = Fault(
                 "broker",
                 broker_started,
@@ -696,31 +722,36 @@ def _log_time(line: str) -> float:
     return datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
 
 
-def _wait_until_settled(
+def _settled_stats(
     read: Callable[[], dict[str, int]], config: AppConfig, produced: int, watcher: JobWatcher
 ) -> tuple[dict[str, int], bool]:
-    """Wait until every record and prompt has an outcome, and the stats stay put for longer
-    than the trigger's max wait. A job that restarted counts the records read after its
-    last checkpoint twice, so then every record merely has to be in and the stats still.
-    Gives up when the job fails (loudly: the tests see the status) or after the timeout."""
-    quiet_needed = config.trigger.max_wait_s + 5
-    deadline = time.monotonic() + SETTLE_TIMEOUT_S
-    last: dict[str, int] = {}
-    since: float | None = None
-    while time.monotonic() < deadline and not watcher.ended:
+    """The stats once every record and prompt has an outcome and they stay put for longer
+    than the trigger's max wait, and whether that came. A job that restarted counts the
+    records read after its last checkpoint twice, so then every record merely has to be in
+    and the stats still. Gives up when the job fails (loudly: the tests see the status) or
+    after the timeout."""
+
+    def done() -> dict[str, int] | None:
+        if watcher.ended:
+            return None
         stats = read()
-        done = is_settled(stats, produced) or (
+        finished = is_settled(stats, produced) or (
             watcher.restarted and stats.get("events_in", 0) >= produced
         )
-        if not done:
-            since = None
-        elif since is None or stats != last:
-            since = time.monotonic()
-        elif time.monotonic() - since >= quiet_needed and not watcher.ended:
-            return stats, True
-        last = stats
-        time.sleep(1.0)
-    return read(), False
+        return stats if finished else None
+
+    still = held_for(done, config.trigger.max_wait_s + 5, unchanged=True)
+    try:
+        stats = until(
+            still,
+            "the job to settle",
+            timeout_s=SETTLE_TIMEOUT_S,
+            interval_s=1.0,
+            give_up=lambda: watcher.ended and f"the job is {watcher.current}",
+        )
+    except WaitFailed:
+        return read(), False
+    return stats, True
 
 
 def _write_report(run: Scenario) -> None:

@@ -16,7 +16,7 @@ import pytest
 import redis
 import redis.asyncio
 
-from flink_jobs.config import AppConfig, LlmConfig
+from flink_jobs.config import AppConfig
 from flink_jobs.runtime.inference import (
     PromptRunner,
     PromptTask,
@@ -33,21 +33,12 @@ from flink_jobs.runtime.intent_store import (
 )
 from flink_jobs.runtime.llm_client import LlmClient
 from flink_jobs.tools.local_services import free_port
-from tests import builders
-from tests.builders import T0
-from tests.builders import prompt_task as task
+from tests.support import builders
+from tests.support.builders import T0
+from tests.support.builders import prompt_task as task
+from tests.support.llm_call import COMPARING_INTENT, MODEL, ONE_ATTEMPT_LLM
 
-MODEL = "SmolLM2-135M-Instruct"
-LLM = LlmConfig(base_url="http://llm.test/v1", model=MODEL, max_attempts=1)
 BUDGET_S = 5.0
-
-INTENT = {
-    "intents": [
-        {"label": "researching_product", "confidence": 0.3},
-        {"label": "comparing_options", "confidence": 0.65, "category": "headphones"},
-    ],
-    "summary": "Comparing over-ear headphones from Sonique and Auralis.",
-}
 
 Handler = Callable[[httpx.Request], Awaitable[httpx.Response]]
 
@@ -58,7 +49,7 @@ def completion(
     return builders.completion(content, model=model, finish_reason=finish_reason)
 
 
-def answering(content: str = orjson.dumps(INTENT).decode(), **kwargs: Any) -> Handler:
+def answering(content: str = orjson.dumps(COMPARING_INTENT).decode(), **kwargs: Any) -> Handler:
     async def handler(request: httpx.Request) -> httpx.Response:
         return completion(content, **kwargs)
 
@@ -70,7 +61,7 @@ def stored_record(shopper_id: str, version_ts: int, seq: int) -> IntentRecord:
         shopper_id,
         version_ts,
         seq,
-        intent=INTENT,
+        intent=COMPARING_INTENT,
         top_label="ready_to_buy",
         top_confidence=0.9,
         summary="newer",
@@ -85,7 +76,7 @@ class Pipeline:
     def __init__(self, redis_url: str, prefix: str, handler: Handler) -> None:
         self.redis = redis.asyncio.Redis.from_url(redis_url)
         self.store = AsyncIntentStore(self.redis, prefix=prefix)
-        self.llm = LlmClient(LLM, transport=httpx.MockTransport(handler))
+        self.llm = LlmClient(ONE_ATTEMPT_LLM, transport=httpx.MockTransport(handler))
 
     async def run(self, t: PromptTask, budget_s: float = BUDGET_S) -> TaskResult:
         return await run_task(t, self.llm, self.store, MODEL, budget_s)
@@ -130,7 +121,7 @@ class TestWritten:
         assert stored.version == (task().version_ts, 3)
         assert (stored.top_label, stored.top_confidence) == ("comparing_options", 0.65)
         assert stored.intent["intents"][0]["label"] == "comparing_options"
-        assert stored.summary == INTENT["summary"]
+        assert stored.summary == COMPARING_INTENT["summary"]
         assert (stored.template, stored.template_hash) == ("shopper_intent_v1.j2", "56171ff6b9a3")
         assert stored.model == "smollm2-served"
 
@@ -142,7 +133,7 @@ class TestWritten:
             return await p.stored("shopper-00146")
 
         stored = run_in_pipeline(
-            redis_url, prefix, answering(orjson.dumps(INTENT).decode(), model=""), body
+            redis_url, prefix, answering(orjson.dumps(COMPARING_INTENT).decode(), model=""), body
         )
 
         assert stored.model == MODEL
@@ -195,7 +186,7 @@ class TestDeadLetters:
         result = run_in_pipeline(redis_url, prefix, refused, lambda p: p.run(task()))
 
         assert result.dead_letter.reason == "connection_error"
-        assert result.dead_letter.context["attempts"] == LLM.max_attempts
+        assert result.dead_letter.context["attempts"] == ONE_ATTEMPT_LLM.max_attempts
 
     @pytest.mark.parametrize(
         ("answer", "reason"),
@@ -220,7 +211,9 @@ class TestDeadLetters:
         assert redis_client.exists(f"{prefix}:intent:shopper-00146") == 0
 
     def test_a_second_valid_answer_is_written(self, redis_url: str, prefix: str) -> None:
-        answers = iter(["The shopper is comparing headphones.", orjson.dumps(INTENT).decode()])
+        answers = iter(
+            ["The shopper is comparing headphones.", orjson.dumps(COMPARING_INTENT).decode()]
+        )
 
         async def handler(request: httpx.Request) -> httpx.Response:
             return completion(next(answers))
@@ -232,7 +225,9 @@ class TestDeadLetters:
     def test_a_re_asked_prompt_counts_the_time_and_tokens_of_both_calls(
         self, redis_url: str, prefix: str
     ) -> None:
-        answers = iter(["The shopper is comparing headphones.", orjson.dumps(INTENT).decode()])
+        answers = iter(
+            ["The shopper is comparing headphones.", orjson.dumps(COMPARING_INTENT).decode()]
+        )
 
         async def handler(request: httpx.Request) -> httpx.Response:
             await asyncio.sleep(0.2)
@@ -291,7 +286,7 @@ class TestRedisUnavailable:
     def test_unreachable_redis_beyond_the_budget_raises(self) -> None:
         async def main() -> None:
             client = redis.asyncio.Redis.from_url(f"redis://127.0.0.1:{free_port()}/0")
-            llm = LlmClient(LLM, transport=httpx.MockTransport(answering()))
+            llm = LlmClient(ONE_ATTEMPT_LLM, transport=httpx.MockTransport(answering()))
             try:
                 store = AsyncIntentStore(client, prefix="unreachable")
                 await run_task(task(), llm, store, MODEL, redis_retry_budget_s=0.25)
@@ -325,7 +320,9 @@ class TestSupersede:
 
     @staticmethod
     def runner(p: Pipeline, store: Any = None) -> PromptRunner:
-        return PromptRunner(replace(AppConfig(), llm=LLM), lambda: (p.llm, store or p.store))
+        return PromptRunner(
+            replace(AppConfig(), llm=ONE_ATTEMPT_LLM), lambda: (p.llm, store or p.store)
+        )
 
     def test_a_call_still_waiting_for_the_llm_stops_and_writes_nothing(
         self, redis_url: str, prefix: str
@@ -376,7 +373,9 @@ class TestSupersede:
             await asyncio.sleep(60)
             raise AssertionError("unreachable")
 
-        retrying = replace(LLM, max_attempts=3, backoff_initial_s=0.01, backoff_max_s=0.01)
+        retrying = replace(
+            ONE_ATTEMPT_LLM, max_attempts=3, backoff_initial_s=0.01, backoff_max_s=0.01
+        )
 
         async def body(p: Pipeline) -> TaskResult:
             llm = LlmClient(retrying, transport=httpx.MockTransport(fails_then_hangs))
@@ -413,13 +412,16 @@ class TestSupersede:
     def test_stopping_the_runner_cancels_the_call_rather_than_settling_it(
         self, redis_url: str, prefix: str
     ) -> None:
+        asked = asyncio.Event()
+
         async def never_answers(request: httpx.Request) -> httpx.Response:
+            asked.set()
             await asyncio.sleep(60)
             raise AssertionError("unreachable")
 
         async def body(p: Pipeline) -> bool:
             call = asyncio.create_task(self.runner(p).run(task(seq=3)))
-            await asyncio.sleep(0.05)
+            await asyncio.wait_for(asked.wait(), 5)
             call.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await call

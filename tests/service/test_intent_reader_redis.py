@@ -17,7 +17,7 @@ from flink_jobs.runtime.intent_store import IntentStore, Notify
 from intent_reader import AsyncIntentReader, IntentReader, MalformedIntentError
 from intent_reader.layout import intent_key
 from intent_reader.updates import IntentUpdates
-from tests.builders import intent_record
+from tests.support.builders import intent_record
 
 GOOD = ("good-1", "good-2", "good-3")
 #: Each foreign shopper's key, as something other than the job left it, and the reason given.

@@ -16,7 +16,6 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -37,7 +36,8 @@ from flink_jobs.runtime.intent_store import (
     is_newer,
 )
 from flink_jobs.tools.local_services import free_port, start_redis
-from tests.unit.test_intent_store import make_record
+from tests.support.builders import versioned_record
+from tests.support.waiting import until
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -57,7 +57,7 @@ def store(redis_client: redis.Redis, prefix: str) -> IntentStore:
 
 class TestUpsert:
     def test_first_write_stores_every_field(self, store: IntentStore) -> None:
-        record = make_record(ts=1_700_000_000_000, seq=3)
+        record = versioned_record(ts=1_700_000_000_000, seq=3)
         assert store.upsert(record) is True
         stored = store.read(record.shopper_id)
         assert stored is not None
@@ -79,7 +79,7 @@ class TestUpsert:
     def test_key_is_a_hash_under_the_prefix(
         self, store: IntentStore, redis_client: redis.Redis, prefix: str
     ) -> None:
-        store.upsert(make_record("s-9"))
+        store.upsert(versioned_record("s-9"))
         assert redis_client.type(f"{prefix}:intent:s-9") == b"hash"
         assert redis_client.hmget(f"{prefix}:intent:s-9", "top_label", "version_seq") == [
             b"compare",
@@ -93,8 +93,8 @@ class TestUpsert:
     def test_newer_overwrites_older(
         self, store: IntentStore, first: tuple[int, int], second: tuple[int, int]
     ) -> None:
-        assert store.upsert(make_record(ts=first[0], seq=first[1]))
-        assert store.upsert(make_record(ts=second[0], seq=second[1])) is True
+        assert store.upsert(versioned_record(ts=first[0], seq=first[1]))
+        assert store.upsert(versioned_record(ts=second[0], seq=second[1])) is True
         stored = store.read("shopper-1")
         assert stored is not None
         assert stored.version == second
@@ -111,22 +111,22 @@ class TestUpsert:
     def test_older_never_overwrites_newer(
         self, store: IntentStore, newer: tuple[int, int], older: tuple[int, int]
     ) -> None:
-        assert store.upsert(make_record(ts=newer[0], seq=newer[1]))
-        assert store.upsert(make_record(ts=older[0], seq=older[1])) is False
+        assert store.upsert(versioned_record(ts=newer[0], seq=newer[1]))
+        assert store.upsert(versioned_record(ts=older[0], seq=older[1])) is False
         stored = store.read("shopper-1")
         assert stored is not None
         assert stored.version == newer
         assert stored.summary == f"{newer[0]}.{newer[1]}"
 
     def test_equal_version_is_a_no_op(self, store: IntentStore, redis_client: redis.Redis) -> None:
-        assert store.upsert(make_record(ts=5_000, seq=2))
+        assert store.upsert(versioned_record(ts=5_000, seq=2))
         before = redis_client.hgetall(store.key("shopper-1"))
-        changed = dataclasses.replace(make_record(ts=5_000, seq=2), summary="changed")
+        changed = dataclasses.replace(versioned_record(ts=5_000, seq=2), summary="changed")
         assert store.upsert(changed) is False
         assert redis_client.hgetall(store.key("shopper-1")) == before
 
     def test_ttl_is_set(self, store: IntentStore, redis_client: redis.Redis) -> None:
-        store.upsert(make_record())
+        store.upsert(versioned_record())
         pttl = redis_client.pttl(store.key("shopper-1"))
         assert DEFAULT_TTL_MS - 60_000 < pttl <= DEFAULT_TTL_MS
 
@@ -135,20 +135,22 @@ class TestUpsert:
     ) -> None:
         short = IntentStore(redis_client, prefix=prefix, ttl_ms=60_000)
         long = IntentStore(redis_client, prefix=prefix, ttl_ms=10 * 60_000)
-        short.upsert(make_record(ts=2_000))
+        short.upsert(versioned_record(ts=2_000))
         assert 50_000 < redis_client.pttl(short.key("shopper-1")) <= 60_000
-        long.upsert(make_record(ts=1_000))  # refused: extends the expiry all the same
+        long.upsert(versioned_record(ts=1_000))  # refused: extends the expiry all the same
         assert redis_client.pttl(short.key("shopper-1")) > 60_000
-        long.upsert(make_record(ts=3_000))  # accepted: the expiry is reset
+        long.upsert(versioned_record(ts=3_000))  # accepted: the expiry is reset
         assert redis_client.pttl(short.key("shopper-1")) > 60_000
 
     def test_expired_intent_is_gone(self, redis_client: redis.Redis, prefix: str) -> None:
         store = IntentStore(redis_client, prefix=prefix, ttl_ms=50)
-        store.upsert(make_record())
-        deadline = time.monotonic() + 2.0
-        while store.read("shopper-1") is not None:
-            assert time.monotonic() < deadline, "the intent did not expire"
-            time.sleep(0.02)
+        store.upsert(versioned_record())
+        until(
+            lambda: store.read("shopper-1") is None,
+            "the intent to expire",
+            timeout_s=2.0,
+            interval_s=0.02,
+        )
 
     def test_read_missing_shopper(self, store: IntentStore) -> None:
         assert store.read("nobody") is None
@@ -157,11 +159,11 @@ class TestUpsert:
 class TestUpsertMany:
     def test_batch_reports_per_record(self, store: IntentStore) -> None:
         records = [
-            make_record("a", ts=10),
-            make_record("b", ts=10),
-            make_record("a", ts=5),  # older than the first, same batch
-            make_record("a", ts=20),
-            make_record("b", ts=10),  # equal
+            versioned_record("a", ts=10),
+            versioned_record("b", ts=10),
+            versioned_record("a", ts=5),  # older than the first, same batch
+            versioned_record("a", ts=20),
+            versioned_record("b", ts=10),  # equal
         ]
         assert store.upsert_many(records) == [True, True, False, True, False]
         assert store.read("a").version == (20, 0)  # type: ignore[union-attr]
@@ -173,9 +175,12 @@ class TestUpsertMany:
     def test_recovers_when_the_server_forgot_the_script(
         self, store: IntentStore, redis_client: redis.Redis
     ) -> None:
-        store.upsert(make_record(ts=1))
+        store.upsert(versioned_record(ts=1))
         redis_client.script_flush()  # as after a Redis restart
-        assert store.upsert_many([make_record(ts=2), make_record("other", ts=1)]) == [True, True]
+        assert store.upsert_many([versioned_record(ts=2), versioned_record("other", ts=1)]) == [
+            True,
+            True,
+        ]
         assert store.read("shopper-1").version == (2, 0)  # type: ignore[union-attr]
 
     def test_wrong_type_key_raises_store_error(
@@ -183,12 +188,12 @@ class TestUpsertMany:
     ) -> None:
         redis_client.set(store.key("broken"), "not a hash")
         with pytest.raises(IntentStoreError, match="broken"):
-            store.upsert_many([make_record("fine"), make_record("broken")])
+            store.upsert_many([versioned_record("fine"), versioned_record("broken")])
 
     def test_unreachable_redis_raises_unavailable(self) -> None:
         client = redis.Redis(port=free_port(), socket_connect_timeout=0.5)
         with pytest.raises(StoreUnavailableError):
-            IntentStore(client).upsert(make_record())
+            IntentStore(client).upsert(versioned_record())
 
 
 class TestRedisRestart:
@@ -199,14 +204,14 @@ class TestRedisRestart:
         with start_redis(workdir=tmp_path) as service:
             client = redis.Redis.from_url(service.url, socket_timeout=2)
             store = IntentStore(client)
-            assert store.upsert(make_record(ts=1))
+            assert store.upsert(versioned_record(ts=1))
 
             service.restart()
 
             outcomes = []
             for _ in range(3):  # the first call may meet the dead pooled connection
                 try:
-                    outcomes.append(store.upsert(make_record(ts=2)))
+                    outcomes.append(store.upsert(versioned_record(ts=2)))
                     break
                 except StoreUnavailableError:
                     outcomes.append("unavailable")
@@ -222,12 +227,12 @@ class TestAsyncStore:
             try:
                 store = AsyncIntentStore(client, prefix=prefix, ttl_ms=30_000)
                 written = await store.upsert_many(
-                    [make_record(ts=2), make_record(ts=1), make_record(ts=2, seq=1)]
+                    [versioned_record(ts=2), versioned_record(ts=1), versioned_record(ts=2, seq=1)]
                 )
                 assert written == [True, False, True]
-                assert await store.upsert(make_record(ts=2)) is False
+                assert await store.upsert(versioned_record(ts=2)) is False
                 await client.script_flush()
-                assert await store.upsert(make_record(ts=3)) is True
+                assert await store.upsert(versioned_record(ts=3)) is True
                 stored = await store.read("shopper-1")
                 assert stored is not None
                 assert stored.version == (3, 0)
@@ -273,7 +278,7 @@ def _shuffled_writes(redis_url: str, prefix: str, seed: int) -> None:
     try:
         store = IntentStore(client, prefix=prefix)
         for shopper, ts, seq in work:
-            store.upsert(make_record(shopper, ts, seq))
+            store.upsert(versioned_record(shopper, ts, seq))
     finally:
         client.close()
 
@@ -360,7 +365,7 @@ def test_any_write_order_keeps_the_lexicographic_max(
     module_client: redis.Redis, versions: list[tuple[int, int]]
 ) -> None:
     store = IntentStore(module_client, prefix=f"h{uuid.uuid4().hex[:10]}")
-    written = store.upsert_many([make_record(ts=ts, seq=seq) for ts, seq in versions])
+    written = store.upsert_many([versioned_record(ts=ts, seq=seq) for ts, seq in versions])
 
     best: tuple[int, int] | None = None
     for version, did_write in zip(versions, written, strict=True):

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 
 import pytest
 import redis
@@ -27,16 +26,27 @@ from flink_jobs.runtime.intent_store import (
     check_notify_stream,
 )
 from intent_reader.updates import (
+    IntentUpdate,
     IntentUpdates,
     MalformedUpdateError,
 )
-from tests.builders import intent_record
+from tests.support.builders import intent_record
+from tests.support.waiting import until
 
 
 def record(shopper: str = "s-1", ts: int = 1_000, seq: int = 0, label: str = "browsing"):
     return intent_record(
         shopper, ts, seq, top_label=label, template="t", template_hash="h", model="m"
     )
+
+
+#: How long a test waits for a read that should return long before (its liveness bound).
+WAIT_S = 10.0
+
+
+def blocked_in_xread(client: redis.Redis) -> bool:
+    """Whether a client of the server is blocked in ``XREAD``."""
+    return any(c.get("cmd") == "xread" and "b" in c.get("flags", "") for c in client.client_list())
 
 
 @pytest.fixture
@@ -240,27 +250,34 @@ class TestFollower:
     def test_a_blocking_read_wakes_on_a_write(
         self, store: IntentStore, redis_client: redis.Redis, redis_url: str, stream: str
     ) -> None:
-        updates = IntentUpdates(redis.Redis.from_url(redis_url, socket_timeout=10), stream)
-        writer = threading.Timer(0.3, lambda: store.upsert(record("late", 1)))
-        writer.start()
-        started = time.monotonic()
+        """The read blocks far longer than the test waits for it: it returns with the write
+        only if the write wakes it."""
+        updates = IntentUpdates(redis.Redis.from_url(redis_url, socket_timeout=90), stream)
+        got: list[IntentUpdate] = []
+        reader = threading.Thread(target=lambda: got.extend(updates.read(block_s=60)), daemon=True)
+        reader.start()
         try:
-            got = updates.read(block_s=5.0)
+            until(lambda: blocked_in_xread(redis_client), "the read to block", timeout_s=10)
+            store.upsert(record("late", 1))
+            reader.join(timeout=WAIT_S)
+            assert not reader.is_alive(), "the write did not wake the read"
         finally:
-            writer.join()
             updates.client.close()
         assert [u.shopper_id for u in got] == ["late"]
-        assert time.monotonic() - started < 4.0
 
     def test_follow_stops_when_idle(
         self, store: IntentStore, redis_client: redis.Redis, stream: str
     ) -> None:
         updates = IntentUpdates(redis_client, stream)
         store.upsert_many([record("a", 1), record("b", 1)])
-        started = time.monotonic()
-        got = list(updates.follow(idle_timeout_s=0.5, poll_s=0.2))
+        got: list[IntentUpdate] = []
+        follower = threading.Thread(
+            target=lambda: got.extend(updates.follow(idle_timeout_s=0.5, poll_s=0.2)), daemon=True
+        )
+        follower.start()
+        follower.join(timeout=WAIT_S)
+        assert not follower.is_alive(), "the follow went on past its idle timeout"
         assert [u.shopper_id for u in got] == ["a", "b"]
-        assert time.monotonic() - started < 3.0
 
     def test_a_foreign_entry_raises_and_is_passed(
         self, store: IntentStore, redis_client: redis.Redis, stream: str

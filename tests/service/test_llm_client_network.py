@@ -20,7 +20,7 @@ from flink_jobs.runtime.llm_client import (
     LlmClient,
     LlmError,
 )
-from tests.unit.test_llm_client import CONFIG, INTENT_TEXT, PROMPT, SHOPPER, completion
+from tests.support.llm_call import CLIENT_CONFIG, INTENT_TEXT, PROMPT, SHOPPER, llm_completion
 
 
 @pytest.fixture(autouse=True)
@@ -54,7 +54,7 @@ async def read_request(reader: asyncio.StreamReader, heads: list[bytes] | None =
 
 
 async def write_answer(writer: asyncio.StreamWriter) -> None:
-    body = completion().content
+    body = llm_completion().content
     writer.write(
         b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
         + f"Content-Length: {len(body)}\r\n\r\n".encode()
@@ -66,7 +66,7 @@ async def write_answer(writer: asyncio.StreamWriter) -> None:
 
 async def ask_loopback(port: int, **config: Any) -> LlmAnswer:
     """The client as the job builds it (its default transport), at a loopback port."""
-    client = LlmClient(replace(CONFIG, base_url=f"http://127.0.0.1:{port}/v1", **config))
+    client = LlmClient(replace(CLIENT_CONFIG, base_url=f"http://127.0.0.1:{port}/v1", **config))
     try:
         return await client.complete(PROMPT, SHOPPER)
     finally:
@@ -187,7 +187,7 @@ def through_a_loopback_proxy(
     async def run() -> LlmAnswer:
         server = await asyncio.start_server(proxy, "127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]
-        config = replace(CONFIG, base_url="http://llm.invalid:8000/v1", **config_for(port))
+        config = replace(CLIENT_CONFIG, base_url="http://llm.invalid:8000/v1", **config_for(port))
         client = LlmClient(config)
         try:
             return await client.complete(PROMPT, SHOPPER)

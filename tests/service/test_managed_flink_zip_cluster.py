@@ -31,8 +31,9 @@ from deploy.vendor import TargetPlatform
 from flink_jobs.config import load_config
 from flink_jobs.tools.local_services import LOCAL_BROKER_SOURCE_PROPERTIES, create_topics, free_port
 from flink_jobs.tools.replay import replay_records
-from flink_jobs.tools.run_summary import wait_for_task_starts
+from flink_jobs.tools.run_summary import read_stats
 from intent_reader.layout import intent_key
+from tests.support.waiting import until
 
 pytestmark = pytest.mark.timeout(25 * 60)
 
@@ -102,14 +103,6 @@ class ClusterRun:
     job_config: dict[str, str]
 
 
-def _wait(check, what: str, timeout_s: float, seen=lambda: None):
-    deadline = time.monotonic() + timeout_s
-    while not (result := check()):
-        assert time.monotonic() < deadline, f"timed out after {timeout_s:.0f} s: {what}; {seen()}"
-        time.sleep(1)
-    return result
-
-
 @pytest.fixture(scope="module", params=sorted(RUNTIMES), ids=sorted(RUNTIMES))
 def cluster_run(
     request, zip_path, kafka_bootstrap, redis_url, standin_tier, tmp_path_factory
@@ -128,7 +121,12 @@ def cluster_run(
         app, {"SI_PROPERTIES_FILE": str(props)}, workdir / "cluster", range(first, first + 4)
     ) as (cluster, job_id):
         cluster.wait_running(job_id, timeout_s=JOB_START_TIMEOUT_S)
-        assert wait_for_task_starts(client, name, 1, JOB_START_TIMEOUT_S), "no source task start"
+        until(
+            lambda: read_stats(client, name).get("task_starts", 0) >= 1,
+            "the job's source task to start",
+            timeout_s=JOB_START_TIMEOUT_S,
+            interval_s=0.2,
+        )
         sent = replay_records(kafka_bootstrap, f"{name}-events", _events(name), rate=40.0)
         assert sent.ok, sent.describe(f"{name}-events")
         shoppers = {f"{name}-shopper-{s}" for s in range(SHOPPERS)}
@@ -136,12 +134,14 @@ def cluster_run(
         def landed() -> set[str]:
             return {s for s in shoppers if client.exists(intent_key(s, name))}
 
-        _wait(lambda: landed() == shoppers, "an intent for every shopper", INTENTS_TIMEOUT_S,
-              seen=lambda: (landed(), cluster.exceptions(job_id)))  # fmt: skip
-        names = _wait(
+        until(lambda: landed() == shoppers, "an intent for every shopper",
+              timeout_s=INTENTS_TIMEOUT_S, interval_s=1,
+              explain=lambda: (landed(), cluster.exceptions(job_id)))  # fmt: skip
+        names = until(
             lambda: {n for n in cluster.scrape_metrics() if n.startswith(CLOUDWATCH_PREFIX)},
-            "the job's metrics from the TaskManager's reporter", METRICS_TIMEOUT_S,
-            seen=lambda: sorted(n for n in cluster.scrape_metrics() if "events_in" in n),
+            "the job's metrics from the TaskManager's reporter",
+            timeout_s=METRICS_TIMEOUT_S, interval_s=1,
+            explain=lambda: sorted(n for n in cluster.scrape_metrics() if "events_in" in n),
         )  # fmt: skip
         every_name = set(cluster.scrape_metrics())
         entries = cluster._rest(f"/jobs/{job_id}/jobmanager/config") or []

@@ -30,8 +30,9 @@ from deploy.local_run import UnpackedApp, unpack
 from deploy.vendor import TargetPlatform
 from flink_jobs.tools.local_services import LOCAL_BROKER_SOURCE_PROPERTIES, create_topics
 from flink_jobs.tools.replay import replay_records
-from flink_jobs.tools.run_summary import wait_for_task_starts
+from flink_jobs.tools.run_summary import read_stats
 from intent_reader import IntentReader
+from tests.support.waiting import until
 
 SHOPPERS = 5
 EVENTS_PER_SHOPPER = 4
@@ -175,27 +176,27 @@ def running_job(
                 start_new_session=True,
             )
             try:
-                _wait_for_the_source_task(proc, redis_url, unique_name, log_path)
+                _source_task_started(proc, redis_url, unique_name, log_path)
                 yield unique_name, llm, log_path
                 assert proc.poll() is None, _tail(log_path)
             finally:
                 _stop(proc)
 
 
-def _wait_for_the_source_task(
-    proc: subprocess.Popen, redis_url: str, name: str, log_path: Path
-) -> None:
-    """Until the job counts its source task's start, as the demo waits before its replay:
-    the test's intents timeout is then the job's processing alone, not its start-up under
-    whatever load the host has."""
+def _source_task_started(proc: subprocess.Popen, redis_url: str, name: str, log_path: Path) -> None:
+    """Waits until the job counts its source task's start, as the demo waits before its
+    replay: the test's intents timeout is then the job's processing alone, not its start-up
+    under whatever load the host has."""
     client = redis.Redis.from_url(redis_url)
-    started = wait_for_task_starts(
-        client, name, 1, JOB_START_TIMEOUT_S, alive=lambda: proc.poll() is None, poll_s=0.5
+    until(
+        lambda: read_stats(client, name).get("task_starts", 0) >= 1,
+        "the job's source task to start",
+        timeout_s=JOB_START_TIMEOUT_S,
+        interval_s=0.5,
+        give_up=lambda: proc.poll() is not None and f"the job exited (code {proc.returncode})",
+        explain=lambda: _tail(log_path),
     )
     assert proc.poll() is None, f"the job exited (code {proc.returncode}):\n{_tail(log_path)}"
-    assert started, (
-        f"the job's source task did not start in {JOB_START_TIMEOUT_S:.0f} s:\n{_tail(log_path)}"
-    )
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -221,14 +222,16 @@ def test_job_from_the_zip_writes_intents(running_job, kafka_bootstrap: str, redi
     client = redis.Redis.from_url(redis_url)
     reader = IntentReader(client, prefix=name)
     shoppers = [f"{name}-shopper-{s}" for s in range(SHOPPERS)]
-    deadline = time.monotonic() + INTENTS_TIMEOUT_S
-    found = {}
-    while time.monotonic() < deadline:
-        found = {sid: r for sid, r in reader.get_many(shoppers).items() if r is not None}
-        if len(found) == SHOPPERS:
-            break
-        time.sleep(1.0)
-    assert len(found) == SHOPPERS, f"intents for {sorted(found)}; job log:\n{_tail(log_path)}"
+    found: dict = {}
+
+    def every_intent() -> bool:
+        found.clear()
+        found.update((sid, r) for sid, r in reader.get_many(shoppers).items() if r is not None)
+        return len(found) == SHOPPERS
+
+    until(every_intent, f"an intent for each of {SHOPPERS} shoppers",
+          timeout_s=INTENTS_TIMEOUT_S, interval_s=1.0,
+          explain=lambda: f"intents for {sorted(found)}; job log:\n{_tail(log_path)}")  # fmt: skip
 
     for shopper_id, result in found.items():
         assert result.top_label == "ready_to_buy"

@@ -44,7 +44,8 @@ from flink_jobs.tools.run_summary import (
     read_stats,
 )
 from flink_jobs.tools.sample_data import Sample, SampleConfig, generate_sample
-from tests.service.job_process import JobProcess, job_groups
+from tests.support.job_process import JobProcess, job_groups
+from tests.support.waiting import until
 
 # (name, seconds, events per second as a multiple of the sustainable rate)
 PHASES = (("steady", 60.0, 0.2), ("burst", 20.0, 3.0), ("recovery", 120.0, 0.2))
@@ -225,11 +226,11 @@ def _run(kafka_bootstrap, redis_url, standin_tier, workdir) -> OverloadRun:
             assert summary.ok, summary.describe(f"{name}-events")
             phase_ends[phase] = time.monotonic() - probe.started
             produced[phase] = max(produced.values(), default=0) + len(records)
-        deadline = time.monotonic() + SETTLE_TIMEOUT_S
-        while not is_settled(read_stats(client, name), total):
-            assert job.running(), job.log_text()[-3000:]
-            assert time.monotonic() < deadline, f"not settled: {read_stats(client, name)}"
-            time.sleep(1)
+        until(
+            lambda: is_settled(read_stats(client, name), total),
+            "the run to settle",
+            **job.waits(SETTLE_TIMEOUT_S, interval_s=1, state=lambda: read_stats(client, name)),
+        )
         settled_at = time.monotonic() - probe.started
     finally:
         probe.stop()

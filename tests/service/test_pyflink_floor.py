@@ -19,7 +19,7 @@ from confluent_kafka import Producer
 
 from flink_jobs.tools.local_services import create_topics
 from flink_jobs.tools.run_summary import read_stats
-from tests.service.job_process import JobProcess, job_groups
+from tests.support.job_process import JobProcess, job_groups
 
 EVENTS = 300
 SHOPPERS = 30

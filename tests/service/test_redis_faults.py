@@ -23,7 +23,6 @@ import contextlib
 import os
 import signal
 import threading
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -54,7 +53,8 @@ from flink_jobs.runtime.intent_store import (
 from flink_jobs.runtime.llm_client import LlmClient
 from flink_jobs.runtime.outbox import Outbox
 from flink_jobs.tools.local_services import RedisService, free_port, start_redis
-from tests.service.tcp_forwarder import TcpForwarder
+from tests.support.tcp_forwarder import TcpForwarder
+from tests.support.waiting import until
 
 T0 = 1_780_304_400_000  # 2026-06-01T09:00:00Z
 MODEL = "SmolLM2-135M-Instruct"
@@ -160,13 +160,6 @@ def refusals(stores: list[CountingStore]) -> set[str]:
     return set(stores[0].refusals)
 
 
-def until(check: Callable[[], bool], what: str, timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-
-
 def read_only_replica(admin: redis.Redis) -> None:
     """The server becomes a replica of a primary that is gone: as after a failover, it
     refuses writes until it is promoted."""
@@ -247,7 +240,12 @@ class TestTransientServerStates:
         ):
             node.execute_command("CLUSTER", "ADDSLOTSRANGE", 0, 16383)
             node.execute_command("CLUSTER", "MEET", "127.0.0.1", b.port)
-            until(lambda: node.cluster("info")["cluster_state"] == "ok", "the cluster to be up")
+            until(
+                lambda: node.cluster("info")["cluster_state"] == "ok",
+                "the cluster to be up",
+                timeout_s=20,
+                interval_s=0.05,
+            )
             prefix, notify = "{si}", Notify("{si}:intent-updates")
             node.hset(f"{prefix}:intent:shopper-00146", "version_ts", 1)  # here; the stream not
             slot = node.execute_command("CLUSTER", "KEYSLOT", notify.stream)
@@ -293,15 +291,16 @@ class TestTransientServerStates:
         spinning = threading.Thread(target=spin_until_killed, args=(spinner,))
         spinning.start()
         try:
-            deadline = time.monotonic() + 5
-            while True:  # until the server answers BUSY
+
+            def busy() -> bool:
                 try:
                     admin.ping()
                 except redis.ResponseError as exc:
                     assert str(exc).startswith("BUSY")
-                    break
-                assert time.monotonic() < deadline, "the script never made the server busy"
-                time.sleep(0.05)
+                    return True
+                return False
+
+            until(busy, "the script to make the server busy", timeout_s=5, interval_s=0.05)
 
             stores: list[CountingStore] = []
             written, attempts = upsert_while_lifting(
@@ -497,9 +496,16 @@ class TestReplication:
                 until(
                     lambda: replica.info("replication")["master_link_status"] == "up",
                     "the replica to sync",
+                    timeout_s=20,
+                    interval_s=0.05,
                 )
                 written, _ = upsert_while_lifting(primary.url, None)  # replicated
-                until(lambda: replica.exists("si:intent:shopper-00146") == 1, "the copy")
+                until(
+                    lambda: replica.exists("si:intent:shopper-00146") == 1,
+                    "the copy",
+                    timeout_s=20,
+                    interval_s=0.05,
+                )
                 link.hold()  # the replica hears nothing more from its primary
                 newer = record(seq=4)
                 assert upsert_store(primary.url, newer)  # acknowledged by the primary

@@ -7,7 +7,7 @@ from __future__ import annotations
 import urllib.request
 
 from flink_jobs.tools.replay import replay_records
-from tests.builders import raw_event
+from tests.support.builders import raw_event
 
 
 def event(shopper: str = "s1", seconds: float = 0.0, event_id: str | None = None, **extra) -> bytes:

@@ -3,7 +3,6 @@ keys, same timestamps, same order within a partition; a recording replays to the
 
 from __future__ import annotations
 
-import statistics
 import threading
 import time
 from collections import defaultdict
@@ -24,6 +23,7 @@ from flink_jobs.tools.replay import (
     replay_records,
     write_recording,
 )
+from tests.support.waiting import until
 
 ROOT = Path(__file__).resolve().parents[2]
 SAMPLE = ROOT / "data" / "sample_sessions.jsonl"
@@ -126,45 +126,49 @@ def test_cli_rate_paces_the_replay(kafka_bootstrap: str, unique_name: str, tmp_p
     assert [r.value for r in read_records(out)] == [r.value for r in read_records(path)]
 
 
-def test_events_stamped_with_their_send_time_arrive_at_that_time(
+def test_events_stamped_with_their_send_time_arrive_in_send_order_none_before_its_stamp(
     kafka_bootstrap: str, unique_name: str
 ):
-    """Paced benchmarks measure latency from these stamps: a record sent later than its
-    stamp (say, after the planning of a large replay) would count that delay against the
-    pipeline."""
+    """Paced benchmarks measure latency from these stamps, so each record's Kafka timestamp
+    is the time it is sent, and so is the event time of every event the replay rebases
+    (the schema's refusals go out unchanged): they grow in send order whatever order the
+    file's events were in, and no record arrives before its stamp. How late records arrive
+    after their stamps is part of the pipeline_capacity bench's event-to-Redis figure."""
     topic = f"{unique_name}-stamped"
     create_topics(kafka_bootstrap, [topic], partitions=1)
     records = read_records(SAMPLE)
+    unchanged = {r.value for r in records}
     consumer = Consumer(
         {"bootstrap.servers": kafka_bootstrap, "group.id": topic, "fetch.wait.max.ms": 20}
     )
     consumer.assign([TopicPartition(topic, 0, 0)])
-    lags_s: list[float] = []
+    arrived: list[tuple[bytes, int, float]] = []  # (value, Kafka timestamp, arrival)
     stop = threading.Event()
 
     def consume() -> None:
         while not stop.is_set():
             message = consumer.poll(0.05)
-            if message is None or message.error():
-                continue
-            try:  # the sample's deliberately broken records keep their bytes
-                stamp = event_time_ms(orjson.loads(message.value())["event_time"])
-            except (orjson.JSONDecodeError, KeyError, TypeError):
-                continue
-            if stamp is not None:
-                lags_s.append(time.time() - stamp / 1000)
+            if message is not None and not message.error():
+                arrived.append((message.value(), message.timestamp()[1], time.time()))
 
     reader = threading.Thread(target=consume, daemon=True)
     reader.start()
     try:
-        time.sleep(1.0)  # the consumer's first fetch is in
         summary = replay_records(kafka_bootstrap, topic, records, rate=500, rebase_time="send")
-        time.sleep(1.0)
+        until(lambda: len(arrived) >= len(records), "every record to arrive", timeout_s=30,
+              interval_s=0.05)  # fmt: skip
     finally:
         stop.set()
         reader.join(5)
         consumer.close()
 
     assert summary.ok, summary.describe(topic)
-    assert len(lags_s) > len(records) // 2
-    assert statistics.median(lags_s) < 0.06, f"median {statistics.median(lags_s):.3f} s late"
+    assert len(arrived) == len(records)
+    stamps = [stamp for _, stamp, _ in arrived]
+    assert stamps == sorted(stamps)
+    assert all(at >= stamp / 1000 for _, stamp, at in arrived), "a record came before its stamp"
+    rebased = [(value, stamp) for value, stamp, _ in arrived if value not in unchanged]
+    assert len(rebased) > len(records) // 2
+    assert all(
+        event_time_ms(orjson.loads(value)["event_time"]) == stamp for value, stamp in rebased
+    )

@@ -49,10 +49,11 @@ from flink_jobs.tools.run_summary import (
 from flink_jobs.tools.sample_data import BadRecords, SampleConfig, generate_sample
 from intent_reader.layout import SOURCE_RANKS, intent_key
 from intent_reader.updates import IntentUpdate, IntentUpdates
-from tests.dashboards import FLINK_PREFIX, flink_builtin_names_used, grouping_labels_used
-from tests.service.job_process import call_processes
 from tests.support.answers import Unanswered, unanswered_in
+from tests.support.dashboards import FLINK_PREFIX, flink_builtin_names_used, grouping_labels_used
+from tests.support.job_process import call_processes
 from tests.support.stream import move_event_time
+from tests.support.waiting import until
 
 pytestmark = pytest.mark.timeout(20 * 60)
 
@@ -118,27 +119,25 @@ def _topics(bootstrap: str, name: str) -> None:
     create_topics(bootstrap, [f"{name}-dlq", f"{name}-prompts"], 1)
 
 
-def _wait(
-    check, what: str, cluster: FlinkCluster, job_id: str, timeout_s: float = TIMEOUT_S,
-    state=lambda: "",
-):  # fmt: skip
-    """Polls ``check``; a timeout says ``state()`` (what was still missing), the job's
-    status and the TaskManagers' log tails, so a failed run explains itself from the CI
-    output alone."""
-    deadline = time.monotonic() + timeout_s
-    while not check():
+def _watching(
+    cluster: FlinkCluster, job_id: str, timeout_s: float = TIMEOUT_S, state=lambda: ""
+) -> dict:
+    """The settings of a wait on the job (``until(check, what, **_watching(...))``): it
+    stops when the job FAILED or was CANCELED, and says ``state()`` (what was still
+    missing), the job's status and the TaskManagers' log tails, so a failed run explains
+    itself from the CI output alone."""
+
+    def ended() -> str | None:
         status = cluster.status(job_id)
         if status in ("FAILED", "CANCELED"):
-            raise AssertionError(f"job {status} waiting for {what}: {cluster.exceptions(job_id)}")
-        if time.monotonic() >= deadline:
-            tails = "\n".join(
-                f"--- {tm.name}:\n{tm.log_tail()}" for tm in cluster.live_taskmanagers()
-            )
-            raise AssertionError(
-                f"timed out after {timeout_s:.0f} s waiting for {what}; job {status}; "
-                f"{state()}\n{tails}"
-            )
-        time.sleep(0.5)
+            return f"job {status}: {cluster.exceptions(job_id)}"
+        return None
+
+    def explain() -> str:
+        tails = "\n".join(f"--- {tm.name}:\n{tm.log_tail()}" for tm in cluster.live_taskmanagers())
+        return f"job {cluster.status(job_id)}; {state()}\n{tails}"
+
+    return {"timeout_s": timeout_s, "interval_s": 0.5, "give_up": ended, "explain": explain}
 
 
 def _writes(client: redis.Redis, name: str) -> list[IntentUpdate]:
@@ -198,8 +197,10 @@ def parallel_run(request, cluster, kafka_bootstrap, redis_url, standin_tier) -> 
     )
     cluster.wait_running(job_id)
     hosts = cluster.placement(job_id)
-    _wait(
-        lambda: cluster.status(job_id) == "FINISHED", "the bounded job to finish", cluster, job_id
+    until(
+        lambda: cluster.status(job_id) == "FINISHED",
+        "the bounded job to finish",
+        **_watching(cluster, job_id),
     )
     client = redis.Redis.from_url(redis_url)
     stats = read_stats(client, name)
@@ -280,9 +281,9 @@ def _scrape_once_counted(cluster: FlinkCluster, job_id: str, timeout_s: float) -
         events_in = scraped.get(FLINK_PREFIX + "events_in", [])
         return len(events_in) == 2 and all(value > 0 for _labels, value in events_in)
 
-    _wait(
-        lambda: _checkpoints(cluster, job_id) > 0 and counted(), "counts", cluster, job_id,
-        timeout_s,
+    until(
+        lambda: _checkpoints(cluster, job_id) > 0 and counted(), "counts",
+        **_watching(cluster, job_id, timeout_s),
     )  # fmt: skip
     return scraped
 
@@ -354,12 +355,12 @@ def rescaled_run(cluster, kafka_bootstrap, redis_url, standin_tier, tmp_path_fac
 
     timeout = {"s": TIMEOUT_S}  # until the first phase has been timed
 
-    def wait(check, what: str, job_id: str, state=lambda: "") -> None:
-        _wait(check, what, cluster, job_id, timeout["s"], state)
+    def watching(job_id: str, state=lambda: "") -> dict:
+        return _watching(cluster, job_id, timeout["s"], state)
 
     def run_for(job_id: str, events: int) -> None:
         start = events_in()
-        wait(lambda: events_in() >= start + events, f"{events} more events", job_id)
+        until(lambda: events_in() >= start + events, f"{events} more events", **watching(job_id))
 
     phases = [Phase(1), Phase(2), Phase(1)]
     savepoint = None
@@ -379,9 +380,9 @@ def rescaled_run(cluster, kafka_bootstrap, redis_url, standin_tier, tmp_path_fac
             # The source commits a savepoint's offsets as the job stops and may not get to
             # it (seen: none committed after the first savepoint, on a loaded host); a
             # checkpoint's commit before it gives the phase a count to check.
-            wait(
+            until(
                 lambda: group_progress(kafka_bootstrap, name, f"{name}-events")[0] > 0,
-                "the group's first committed offsets", job_id,
+                "the group's first committed offsets", **watching(job_id),
             )  # fmt: skip
             if phase.parallelism > 1:
                 phase.reported = _scrape_once_counted(cluster, job_id, timeout["s"])
@@ -394,14 +395,14 @@ def rescaled_run(cluster, kafka_bootstrap, redis_url, standin_tier, tmp_path_fac
         # call process runs) and a checkpoint has completed after it; the job restarts from
         # that checkpoint in the other TaskManager's free slot.
         sent_before = phases[1].stats.get("prompts_sent", 0)
-        wait(
+        until(
             lambda: read_stats(client, name).get("prompts_sent", 0) > sent_before,
-            "a prompt at parallelism 1", job_id,
+            "a prompt at parallelism 1", **watching(job_id),
         )  # fmt: skip
         checkpoint = latest_checkpoint(workdir / "checkpoints")
-        wait(
+        until(
             lambda: latest_checkpoint(workdir / "checkpoints") != checkpoint,
-            "a checkpoint at parallelism 1", job_id,
+            "a checkpoint at parallelism 1", **watching(job_id),
         )  # fmt: skip
         replay_ended_before_the_kill = replayed.is_set()
         call_processes_at_kill = sum(
@@ -410,10 +411,10 @@ def rescaled_run(cluster, kafka_bootstrap, redis_url, standin_tier, tmp_path_fac
         # Chosen by where Flink placed the keyed operator, not by its call process.
         victim = cluster.taskmanager_running(job_id, "shopper-sessions")
         victim.kill()
-        wait(lambda: _restarted(cluster, job_id), "the job to restart", job_id)
+        until(lambda: _restarted(cluster, job_id), "the job to restart", **watching(job_id))
         cluster.wait_running(job_id)
         enough.set()
-        wait(replayed.is_set, "the replay to end", job_id)
+        until(replayed.is_set, "the replay to end", **watching(job_id))
         # Past the quiet period and max wait of the replay's last events, on every partition
         # (tests.support.stream): the last prompts fire as the job reads it.
         move_event_time(kafka_bootstrap, f"{name}-events", PARTITIONS, _now_ms() + 30_000)
@@ -444,7 +445,7 @@ def rescaled_run(cluster, kafka_bootstrap, redis_url, standin_tier, tmp_path_fac
                 f"stats {read_stats(client, name)}\nunanswered:\n  {unanswered}"
             )
 
-        wait(answered, "every shopper's newest prompt to be answered", job_id, state)
+        until(answered, "every shopper's newest prompt to be answered", **watching(job_id, state))
         restarted = _restarted(cluster, job_id)
     finally:
         enough.set()

@@ -33,7 +33,6 @@ import logging
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -69,7 +68,8 @@ from flink_jobs.tools.local_services import (
     redis_server_binary,
 )
 from intent_reader import IntentReader, ReaderUnavailableError
-from tests.builders import intent_record
+from tests.support.builders import intent_record
+from tests.support.waiting import until
 
 REDIS_PASSWORD = "Rp-7f3c9e-s3cret"
 WRONG_PASSWORD = "Wp-41d0aa-notit"
@@ -457,20 +457,18 @@ def start_router(port: int, *extra: str) -> subprocess.Popen[bytes]:
     )  # fmt: skip
 
 
-def wait_listening(port: int, process: subprocess.Popen[bytes], timeout_s: float = 20) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not listening_addresses(port):
-        assert process.poll() is None, f"the router exited with {process.returncode}"
-        assert time.monotonic() < deadline, "the router did not listen in time"
-        time.sleep(0.1)
-
-
 class TestRouterBindsToLoopback:
     def test_a_started_router_listens_on_loopback_only(self) -> None:
         port = free_port()
         process = start_router(port)
         try:
-            wait_listening(port, process)
+            until(
+                lambda: listening_addresses(port),
+                f"the router to listen on port {port}",
+                timeout_s=20,
+                interval_s=0.1,
+                give_up=lambda: process.poll() is not None and f"exit code {process.returncode}",
+            )
             assert listening_addresses(port) == {"0100007F"}  # 127.0.0.1, nothing else
             assert port_accepts(LOOPBACK, port)
         finally:
@@ -481,7 +479,13 @@ class TestRouterBindsToLoopback:
         port = free_port()
         process = start_router(port, "--host", "0.0.0.0")
         try:
-            wait_listening(port, process)
+            until(
+                lambda: listening_addresses(port),
+                f"the router to listen on port {port}",
+                timeout_s=20,
+                interval_s=0.1,
+                give_up=lambda: process.poll() is not None and f"exit code {process.returncode}",
+            )
             assert listening_addresses(port) == {"00000000"}  # 0.0.0.0
         finally:
             process.terminate()

@@ -9,7 +9,6 @@ import socket
 import stat
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
@@ -87,11 +86,10 @@ class TestWorkerProcesses:
         self, tmp_path: Path, fake_python: Path
     ) -> None:
         cfg = self.config(tmp_path, fake_python, env={"FAKE_EXIT": "1"})
-        started = time.monotonic()
         pool = WorkerProcesses(cfg, ready_timeout_s=60)
         with pytest.raises(WorkerStartError, match="boom: engine failed") as err:
             pool.__enter__()
-        assert time.monotonic() - started < 20
+        assert "exited with code" in str(err.value)  # at its exit, not the ready timeout's
         assert err.value.worker.startswith("worker-")
 
     def test_silent_worker_is_restarted_once(self, tmp_path: Path, fake_python: Path) -> None:

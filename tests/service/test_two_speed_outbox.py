@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import threading
-import time
 
 import httpx
 import orjson
@@ -19,49 +18,23 @@ import redis.asyncio
 
 from flink_jobs.config import AppConfig, load_config
 from flink_jobs.core.grounding import (
-    grounded_facts,
     reconcile,
-    rules_intent,
-    session_category_enum,
 )
 from flink_jobs.core.intents import parse_intent
-from flink_jobs.core.prompting import PromptRenderer
-from flink_jobs.core.tasks import PromptTask
 from flink_jobs.runtime.call_process import CallProcess
 from flink_jobs.runtime.inference import PromptRunner, RedisUnavailable
 from flink_jobs.runtime.intent_store import AsyncIntentStore, IntentStore
 from flink_jobs.runtime.llm_client import LlmClient
 from flink_jobs.runtime.outbox import Outbox
 from flink_jobs.tools.local_services import free_port
-from tests.builders import EARBUDS, HEADPHONES, T0, completion, session_of
-from tests.builders import numbered_event as event
+from tests.support.builders import completion, grounded_task
+from tests.support.waiting import until
 
 WAIT_S = 10.0
 ANSWER = {
     "intents": [{"label": "comparing_options", "confidence": 0.8, "category": "Headphones"}],
     "summary": "Comparing two pairs of headphones",
 }
-
-
-def grounded_task(shopper_id: str = "shopper-00146", seq: int = 2) -> PromptTask:
-    """The task the timeline makes when the second view fires a prompt."""
-    state = session_of(
-        event(1, "view", 28.6, HEADPHONES, shopper_id=shopper_id),
-        event(2, "view", 60.6, EARBUDS, shopper_id=shopper_id),
-    )
-    facts = grounded_facts(state)
-    prompt = PromptRenderer(AppConfig().prompt).render(state)
-    at = T0 + 60_600
-    return PromptTask(
-        shopper_id,
-        seq,
-        at,
-        at,
-        prompt,
-        facts_json=facts.to_json().decode(),
-        rules=rules_intent(facts, state),
-        categories=session_category_enum(facts),
-    )
 
 
 class HeldLlm:
@@ -100,9 +73,7 @@ def test_the_rules_record_lands_first_and_the_models_answer_replaces_it(
         t = grounded_task()
         outbox.submit(t)
         assert llm.started.wait(WAIT_S)
-        deadline = time.monotonic() + WAIT_S
-        while stored(redis_client, unique_name) is None and time.monotonic() < deadline:
-            time.sleep(0.01)
+        until(lambda: stored(redis_client, unique_name), "the rules record", timeout_s=WAIT_S)
 
         first = stored(redis_client, unique_name)
         assert (first.source, first.version, first.model) == ("rules", (t.version_ts, 2), "")

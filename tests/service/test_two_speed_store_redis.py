@@ -23,7 +23,7 @@ from flink_jobs.runtime.intent_store import IntentRecord, IntentStore, Notify, i
 from intent_reader import AsyncIntentReader, IntentReader
 from intent_reader.layout import intent_key
 from intent_reader.updates import IntentUpdates
-from tests.builders import intent_record
+from tests.support.builders import intent_record
 
 FACTS = {"event_counts": {"view": 2, "add_to_cart": 1}, "cart": [{"product_id": "sku-1"}]}
 RULES_BODY = {

@@ -17,8 +17,8 @@ from flink_jobs.core.tasks import TaskResult
 from flink_jobs.metrics import OutcomeRecorder, arm_stat
 from flink_jobs.runtime.llm_client import build_request
 from flink_jobs.runtime.outbox import Settled
-from tests.builders import HEADPHONES, session_of, shopper_event
-from tests.unit.test_outcome_recorder import FakeGroup, FakeStats
+from tests.support.builders import HEADPHONES, session_of, shopper_event
+from tests.support.fake_metrics import FakeGroup, FakeStats
 
 IDS = [f"shopper-{n:05d}" for n in range(10_000)]
 HALVES = "shopper_intent_v1.j2:50,shopper_intent_v2.j2:50"

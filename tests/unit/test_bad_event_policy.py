@@ -12,7 +12,7 @@ from flink_jobs.config import JobConfig, PromptConfig, SessionConfig, TriggerCon
 from flink_jobs.core.events import ShopperEvent, decode_event
 from flink_jobs.core.prompting import untrusted
 from flink_jobs.core.session import Outcome, apply_event
-from tests.builders import HEADPHONES, T0, raw_event, session_of, shopper_event
+from tests.support.builders import HEADPHONES, T0, raw_event, session_of, shopper_event
 
 MAX_BYTES = JobConfig().max_event_bytes
 

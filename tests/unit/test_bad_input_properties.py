@@ -53,7 +53,7 @@ from flink_jobs.core.session import (
 )
 from flink_jobs.core.token_budget import token_counter
 from flink_jobs.tools.sample_data import PROMPT_INJECTIONS
-from tests.builders import EARBUDS, HEADPHONES, T0
+from tests.support.builders import EARBUDS, HEADPHONES, T0
 
 NOW_MS = T0 + 3_600_000
 MAX_BYTES = 16 * 1024  # job.max_event_bytes default

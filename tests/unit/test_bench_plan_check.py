@@ -6,7 +6,7 @@ import pytest
 
 from bench import plan_check, router_load
 from bench.pipeline_capacity import Snapshot, SteadyWindow, command_calls, window_figures
-from tests.builders import unit_costs
+from tests.support.builders import unit_costs
 
 
 def test_a_measurement_within_a_quarter_of_the_prediction_meets_its_target():

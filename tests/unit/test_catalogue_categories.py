@@ -17,8 +17,8 @@ from flink_jobs.metrics import OutcomeRecorder
 from flink_jobs.runtime.inference import Answered, ask
 from flink_jobs.runtime.llm_client import LlmClient, build_request
 from flink_jobs.runtime.outbox import Settled
-from tests.builders import completion, prompt_task
-from tests.unit.test_outcome_recorder import FakeGroup, FakeStats
+from tests.support.builders import completion, prompt_task
+from tests.support.fake_metrics import FakeGroup, FakeStats
 
 LLM = LlmConfig(base_url="http://llm.test/v1", max_attempts=1)
 CATEGORIES = ("Headphones", "Audio", "Electronics")

@@ -26,12 +26,13 @@ The file is read the way Compose reads it: ``${VAR}`` interpolated (here from
 from __future__ import annotations
 
 import re
-import shlex
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 import pytest
 import yaml
+
+from tests.support.compose_file import bind_mounts, command_argv
 
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE = REPO / "docker-compose.yml"
@@ -96,28 +97,9 @@ def one_shot(service: dict[str, Any]) -> bool:
     return str(service.get("restart", "")).lower() == "no"
 
 
-def command_argv(service: dict[str, Any]) -> list[str]:
-    command = service.get("command") or []
-    return shlex.split(command) if isinstance(command, str) else [str(c) for c in command]
-
-
 def uses_app_image(service: dict[str, Any]) -> bool:
     build = service.get("build") or {}
     return isinstance(build, dict) and build.get("dockerfile") == APP_IMAGE_DOCKERFILE
-
-
-def bind_mounts(service: dict[str, Any]) -> list[tuple[str, PurePosixPath]]:
-    """(host path, container path) of each bind mount; named volumes are left out."""
-    out = []
-    for volume in service.get("volumes") or []:
-        if isinstance(volume, dict):
-            if volume.get("type") == "bind":
-                out.append((volume["source"], PurePosixPath(volume["target"])))
-            continue
-        source, _, rest = volume.partition(":")
-        if source.startswith((".", "/", "~")):
-            out.append((source, PurePosixPath(rest.split(":")[0])))
-    return out
 
 
 def host_ports(service: dict[str, Any]) -> list[str]:

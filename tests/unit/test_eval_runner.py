@@ -8,7 +8,7 @@ from flink_jobs.core.events import parse_event_time
 from flink_jobs.tools import eval_runner
 from flink_jobs.tools.intent_eval import IntentWrite
 from intent_reader.client import IntentLabel
-from tests.builders import raw_event
+from tests.support.builders import raw_event
 
 
 def _time(value: bytes) -> int:

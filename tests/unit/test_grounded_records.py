@@ -22,7 +22,7 @@ from intent_reader import parse_intent
 from intent_reader.client import FIELDS
 from intent_reader.layout import OPTIONAL_FIELDS
 from intent_reader.updates import parse_update
-from tests.builders import (
+from tests.support.builders import (
     EARBUDS,
     HEADPHONES,
     SHOPPER,

@@ -37,8 +37,8 @@ from flink_jobs.core.grounding import (
 from flink_jobs.core.intents import Intent, IntentError, intent_response_format, parse_intent
 from flink_jobs.core.session import SessionState, apply_event, new_session_state
 from flink_jobs.tools.sample_data import SampleConfig, build_catalogue, generate_sample
-from tests.builders import EARBUDS, ESPRESSO, GREEN_TEA, HEADPHONES, T0, session_of
-from tests.builders import numbered_event as event
+from tests.support.builders import EARBUDS, ESPRESSO, GREEN_TEA, HEADPHONES, T0, session_of
+from tests.support.builders import numbered_event as event
 
 SESSION = SessionConfig()
 HIGH_SIGNAL = TriggerConfig().high_signal_types

@@ -19,7 +19,7 @@ from flink_jobs.config import AppConfig, ConfigError, SessionConfig
 from flink_jobs.core.events import ShopperEvent
 from flink_jobs.core.prompting import PromptRenderer
 from flink_jobs.core.timeline import Step, hold_event, on_event, on_timer
-from tests.builders import HEADPHONES, T0
+from tests.support.builders import HEADPHONES, T0
 
 SHOPPER = "shopper-00321"
 CONFIG = AppConfig(session=SessionConfig(max_held_events=50))

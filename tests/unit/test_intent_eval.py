@@ -23,7 +23,7 @@ from flink_jobs.tools.intent_eval import (
     roc_auc,
 )
 from intent_reader.client import IntentLabel
-from tests.builders import T0
+from tests.support.builders import T0
 
 GAP_S = SessionConfig().gap_s
 

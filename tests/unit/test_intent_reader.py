@@ -27,7 +27,7 @@ from intent_reader import (
 )
 from intent_reader.client import FIELDS
 from intent_reader.layout import INTENT_LABELS, MAX_FIELD_BYTES
-from tests.builders import intent_record
+from tests.support.builders import intent_record
 
 NOW_MS = 1_800_000_000_000
 WRONGTYPE = "WRONGTYPE Operation against a key holding the wrong kind of value"

@@ -16,23 +16,7 @@ from flink_jobs.runtime.intent_store import (
     parse_stored,
     upsert_args,
 )
-from tests.builders import intent_record
-
-
-def make_record(shopper_id: str = "shopper-1", ts: int = 1_000, seq: int = 0) -> IntentRecord:
-    """A record whose payload names its version, so the stored payload can be checked."""
-    tag = f"{ts}.{seq}"
-    intent = {"intents": [{"label": "compare", "confidence": 0.8}], "summary": tag}
-    return intent_record(
-        shopper_id,
-        ts,
-        seq,
-        intent=intent,
-        template="intent_v1",
-        template_hash="abc123",
-        model="smollm2-135m",
-    )
-
+from tests.support.builders import versioned_record
 
 # --- pure protocol -----------------------------------------------------------------------
 
@@ -43,7 +27,7 @@ class TestProtocol:
         assert intent_key("s1", prefix="stage") == "stage:intent:s1"
 
     def test_script_arguments(self) -> None:
-        args = upsert_args(make_record(ts=1_700_000_000_123, seq=7), ttl_ms=5_000)
+        args = upsert_args(versioned_record(ts=1_700_000_000_123, seq=7), ttl_ms=5_000)
         assert args[:3] == ["1700000000123", "7", "5000"]
         pairs = dict(zip(args[3::2], args[4::2], strict=True))
         assert tuple(args[3::2]) == RECORD_FIELDS
@@ -53,7 +37,7 @@ class TestProtocol:
 
     def test_ttl_must_be_positive(self) -> None:
         with pytest.raises(ValueError, match="ttl_ms"):
-            upsert_args(make_record(), ttl_ms=0)
+            upsert_args(versioned_record(), ttl_ms=0)
 
     @pytest.mark.parametrize(
         ("field", "value"),

@@ -12,6 +12,7 @@ import pytest
 
 from flink_jobs.runtime.inference import RedisUnavailable, upsert_with_retry
 from flink_jobs.runtime.intent_store import IntentRecord, StoreUnavailableError
+from tests.support.clock import FakeClock
 
 T0 = 1_780_304_400_000  # 2026-06-01T09:00:00Z
 
@@ -28,21 +29,6 @@ RECORD = IntentRecord(
     template_hash="56171ff6b9a3",
     model="SmolLM2-135M-Instruct",
 )
-
-
-class FakeClock:
-    """Monotonic seconds that move only when the code under test waits."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-        self.waits: list[float] = []
-
-    def time(self) -> float:
-        return self.now
-
-    async def sleep(self, seconds: float) -> None:
-        self.waits.append(seconds)
-        self.now += seconds
 
 
 class DownStore:

@@ -17,7 +17,7 @@ from flink_jobs.core.intents import (
 )
 from flink_jobs.core.prompting import intent_labels
 from flink_jobs.runtime.llm_client import build_request, read_answer
-from tests.builders import prompt_task
+from tests.support.builders import prompt_task
 
 LABELS = intent_labels()
 

@@ -18,7 +18,6 @@ import pytest
 
 from flink_jobs.config import LlmConfig
 from flink_jobs.core.intents import intent_response_format
-from flink_jobs.core.prompting import RenderedPrompt
 from flink_jobs.runtime import llm_client
 from flink_jobs.runtime.llm_client import (
     Completion,
@@ -31,38 +30,13 @@ from flink_jobs.runtime.llm_client import (
     proxy_for,
     read_answer,
 )
-from tests import builders
-
-SHOPPER = "shopper-00146"
-PROMPT = RenderedPrompt(
-    messages=(
-        {"role": "system", "content": "You infer a shopper's current shopping intent."},
-        {"role": "user", "content": '<events>\n+00:00 search query="over ear headhones"\n'},
-    ),
-    template="shopper_intent_v1.j2",
-    template_hash="56171ff6b9a3",
-    estimated_tokens=40,
-    events_included=1,
-    events_dropped=0,
+from tests.support.llm_call import (
+    CLIENT_CONFIG,
+    INTENT_TEXT,
+    PROMPT,
+    SHOPPER,
+    llm_completion,
 )
-INTENT_TEXT = (
-    '{"intents": [{"label": "researching_product", "confidence": 0.8}], '
-    '"summary": "Looking for over-ear headphones."}'
-)
-CONFIG = LlmConfig(
-    base_url="http://llm.test/v1",
-    model="SmolLM2-135M-Instruct",
-    max_attempts=3,
-    backoff_initial_s=0.5,
-    backoff_max_s=8.0,
-    request_timeout_s=5.0,
-)
-
-
-def completion(text: str = INTENT_TEXT, **extra: Any) -> httpx.Response:
-    return builders.completion(
-        text, finish_reason=None, prompt_tokens=40, completion_tokens=21, **extra
-    )
 
 
 @dataclass
@@ -83,7 +57,7 @@ class Server:
         return reply
 
 
-def call(server: Server, config: LlmConfig = CONFIG) -> LlmAnswer:
+def call(server: Server, config: LlmConfig = CLIENT_CONFIG) -> LlmAnswer:
     async def run() -> LlmAnswer:
         client = LlmClient(config, transport=httpx.MockTransport(server))
         try:
@@ -94,7 +68,7 @@ def call(server: Server, config: LlmConfig = CONFIG) -> LlmAnswer:
     return asyncio.run(run())
 
 
-def failure(server: Server, config: LlmConfig = CONFIG) -> LlmError:
+def failure(server: Server, config: LlmConfig = CLIENT_CONFIG) -> LlmError:
     with pytest.raises(LlmError) as caught:
         call(server, config)
     return caught.value
@@ -116,7 +90,7 @@ def backoff_sleeps(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[float]]:
 
 class TestRequest:
     def test_posts_to_chat_completions_under_the_base_url(self) -> None:
-        server = Server([completion()])
+        server = Server([llm_completion()])
 
         call(server)
 
@@ -125,18 +99,18 @@ class TestRequest:
         assert str(request.url) == "http://llm.test/v1/chat/completions"
 
     def test_body_carries_model_messages_and_sampling(self) -> None:
-        server = Server([completion()])
+        server = Server([llm_completion()])
 
         call(server)
 
         body = orjson.loads(server.requests[0].content)
         assert body["model"] == "SmolLM2-135M-Instruct"
         assert body["messages"] == list(PROMPT.messages)
-        assert body["max_tokens"] == CONFIG.max_tokens
-        assert body["temperature"] == CONFIG.temperature
+        assert body["max_tokens"] == CLIENT_CONFIG.max_tokens
+        assert body["temperature"] == CLIENT_CONFIG.temperature
 
     def test_body_asks_for_guided_json(self) -> None:
-        server = Server([completion()])
+        server = Server([llm_completion()])
 
         call(server)
 
@@ -145,14 +119,14 @@ class TestRequest:
         )
 
     def test_guided_json_can_be_turned_off(self) -> None:
-        server = Server([completion()])
+        server = Server([llm_completion()])
 
-        call(server, LlmConfig(base_url=CONFIG.base_url, guided_json=False))
+        call(server, LlmConfig(base_url=CLIENT_CONFIG.base_url, guided_json=False))
 
         assert "response_format" not in orjson.loads(server.requests[0].content)
 
     def test_shopper_id_travels_as_session_header_and_user(self) -> None:
-        server = Server([completion()])
+        server = Server([llm_completion()])
 
         call(server)
 
@@ -162,9 +136,9 @@ class TestRequest:
         assert request.headers["Content-Type"] == "application/json"
 
     def test_api_key_is_sent_as_bearer_token_only_when_set(self) -> None:
-        with_key, without_key = Server([completion()]), Server([completion()])
+        with_key, without_key = Server([llm_completion()]), Server([llm_completion()])
 
-        call(with_key, LlmConfig(base_url=CONFIG.base_url, api_key="sk-test"))
+        call(with_key, LlmConfig(base_url=CLIENT_CONFIG.base_url, api_key="sk-test"))
         call(without_key)
 
         assert with_key.requests[0].headers["Authorization"] == "Bearer sk-test"
@@ -173,7 +147,7 @@ class TestRequest:
 
 class TestAnswer:
     def test_returns_text_usage_and_model(self) -> None:
-        answer = call(Server([completion()]))
+        answer = call(Server([llm_completion()]))
 
         assert answer.text == INTENT_TEXT
         assert (answer.completion.prompt_tokens, answer.completion.completion_tokens) == (40, 21)
@@ -250,7 +224,7 @@ class TestProxy:
 class TestRetries:
     @pytest.mark.parametrize("status", [429, 500, 502, 503, 504])
     def test_retryable_status_is_retried(self, status: int, backoff_sleeps: list[float]) -> None:
-        server = Server([httpx.Response(status, text="busy"), completion()])
+        server = Server([httpx.Response(status, text="busy"), llm_completion()])
 
         answer = call(server)
 
@@ -269,7 +243,7 @@ class TestRetries:
         ids=type,
     )
     def test_transport_errors_are_retried(self, error: Exception) -> None:
-        assert call(Server([error, completion()])).attempts == 2
+        assert call(Server([error, llm_completion()])).attempts == 2
 
     def test_timed_out_attempt_is_cancelled_and_retried(self) -> None:
         cancelled = []
@@ -282,15 +256,15 @@ class TestRetries:
                 raise
             raise AssertionError("unreachable")
 
-        config = LlmConfig(base_url=CONFIG.base_url, request_timeout_s=0.05)
+        config = LlmConfig(base_url=CLIENT_CONFIG.base_url, request_timeout_s=0.05)
 
-        answer = call(Server([hang, completion()]), config)
+        answer = call(Server([hang, llm_completion()]), config)
 
         assert answer.attempts == 2
         assert len(cancelled) == 1
 
     def test_unreadable_body_is_retried(self) -> None:
-        server = Server([httpx.Response(200, text="<html>gateway</html>"), completion()])
+        server = Server([httpx.Response(200, text="<html>gateway</html>"), llm_completion()])
 
         assert call(server).attempts == 2
 
@@ -299,11 +273,11 @@ class TestRetries:
 
         error = failure(server)
 
-        assert len(server.requests) == CONFIG.max_attempts
-        assert error.attempts == CONFIG.max_attempts
+        assert len(server.requests) == CLIENT_CONFIG.max_attempts
+        assert error.attempts == CLIENT_CONFIG.max_attempts
         assert (error.reason, error.status) == ("http_error", 503)
         assert "overloaded" in error.detail
-        assert f"after {CONFIG.max_attempts} attempts" in str(error)
+        assert f"after {CLIENT_CONFIG.max_attempts} attempts" in str(error)
 
     def test_connection_errors_exhaust_as_connection_error(self) -> None:
         error = failure(Server([httpx.ConnectError("connection refused")]))
@@ -319,7 +293,7 @@ class TestRetries:
         assert (error.reason, error.status) == ("bad_response", 200)
 
     def test_backoff_grows_between_attempts(self, backoff_sleeps: list[float]) -> None:
-        config = LlmConfig(base_url=CONFIG.base_url, max_attempts=4, backoff_initial_s=1.0)
+        config = LlmConfig(base_url=CLIENT_CONFIG.base_url, max_attempts=4, backoff_initial_s=1.0)
 
         failure(Server([httpx.Response(500)]), config)
 
@@ -332,7 +306,9 @@ class TestRetries:
 class TestNoRetry:
     @pytest.mark.parametrize("status", [400, 401, 404, 422])
     def test_client_error_fails_at_once(self, status: int, backoff_sleeps: list[float]) -> None:
-        server = Server([httpx.Response(status, text="bad request: unknown model"), completion()])
+        server = Server(
+            [httpx.Response(status, text="bad request: unknown model"), llm_completion()]
+        )
 
         error = failure(server)
 
@@ -355,16 +331,16 @@ class TestRetryAfter:
     def test_retry_after_is_honoured(self, backoff_sleeps: list[float]) -> None:
         busy = httpx.Response(429, headers={"Retry-After": "3"}, text="slow down")
 
-        call(Server([busy, completion()]))
+        call(Server([busy, llm_completion()]))
 
         assert backoff_sleeps == [3.0]
 
     def test_retry_after_is_capped_by_backoff_max(self, backoff_sleeps: list[float]) -> None:
         busy = httpx.Response(503, headers={"Retry-After": "120"})
 
-        call(Server([busy, completion()]))
+        call(Server([busy, llm_completion()]))
 
-        assert backoff_sleeps == [CONFIG.backoff_max_s]
+        assert backoff_sleeps == [CLIENT_CONFIG.backoff_max_s]
 
     @pytest.mark.parametrize(
         ("value", "seconds"),
@@ -385,7 +361,9 @@ class TestPolicyHelpers:
 
     @pytest.mark.parametrize("attempt", [1, 2, 3, 4, 5, 6, 10])
     def test_backoff_is_jittered_within_half_to_full_ceiling(self, attempt: int) -> None:
-        ceiling = min(CONFIG.backoff_max_s, CONFIG.backoff_initial_s * 2 ** (attempt - 1))
+        ceiling = min(
+            CLIENT_CONFIG.backoff_max_s, CLIENT_CONFIG.backoff_initial_s * 2 ** (attempt - 1)
+        )
 
-        assert backoff_delay(attempt, CONFIG, rand=lambda: 0.0) == ceiling / 2
-        assert backoff_delay(attempt, CONFIG, rand=lambda: 1.0) == ceiling
+        assert backoff_delay(attempt, CLIENT_CONFIG, rand=lambda: 0.0) == ceiling / 2
+        assert backoff_delay(attempt, CLIENT_CONFIG, rand=lambda: 1.0) == ceiling

@@ -9,27 +9,8 @@ from collections.abc import Callable
 import pytest
 
 from flink_jobs.metrics import GaugeBoard, GaugeCounters, PublishedGroup, Tally, gauge_names
-
-
-class FakeGroup:
-    """What PyFlink's metric group does with a gauge: keeps the callable, reads it later."""
-
-    def __init__(self) -> None:
-        self.gauges: dict[str, Callable[[], int]] = {}
-
-    def gauge(self, name: str, obj: Callable[[], int]) -> None:
-        self.gauges[name] = obj
-
-    def read(self) -> dict[str, int]:
-        return {name: fn() for name, fn in self.gauges.items()}
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.support.clock import FakeClock
+from tests.support.fake_metrics import FakeGroup
 
 
 def test_register_adds_a_gauge_per_count_and_timing_statistic() -> None:
@@ -73,7 +54,7 @@ def test_timings_give_count_sum_and_recent_quantiles() -> None:
 
 
 def test_quantiles_cover_only_the_window_while_totals_keep_growing() -> None:
-    clock = Clock()
+    clock = FakeClock(1000.0)
     tally = Tally([], ["latency_ms"], window_s=60, clock=clock)
     tally.observe("latency_ms", 5_000)
     clock.now += 61
@@ -174,7 +155,7 @@ class ThreadModeGroup(FakeGroup):
         return sub
 
 
-def _board(clock: Clock, interval_s: float = 1.0) -> GaugeBoard:
+def _board(clock: FakeClock, interval_s: float = 1.0) -> GaugeBoard:
     return GaugeBoard(
         interval_s,
         clock,
@@ -184,7 +165,7 @@ def _board(clock: Clock, interval_s: float = 1.0) -> GaugeBoard:
 
 
 def test_in_thread_mode_flink_reads_numbers_the_operator_published() -> None:
-    clock, group = Clock(), ThreadModeGroup()
+    clock, group = FakeClock(1000.0), ThreadModeGroup()
     board = _board(clock)
     counters = GaugeCounters(PublishedGroup(group, board))
     counters.inc("events_in", 3)
@@ -194,7 +175,7 @@ def test_in_thread_mode_flink_reads_numbers_the_operator_published() -> None:
 
 
 def test_publishing_copies_the_values_at_most_once_per_interval() -> None:
-    clock, group = Clock(), ThreadModeGroup()
+    clock, group = FakeClock(1000.0), ThreadModeGroup()
     board = _board(clock, interval_s=1.0)
     tally = Tally(["written"])
     tally.register(PublishedGroup(group, board))
@@ -212,7 +193,7 @@ def test_publishing_copies_the_values_at_most_once_per_interval() -> None:
 
 
 def test_subgroups_publish_through_the_same_board() -> None:
-    clock, group = Clock(), ThreadModeGroup()
+    clock, group = FakeClock(1000.0), ThreadModeGroup()
     board = _board(clock)
     tally = Tally(["prompts_sent"])
     tally.register(PublishedGroup(group, board).add_group("arm", "v3"))
@@ -225,7 +206,7 @@ def test_outside_thread_mode_gauges_stay_python_callables() -> None:
     """Process mode: Beam reads them in the Python worker, no JVM thread calls Python."""
     group = FakeGroup()
     tally = Tally(["written"])
-    tally.register(PublishedGroup(group, _board(Clock())))
+    tally.register(PublishedGroup(group, _board(FakeClock(1000.0))))
     tally.add("written")
     assert group.read() == {"written": 1}
 
@@ -235,7 +216,7 @@ def test_without_the_java_class_gauges_fall_back_to_python_callables_with_a_warn
         raise RuntimeError("java.lang.ClassNotFoundException: shopperintents.PublishedGauge")
 
     group = ThreadModeGroup(python_gauges_expected=True)
-    board = GaugeBoard(1.0, Clock(), new_gauge=missing, java_group=lambda g: g.java)
+    board = GaugeBoard(1.0, FakeClock(1000.0), new_gauge=missing, java_group=lambda g: g.java)
     tally = Tally(["written"])
     tally.register(PublishedGroup(group, board))
     tally.add("written")

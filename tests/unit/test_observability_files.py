@@ -5,7 +5,7 @@ scrapes every service that serves metrics; Flink's Prometheus reporter is config
 the Flink services; Grafana's provisioning points at the mounted files and at a datasource
 that exists; and every metric name a dashboard query reads is one the code registers
 (derived from the code, so renaming a metric without the dashboard fails here) or one of
-Flink's own (``tests.dashboards.FLINK_BUILTIN``, which the service tier checks against a
+Flink's own (``tests.support.dashboards.FLINK_BUILTIN``, which the service tier checks against a
 real reporter's scrape).
 """
 
@@ -20,7 +20,8 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.dashboards import (
+from tests.support.compose_file import bind_mounts, command_argv
+from tests.support.dashboards import (
     DASHBOARDS,
     FLINK_BUILTIN,
     FLINK_PREFIX,
@@ -30,7 +31,6 @@ from tests.dashboards import (
     panels,
     queries,
 )
-from tests.unit.test_compose_file import bind_mounts, command_argv
 
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE = REPO / "docker-compose.yml"

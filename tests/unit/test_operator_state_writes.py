@@ -11,7 +11,7 @@ from pyflink.datastream import TimeDomain
 from flink_jobs.config import load_config
 from flink_jobs.metrics import GaugeBoard
 from flink_jobs.operators import ShopperSessions, _RecentSessions
-from tests.builders import HEADPHONES, SHOPPER, at, session_of, shopper_event
+from tests.support.builders import HEADPHONES, SHOPPER, at, session_of, shopper_event
 
 CONFIG = load_config(environ={})
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import gc
 import os
-import time
 
 import pytest
 
@@ -17,7 +16,8 @@ from flink_jobs.core.tasks import PromptTask, TaskResult
 from flink_jobs.runtime.call_process import CallProcess
 from flink_jobs.runtime.inference import PromptRunner
 from flink_jobs.runtime.outbox import Outbox, OutboxFailed, Runner
-from tests.builders import prompt_task as task
+from tests.support.builders import prompt_task as task
+from tests.support.waiting import until
 
 WAIT_S = 10.0
 
@@ -55,9 +55,7 @@ class TestFailures:
         outbox = Outbox(broken, capacity=4, max_concurrency=1).start()
         try:
             outbox.submit(task("shopper-00146", seq=1))
-            deadline = time.monotonic() + WAIT_S
-            while outbox.in_system and time.monotonic() < deadline:
-                time.sleep(0.01)
+            until(lambda: not outbox.in_system, "the call to fail", timeout_s=WAIT_S)
 
             with pytest.raises(OutboxFailed, match="Redis unreachable"):
                 outbox.collect("shopper-00146")

@@ -4,9 +4,6 @@ the stats keep kept out of the Flink metric set."""
 
 from __future__ import annotations
 
-from collections import Counter
-from collections.abc import Callable
-
 import pytest
 
 from flink_jobs.core.events import DeadLetter
@@ -14,35 +11,9 @@ from flink_jobs.core.prompting import RenderedPrompt
 from flink_jobs.core.tasks import PromptTask, TaskResult
 from flink_jobs.metrics import INFER_COUNTS, INFER_TIMINGS, OutcomeRecorder, gauge_names
 from flink_jobs.runtime.outbox import Settled
+from tests.support.fake_metrics import FakeGroup, FakeStats
 
 T0 = 1_780_304_400_000  # 2026-06-01T09:00:00Z
-
-
-class FakeStats:
-    """What ``runtime.counters.StatsReporter`` is given, kept in memory instead of Redis."""
-
-    def __init__(self) -> None:
-        self.counts: Counter[str] = Counter()
-        self.samples: dict[str, list[int]] = {}
-
-    def add(self, name: str, amount: int = 1) -> None:
-        self.counts[name] += amount
-
-    def sample(self, name: str, value: int) -> None:
-        self.samples.setdefault(name, []).append(value)
-
-
-class FakeGroup:
-    """A Flink metric group as PyFlink uses it: keeps each gauge's callable, reads it later."""
-
-    def __init__(self) -> None:
-        self.gauges: dict[str, Callable[[], int]] = {}
-
-    def gauge(self, name: str, obj: Callable[[], int]) -> None:
-        self.gauges[name] = obj
-
-    def read(self) -> dict[str, int]:
-        return {name: read() for name, read in self.gauges.items()}
 
 
 def prompt_task(seq: int = 4) -> PromptTask:

@@ -14,45 +14,36 @@ import re
 
 import pytest
 
-from flink_jobs.config import PromptConfig
-from flink_jobs.core.events import ShopperEvent
+from flink_jobs.config import SessionConfig
 from flink_jobs.core.grounding import session_category_enum
 from flink_jobs.core.intents import Intent, parse_intent
 from flink_jobs.core.prompting import PromptRenderer, RenderedPrompt
 from flink_jobs.core.session import SessionState, apply_event
-from tests.builders import EARBUDS, HEADPHONES, T0, session_of
-from tests.builders import numbered_event as event
-from tests.unit.test_prompting import (
-    SESSION,
+from tests.support.builders import EARBUDS, HEADPHONES, session_of
+from tests.support.builders import numbered_event as event
+from tests.support.prompts import (
+    V2,
     as_golden_text,
     assert_matches_golden,
+    block,
     first_visit_comparing_headphones,
+    renderer_for,
     returning_buyer_with_a_cart,
     shopper_facing_prompt_injection,
+    up_to_events_end,
     user_message,
+    worked_examples,
 )
 
-V2 = "shopper_intent_v2.j2"
+SESSION = SessionConfig()
 
 
 def renderer(**overrides) -> PromptRenderer:
-    return PromptRenderer(PromptConfig(**{"template": V2, **overrides}))
-
-
-def block(text: str, name: str) -> list[str]:
-    """The lines between ``<name>`` and ``</name>``; there must be exactly one such block."""
-    lines = text.splitlines()
-    assert lines.count(f"<{name}>") == 1 and lines.count(f"</{name}>") == 1, lines
-    return lines[lines.index(f"<{name}>") + 1 : lines.index(f"</{name}>")]
+    return renderer_for(V2, **overrides)
 
 
 def facts_of(prompt: RenderedPrompt) -> dict[str, str]:
     return dict(line.split(": ", 1) for line in block(user_message(prompt), "facts"))
-
-
-def up_to_events_end(prompt: RenderedPrompt) -> str:
-    text = user_message(prompt)
-    return text[: text.index("\n</events>")]
 
 
 class TestGoldenPrompts:
@@ -163,56 +154,19 @@ class TestStablePrefix:
 
 # --- the worked examples -----------------------------------------------------------------
 
-_EVENT_LINE = re.compile(r"^\+(\d\d):(\d\d) (\w+)((?: \w+=(?:\"(?:[^\"\\]|\\.)*\"|\S+))*)$")
-_FIELD = re.compile(r" (\w+)=(\"(?:[^\"\\]|\\.)*\"|\S+)")
-
-
-def worked_examples(template: str = V2) -> list[tuple[list[ShopperEvent], list[str], str]]:
-    """Each example of the system message: its events (parsed back), its facts lines, and
-    its answer."""
-    prompt = renderer(template=template).render(first_visit_comparing_headphones())
-    system = prompt.messages[0]["content"]
-    examples = []
-    for n, part in enumerate(system.split("\nExample ")[1:], start=1):
-        events = []
-        for i, line in enumerate(block(part, "events")):
-            match = _EVENT_LINE.match(line)
-            assert match, line
-            minutes, seconds, event_type, rest = match.groups()
-            fields = {k: json.loads(v) if v.startswith('"') else v for k, v in _FIELD.findall(rest)}
-            product = {k: fields[k] for k in ("title", "category", "brand") if k in fields}
-            if product:
-                product["product_id"] = f"example-{n}-{fields['title']}"
-            if "price" in fields:
-                product["price"] = float(fields["price"])
-            events.append(
-                ShopperEvent(
-                    event_id=f"example-{n}-{i}",
-                    shopper_id=f"example-{n}",
-                    event_type=event_type,
-                    event_time_ms=T0 + (int(minutes) * 60 + int(seconds)) * 1000,
-                    query=fields.get("query", ""),
-                    quantity=int(fields.get("qty", 1)),
-                    **product,
-                )
-            )
-        answer = part.strip().splitlines()[-1]
-        examples.append((events, block(part, "facts"), answer))
-    return examples
-
 
 class TestWorkedExamples:
     def test_there_are_two_to_four(self) -> None:
-        assert 2 <= len(worked_examples()) <= 4
+        assert 2 <= len(worked_examples(V2)) <= 4
 
     def test_each_shows_the_facts_a_real_prompt_of_its_events_would(self) -> None:
-        for events, facts, _ in worked_examples():
+        for events, facts, _ in worked_examples(V2):
             state = session_of(*events)
 
             assert block(user_message(renderer().render(state)), "facts") == facts
 
     def test_each_answer_is_valid_and_names_only_offered_categories(self) -> None:
-        for events, _, answer in worked_examples():
+        for events, _, answer in worked_examples(V2):
             state: SessionState = session_of(*events)
 
             intent = parse_intent(answer)
@@ -222,7 +176,7 @@ class TestWorkedExamples:
             assert {i["category"] for i in intent.body["intents"]} <= set(offered)
 
     def test_the_examples_teach_more_than_browsing(self) -> None:
-        top_labels = {parse_intent(answer).top_label for _, _, answer in worked_examples()}
+        top_labels = {parse_intent(answer).top_label for _, _, answer in worked_examples(V2)}
 
         assert "browsing" not in top_labels
-        assert len(top_labels) == len(worked_examples())
+        assert len(top_labels) == len(worked_examples(V2))

@@ -7,15 +7,17 @@ import pytest
 
 from flink_jobs.core.grounding import grounded_facts, rules_intent
 from flink_jobs.core.intents import parse_intent
-from tests.builders import session_of
-from tests.unit.test_prompting import (
+from tests.support.builders import session_of
+from tests.support.prompts import (
+    V2,
+    V3,
+    block,
     first_visit_comparing_headphones,
+    renderer_for,
     returning_buyer_with_a_cart,
     user_message,
+    worked_examples,
 )
-from tests.unit.test_prompting_v2 import V2, block, renderer, worked_examples
-
-V3 = "shopper_intent_v3.j2"
 
 
 @pytest.mark.parametrize("build", [first_visit_comparing_headphones, returning_buyer_with_a_cart])
@@ -23,15 +25,15 @@ def test_the_facts_end_with_the_rules_reading_of_them(build) -> None:
     state = build()
     rules = rules_intent(grounded_facts(state), state).body["intents"][0]
 
-    facts = block(user_message(renderer(template=V3).render(state)), "facts")
+    facts = block(user_message(renderer_for(V3).render(state)), "facts")
 
     assert facts[-1] == f'rules: {rules["label"]} in "{rules["category"]}"'
 
 
 def test_the_rest_of_the_prompt_is_the_v2_prompt() -> None:
     state = returning_buyer_with_a_cart()
-    v2 = user_message(renderer(template=V2).render(state))
-    v3 = user_message(renderer(template=V3).render(state))
+    v2 = user_message(renderer_for(V2).render(state))
+    v3 = user_message(renderer_for(V3).render(state))
 
     assert [line for line in v3.splitlines() if not line.startswith("rules: ")] == v2.splitlines()
 
@@ -40,7 +42,7 @@ def test_each_example_shows_the_facts_and_rules_a_real_prompt_would() -> None:
     for events, facts, _ in worked_examples(V3):
         state = session_of(*events)
 
-        assert block(user_message(renderer(template=V3).render(state)), "facts") == facts
+        assert block(user_message(renderer_for(V3).render(state)), "facts") == facts
 
 
 def test_each_example_answers_with_the_rules_reading_first() -> None:

@@ -17,9 +17,9 @@ from hypothesis import strategies as st
 
 from flink_jobs.config import PromptConfig
 from flink_jobs.core.prompting import PromptRenderer, untrusted
-from tests.builders import HEADPHONES, session_of
-from tests.builders import numbered_event as event
-from tests.unit.test_prompting import events_block, user_message
+from tests.support.builders import HEADPHONES, session_of
+from tests.support.builders import numbered_event as event
+from tests.support.prompts import events_block, user_message
 
 MAX_CHARS = 120
 

@@ -32,7 +32,7 @@ from flink_jobs.tools.sample_data import (
     format_event_time,
     generate_sample,
 )
-from tests.builders import T0, raw_event
+from tests.support.builders import T0, raw_event
 
 
 def event(shopper: str = "s1", seconds: float = 0.0, event_id: str | None = None, **extra) -> bytes:

@@ -192,3 +192,18 @@ def test_the_metrics_mirror_the_counts(producer) -> None:
     assert value("shopper_intents_replay_bytes_sent_total") == len(EVENTS[0]) + len(EVENTS[1])
     failed = value("shopper_intents_replay_records_failed_total", {"error": "MSG_SIZE_TOO_LARGE"})
     assert failed == 1
+
+
+def test_with_send_stamps_the_planning_counts_as_time_already_passed(monkeypatch) -> None:
+    """Records stamped at ``T0`` and planned until 2.5 s later: the replay clock starts at
+    ``T0``, so the first 2.5 s of records are due at once, not 2.5 s late for their stamps."""
+    from types import SimpleNamespace
+
+    from flink_jobs.tools import replay
+
+    monkeypatch.setattr(
+        replay, "time", SimpleNamespace(monotonic=lambda: 100.0, time=lambda: T0 / 1000 + 2.5)
+    )
+
+    assert replay._replay_clock_start(T0) == 97.5
+    assert replay._replay_clock_start(None) == 100.0  # no stamps: the clock starts now

@@ -18,7 +18,7 @@ from flink_jobs.core.session import (
     mark_prompted,
     new_session_state,
 )
-from tests.builders import EARBUDS, HEADPHONES, T0, shopper_event
+from tests.support.builders import EARBUDS, HEADPHONES, T0, shopper_event
 
 SHOPPER = "shopper-00146"
 CONFIG = SessionConfig(max_events=40, gap_s=30 * 60, max_lateness_s=10 * 60)

@@ -15,7 +15,7 @@ from flink_jobs.tools.sizing.model import (
     PlanInputs,
     plan,
 )
-from tests.builders import unit_costs as costs
+from tests.support.builders import unit_costs as costs
 
 #: With the builder's unit costs (500 uncached prompt tokens and 200 output tokens a call,
 #: 0.25 calls and 0.75 ms of job CPU per event) a call takes 500 / 12,500 + 200 / 5,000 =

@@ -14,7 +14,7 @@ from flink_jobs.core.prompting import PromptRenderer
 from flink_jobs.core.session import Outcome
 from flink_jobs.core.timeline import Step, hold, on_event, on_timer, release
 from flink_jobs.core.trigger import END_OF_TIME_MS
-from tests.builders import EARBUDS, ESPRESSO, HEADPHONES, T0, at, shopper_event
+from tests.support.builders import EARBUDS, ESPRESSO, HEADPHONES, T0, at, shopper_event
 
 SHOPPER = "shopper-00321"
 CONFIG = AppConfig()

@@ -35,7 +35,7 @@ from flink_jobs.core.token_budget import (
     token_counter,
 )
 from flink_jobs.paths import cache_dir
-from tests.builders import T0
+from tests.support.builders import T0
 
 MODEL_DIR = cache_dir() / "models" / BUNDLED_MODEL
 if not (MODEL_DIR / "tokenizer.json").exists():

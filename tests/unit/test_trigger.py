@@ -13,8 +13,8 @@ from flink_jobs.core.session import (
     new_session_state,
 )
 from flink_jobs.core.trigger import END_OF_TIME_MS, Verdict, decide, material_fingerprint
-from tests.builders import at as ms
-from tests.builders import session_of, shopper_event
+from tests.support.builders import at as ms
+from tests.support.builders import session_of, shopper_event
 
 SESSION = SessionConfig()
 TRIGGER = TriggerConfig(quiet_s=5.0, max_wait_s=20.0, min_interval_s=10.0)

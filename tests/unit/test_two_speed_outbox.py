@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import threading
-import time
 
 import pytest
 
@@ -19,8 +18,9 @@ from flink_jobs.core.intents import Intent
 from flink_jobs.core.tasks import PromptTask, TaskResult
 from flink_jobs.metrics import OutcomeRecorder
 from flink_jobs.runtime.outbox import Outbox, OutboxFailed, Settled
-from tests.builders import prompt_task
-from tests.unit.test_outcome_recorder import FakeGroup, FakeStats
+from tests.support.builders import prompt_task
+from tests.support.fake_metrics import FakeGroup, FakeStats
+from tests.support.waiting import until
 
 WAIT_S = 10.0
 RULES = Intent(
@@ -86,13 +86,6 @@ def outbox_for(fakes: Fakes):
         outbox.close()
 
 
-def until(check, what: str) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while not check():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.005)
-
-
 def settled(outbox: Outbox, shopper_id: str) -> list[tuple[int, str, str]]:
     return [(s.task.seq, s.result.source, s.result.outcome) for s in outbox.collect(shopper_id)]
 
@@ -101,12 +94,14 @@ class TestTheRulesLane:
     def test_a_rules_write_lands_while_every_call_slot_is_busy(self, outbox_for, fakes) -> None:
         outbox = outbox_for()
         outbox.submit(task("shopper-00043", 1))
-        until(lambda: fakes.calls, "the other shopper's call to hold the only slot")
+        until(
+            lambda: fakes.calls, "the other shopper's call to hold the only slot", timeout_s=WAIT_S
+        )
 
         outbox.submit(task("shopper-00146", 3))
 
-        until(lambda: ("shopper-00146", 3) in fakes.rules, "the rules write")
-        until(lambda: not outbox.writing_rules("shopper-00146"), "its outcome")
+        until(lambda: ("shopper-00146", 3) in fakes.rules, "the rules write", timeout_s=WAIT_S)
+        until(lambda: not outbox.writing_rules("shopper-00146"), "its outcome", timeout_s=WAIT_S)
         assert settled(outbox, "shopper-00146") == [(3, "rules", "written")]
         assert ("shopper-00146", 3) not in fakes.calls  # the call still waits for the slot
         assert outbox.tracks("shopper-00146", 3)  # its rules outcome does not settle the call
@@ -116,7 +111,9 @@ class TestTheRulesLane:
     ) -> None:
         outbox = outbox_for()
         outbox.submit(task("shopper-00043", 1))
-        until(lambda: fakes.calls, "the other shopper's call to hold the only slot")
+        until(
+            lambda: fakes.calls, "the other shopper's call to hold the only slot", timeout_s=WAIT_S
+        )
 
         for seq in (3, 4, 5):
             outbox.submit(task("shopper-00146", seq))
@@ -154,7 +151,11 @@ class TestTheRulesLane:
         # this very submit when the loop's thread fails the write first, else the collect.
         with pytest.raises(OutboxFailed, match="Redis unreachable"):
             outbox.submit(task("shopper-00146", 3))
-            until(lambda: not outbox.writing_rules("shopper-00146"), "the rules write to end")
+            until(
+                lambda: not outbox.writing_rules("shopper-00146"),
+                "the rules write to end",
+                timeout_s=WAIT_S,
+            )
             outbox.collect("shopper-00146")
 
 
@@ -164,7 +165,7 @@ class TestInOrder:
     ) -> None:
         outbox = outbox_for(latest_wins=False)
         outbox.submit(task("shopper-00146", 1))
-        until(lambda: fakes.calls, "the first call")
+        until(lambda: fakes.calls, "the first call", timeout_s=WAIT_S)
 
         for seq in (2, 3, 4):
             outbox.submit(task("shopper-00146", seq))
@@ -179,7 +180,7 @@ class TestInOrder:
     def test_each_queued_prompt_takes_a_place(self, outbox_for, fakes) -> None:
         outbox = outbox_for(latest_wins=False, capacity=3)
         outbox.submit(task("shopper-00146", 1))
-        until(lambda: fakes.calls, "the first call")
+        until(lambda: fakes.calls, "the first call", timeout_s=WAIT_S)
         outbox.submit(task("shopper-00146", 2))
         outbox.submit(task("shopper-00146", 3))
 
@@ -194,12 +195,12 @@ class TestInOrder:
     def test_a_latest_wins_outbox_replaces_and_stops_instead(self, outbox_for, fakes) -> None:
         outbox = outbox_for(latest_wins=True)
         outbox.submit(task("shopper-00146", 1))
-        until(lambda: fakes.calls, "the first call")
+        until(lambda: fakes.calls, "the first call", timeout_s=WAIT_S)
 
         outbox.submit(task("shopper-00146", 2))
         outbox.submit(task("shopper-00146", 3))
 
-        until(lambda: fakes.stopped, "the running call to be stopped")
+        until(lambda: fakes.stopped, "the running call to be stopped", timeout_s=WAIT_S)
         assert fakes.stopped == [("shopper-00146", 1)]
 
 

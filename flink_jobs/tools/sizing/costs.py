@@ -53,12 +53,12 @@ class MissingFigure(LookupError):
 @dataclass(frozen=True)
 class Figure:
     value: float
+    #: The results file (``bench/results/<name>.json``), the module or ``command line``.
     source: str
-    """The results file (``bench/results/<name>.json``), the module or ``command line``."""
+    #: Where in the source: a dotted key, an expression over keys, a setting or a flag.
     key: str
-    """Where in the source: a dotted key, an expression over keys, a setting or a flag."""
+    #: ``measured``, ``derived``, ``config``, ``target``, ``assumed`` or ``input``.
     kind: str
-    """``measured``, ``derived``, ``config``, ``target``, ``assumed`` or ``input``."""
 
     def cite(self) -> str:
         return f"{self.source}: {self.key}"
@@ -69,51 +69,51 @@ class UnitCosts:
     """What one event, call or write costs, each figure with its source; None where the
     results do not hold it (``absent`` says why)."""
 
+    #: CPU of the TaskManager's processes per event, in ms of the measuring host's cores.
     jvm_cpu_ms_per_event: Figure | None = None
-    """CPU of the TaskManager's processes per event, in ms of the measuring host's cores."""
+    #: CPU of the LLM call process per LLM call (HTTP, answer check, Redis upserts).
     call_process_cpu_ms_per_call: Figure | None = None
-    """CPU of the LLM call process per LLM call (HTTP, answer check, Redis upserts)."""
+    #: LLM calls per accepted event under the default trigger policy (the trigger rate).
     llm_calls_per_event: Figure | None = None
-    """LLM calls per accepted event under the default trigger policy (the trigger rate)."""
+    #: Prompts the trigger policy fires per accepted event.
     prompts_per_event: Figure | None = None
-    """Prompts the trigger policy fires per accepted event."""
+    #: Redis upserts of a prompt's rules-only record (``llm.rules_first``): 1 or 0.
     rules_writes_per_prompt: Figure | None = None
-    """Redis upserts of a prompt's rules-only record (``llm.rules_first``): 1 or 0."""
+    #: The job's own p99 from the trigger's firing time to the prompt sent, paced, at the
+    #: default out-of-orderness.
     job_to_prompt_p99_s: Figure | None = None
-    """The job's own p99 from the trigger's firing time to the prompt sent, paced, at the
-    default out-of-orderness."""
     measuring_host_cores: Figure | None = None
+    #: Prompt tokens per call of the shipped template, cached or not.
     prompt_tokens_per_call: Figure | None = None
-    """Prompt tokens per call of the shipped template, cached or not."""
+    #: Output tokens the plan budgets per call: the configured cap, ``llm.max_tokens``.
     output_tokens_per_call: Figure | None = None
-    """Output tokens the plan budgets per call: the configured cap, ``llm.max_tokens``."""
+    #: Output tokens per call the shipped template's answers measured (mean).
     measured_output_tokens_per_call: Figure | None = None
-    """Output tokens per call the shipped template's answers measured (mean)."""
+    #: Share of prompt tokens the workers' prefix caches served, under the default router.
     prefix_cache_hit_ratio: Figure | None = None
-    """Share of prompt tokens the workers' prefix caches served, under the default router."""
+    #: Versioned upserts per second one Redis node served in the job's write pattern.
     redis_writes_per_node_per_s: Figure | None = None
-    """Versioned upserts per second one Redis node served in the job's write pattern."""
+    #: The router's CPU per proxied request, in ms of the measuring host's cores.
     router_cpu_ms_per_request: Figure | None = None
-    """The router's CPU per proxied request, in ms of the measuring host's cores."""
+    #: The trigger policy's longest wait before a prompt covers an event.
     trigger_max_wait_s: Figure | None = None
-    """The trigger policy's longest wait before a prompt covers an event."""
+    #: The default target: from a qualifying event to the intent covering it in Redis.
     freshness_target_s: Figure | None = None
-    """The default target: from a qualifying event to the intent covering it in Redis."""
     max_parallelism: Figure | None = None
+    #: One GPU's prefill throughput: no results file holds it (``gpus.py``, or an input).
     prefill_tokens_per_s: Figure | None = None
-    """One GPU's prefill throughput: no results file holds it (``gpus.py``, or an input)."""
+    #: One GPU's decode throughput: no results file holds it (``gpus.py``, or an input).
     decode_tokens_per_s: Figure | None = None
-    """One GPU's decode throughput: no results file holds it (``gpus.py``, or an input)."""
+    #: The machine the capacity figures were measured on.
     host: str = "unknown"
-    """The machine the capacity figures were measured on."""
+    #: Why a figure is None: the file or key missing and the command that writes it.
     absent: Mapping[str, str] = field(default_factory=dict)
-    """Why a figure is None: the file or key missing and the command that writes it."""
+    #: What the results say about their own figures that a reader of the plan should know.
     caveats: tuple[str, ...] = ()
-    """What the results say about their own figures that a reader of the plan should know."""
 
     def get(self, name: str) -> Figure:
         """The figure ``name``; MissingFigure naming its file and key when it is absent."""
-        figure = getattr(self, name)
+        figure: Figure | None = getattr(self, name)
         if figure is None:
             raise MissingFigure(self.absent.get(name, f"no figure {name}"))
         return figure
@@ -123,7 +123,8 @@ class UnitCosts:
         if name not in FIGURE_NAMES:
             raise ValueError(f"unknown unit cost {name!r}")
         absent = {k: v for k, v in self.absent.items() if k != name}
-        return dataclasses.replace(self, **{name: figure}, absent=absent)
+        changes: dict[str, Any] = {name: figure, "absent": absent}
+        return dataclasses.replace(self, **changes)
 
 
 #: The figures of ``UnitCosts`` (its fields that default to None).

@@ -60,11 +60,11 @@ COST_INPUTS = (
 @dataclass(frozen=True)
 class PlanInputs:
     events_per_s: float
+    #: Default: the unit costs' ``freshness_target_s``.
     freshness_s: float | None = None
-    """Default: the unit costs' ``freshness_target_s``."""
     gpu: str = gpus.DEFAULT_GPU
+    #: Per GPU; default: the GPU table's (assumed).
     prefill_tokens_per_s: float | None = None
-    """Per GPU; default: the GPU table's (assumed)."""
     decode_tokens_per_s: float | None = None
     prompt_tokens_per_call: float | None = None
     output_tokens_per_call: float | None = None
@@ -74,8 +74,8 @@ class PlanInputs:
     redis_writes_per_node_per_s: float | None = None
     utilisation: float = DEFAULT_UTILISATION
     parallelism_per_kpu: int = 1
+    #: A KPU's (and a router host's) vCPU speed relative to a core of the measuring host.
     cpu_speed: float = 1.0
-    """A KPU's (and a router host's) vCPU speed relative to a core of the measuring host."""
 
     def validated(self) -> PlanInputs:
         """Itself, or ValueError naming the first input out of its range."""
@@ -112,10 +112,10 @@ class PlanInputs:
 class Resource:
     tier: str
     unit: str
+    #: None: not sized (``missing`` says which figure is absent).
     count: int | None
-    """None: not sized (``missing`` says which figure is absent)."""
+    #: The units' worth of work at full use, before the utilisation.
     work: float | None = None
-    """The units' worth of work at full use, before the utilisation."""
     rule: str = ""
     missing: str = ""
 
@@ -136,19 +136,19 @@ class Freshness:
 class Plan:
     inputs: PlanInputs
     resources: tuple[Resource, ...]
+    #: Per second: events, LLM calls, prefill and decode tokens, Redis upserts.
     rates: dict[str, float]
-    """Per second: events, LLM calls, prefill and decode tokens, Redis upserts."""
+    #: Per sized tier, largest count first: what its work is made of.
     drivers: tuple[str, ...]
-    """Per sized tier, largest count first: what its work is made of."""
     freshness: Freshness | None
     warnings: tuple[str, ...]
+    #: Every unit cost the plan used, by name.
     figures: dict[str, Figure]
-    """Every unit cost the plan used, by name."""
     host: str
+    #: The unit costs' own caveats (``UnitCosts.caveats``).
     caveats: tuple[str, ...] = ()
-    """The unit costs' own caveats (``UnitCosts.caveats``)."""
+    #: Figures a tier needed and did not find, with the reason.
     absent: dict[str, str] = field(default_factory=dict)
-    """Figures a tier needed and did not find, with the reason."""
 
     def resource(self, tier: str) -> Resource:
         return next(r for r in self.resources if r.tier == tier)
@@ -320,12 +320,13 @@ def with_inputs(costs: UnitCosts, inputs: PlanInputs) -> UnitCosts:
     table = gpus.gpu(inputs.gpu) if _gpu_from_table(inputs) else None
     for name in ("prefill_tokens_per_s", "decode_tokens_per_s"):
         value = getattr(inputs, name)
-        figure = (
-            _input(name, value)
-            if value is not None
-            else Figure(getattr(table, name), gpus.SOURCE, f"GPUS[{table.name!r}].{name}", ASSUMED)
-        )
-        costs = costs.with_figure(name, figure)
+        if value is not None:
+            costs = costs.with_figure(name, _input(name, value))
+        elif table is not None:
+            source = f"GPUS[{table.name!r}].{name}"
+            costs = costs.with_figure(
+                name, Figure(getattr(table, name), gpus.SOURCE, source, ASSUMED)
+            )
     return costs
 
 
@@ -349,7 +350,9 @@ def _sized(tier: str, unit: str, build: Callable[[], Resource], absent: dict[str
         return Resource(tier, unit, None, missing=str(exc))
 
 
-def _freshness(fig, absent: dict[str, str], warnings: list[str]) -> Freshness | None:
+def _freshness(
+    fig: Callable[[str], float], absent: dict[str, str], warnings: list[str]
+) -> Freshness | None:
     try:
         budget = Freshness(
             fig("freshness_target_s"), fig("trigger_max_wait_s"), fig("job_to_prompt_p99_s")

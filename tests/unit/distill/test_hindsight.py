@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from flink_jobs.core.grounding import grounded_facts, rules_intent, session_category_enum
 from flink_jobs.tools.distill.hindsight import hindsight_intent, offered_category
-from tests.builders import session_of, shopper_event
+from tests.support.builders import session_of, shopper_event
 
 HEADPHONES = {"product_id": "sku-1", "category": "Electronics > Audio > Headphones", "price": 99.0}
 HEADPHONES_2 = {

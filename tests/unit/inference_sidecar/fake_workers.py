@@ -37,6 +37,9 @@ class FakeWorkers:
     delay_s: float = 0.0
     in_flight: dict[str, int] = field(default_factory=dict)
     max_in_flight: dict[str, int] = field(default_factory=dict)
+    #: chunks of streamed answers the router has taken, per worker (counted when it asks
+    #: for the next one)
+    chunks_taken: dict[str, int] = field(default_factory=dict)
 
     def transport(self) -> httpx.MockTransport:
         return httpx.MockTransport(self.handle)
@@ -112,6 +115,7 @@ class FakeWorkers:
     ) -> AsyncIterator[bytes]:
         for i in range(3):
             yield f'data: {{"worker": "{worker}", "i": {i}}}\n\n'.encode()
+            self.chunks_taken[worker] = self.chunks_taken.get(worker, 0) + 1
             if broken and i == 1:
                 raise httpx.ReadError("connection reset", request=request)
             if stalled:  # alive but silent after its first chunk

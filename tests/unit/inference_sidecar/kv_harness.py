@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ from inference_sidecar.kv import (
     Stored,
 )
 from inference_sidecar.router import Router
+from tests.support.waiting import until
 
 HASHING = BlockHashing(block_size=4)
 EVENTS = {A: EventSource("tcp://127.0.0.1:10001"), B: EventSource("tcp://127.0.0.1:10002")}
@@ -71,6 +73,33 @@ class FakePublisher:
         if not drop:
             self.pub.send_multipart([b"kv-events", seq.to_bytes(8, "big"), payload])
 
+    def publish_until(
+        self,
+        heard: Callable[[], object],
+        seq: int = 0,
+        *,
+        replayable: bool = True,
+        timeout_s: float = 5.0,
+    ) -> int:
+        """Publish batches ``seq``, ``seq + 1``, ... until ``heard()``: a SUB socket misses
+        what is sent before it has joined, and when it has is not observable. Without
+        ``replayable`` only the newest batch stays in the replay buffer. Returns the next
+        sequence number."""
+        next_seq = seq
+
+        def probe() -> bool:
+            nonlocal next_seq
+            if heard():
+                return True
+            if not replayable:
+                self.buffer.clear()
+            self.publish(next_seq, list(range(8)))
+            next_seq += 1
+            return False
+
+        until(probe, "the subscriber to hear a batch", timeout_s=timeout_s, interval_s=0.05)
+        return next_seq
+
     def _serve_replays(self) -> None:
         while not self._stop.is_set():
             if not self.router.poll(50):
@@ -91,13 +120,6 @@ class FakePublisher:
         self.pub.close(0)
         self.router.close(0)
         self.ctx.term()
-
-
-def wait_for(condition: Any, timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
 
 
 def kv_prefix_router(fake: FakeWorkers) -> Router:

@@ -29,17 +29,12 @@ from inference_sidecar.config import RouterConfig
 from inference_sidecar.exceptions import ConfigError
 from inference_sidecar.kv import EventSource
 from inference_sidecar.router import build_app
+from tests.support.waiting import until_async
 
 pytestmark = pytest.mark.anyio
 
 ADMIN_PORT = 9443
 CLIENT_AUTH = {"Authorization": "Bearer sk-client-secret"}
-
-
-async def until(condition: Any, timeout_s: float = 5.0) -> None:
-    async with asyncio.timeout(timeout_s):
-        while not condition():
-            await asyncio.sleep(0.01)
 
 
 class TestOffUnlessConfigured:
@@ -134,7 +129,7 @@ class TestRemoval:
         client, router = client_for(workers=(A, B), admin_token=ADMIN_TOKEN)
         fake.delay_s = 0.3
         answer = asyncio.create_task(client.post(CHAT, json=BODY, headers=session("s1")))
-        await until(lambda: len(fake.received) == 1)
+        await until_async(lambda: len(fake.received) == 1, "the request to reach a worker")
         busy = fake.received[0].worker
         reply = await client.request("DELETE", "/workers", json={"url": busy}, headers=ADMIN)
         assert reply.status_code == 200

@@ -14,12 +14,13 @@ from typing import Any
 import pytest
 import zmq
 from fake_workers import FakeWorkers
-from kv_harness import FakePublisher, Heard, kv_prefix_router, wait_for
+from kv_harness import FakePublisher, Heard, kv_prefix_router
 from router_harness import ADMIN, ADMIN_TOKEN, A, B, C, assert_openai_error
 
 from inference_sidecar.config import RouterConfig
 from inference_sidecar.exceptions import ConfigError
 from inference_sidecar.kv import EventSource
+from tests.support.waiting import until
 
 BAD_ENDPOINTS = [
     "tcp://127.0.0.1",  # no port: libzmq refuses it in connect()
@@ -35,13 +36,7 @@ BAD_ENDPOINTS = [
 def heard_from(publisher: FakePublisher, heard: Heard, worker: str) -> int:
     """Publish until ``worker``'s subscriber hears a batch (a SUB socket misses what is
     sent before it has joined); returns the next sequence number."""
-    seq = 0
-    while not heard.seqs(worker):
-        publisher.buffer.clear()
-        publisher.publish(seq, list(range(8)))
-        time.sleep(0.05)
-        seq += 1
-        assert seq < 100, f"{worker}'s subscriber heard nothing"
+    publisher.publish_until(lambda: heard.seqs(worker), replayable=False)
     return heard.seqs(worker)[-1][0] + 1
 
 
@@ -180,10 +175,10 @@ class TestReplays:
             seq_b = heard_from(other, heard, B)
             publish_until_asked(slow, 5, silent)  # A's batch 5 skips 0..4: a replay
             other.publish(seq_b, list(range(12)))
-            wait_for(lambda: (seq_b, False) in heard.seqs(B))
+            until(lambda: (seq_b, False) in heard.seqs(B), "B's batch")
             assert heard.seqs(A) == []  # A's batch waits for its replay, B's did not
             silent.answer()
-            wait_for(lambda: bool(heard.seqs(A)))
+            until(lambda: heard.seqs(A), "A's batches after its replay")
             assert set(heard.seqs(A)) == {(5, False)}
         finally:
             subscriber.stop()
@@ -204,7 +199,7 @@ class TestReplays:
         try:
             publish_until_asked(publisher, 5, silent)
             publisher.publish(6, list(range(8)))
-            wait_for(lambda: (6, False) in heard.seqs(A))
+            until(lambda: (6, False) in heard.seqs(A), "A's batch 6")
             assert set(heard.seqs(A)) == {(5, False), (6, False)}  # held, then delivered
             assert (A, "replay_timeout") in heard.errors
         finally:
@@ -224,7 +219,7 @@ class TestReplays:
         subscriber.start()
         try:
             publish_until_asked(publisher, 10_000, endless)
-            wait_for(lambda: (10_000, False) in heard.seqs(A))
+            until(lambda: (10_000, False) in heard.seqs(A), "A's batch 10000")
             replayed = [seq for seq, replayed in heard.seqs(A) if replayed]
             assert 0 < len(replayed) <= 50
             assert (A, "replay_overrun") in heard.errors

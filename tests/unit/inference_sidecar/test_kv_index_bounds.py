@@ -5,7 +5,6 @@ first blocks only, and a message over the size limit is dropped by ZMQ."""
 
 from __future__ import annotations
 
-import time
 import tracemalloc
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -126,21 +125,14 @@ class TestMessageSize:
         subscriber = heard.subscriber({A: EventSource(publisher.endpoint)}, max_msg_bytes=64 * 1024)
         subscriber.start()
         try:
-            seq = 0
-            while not heard.seqs(A):  # joined once a small batch is heard
-                publisher.publish(seq, list(range(8)))
-                time.sleep(0.05)
-                seq += 1
-                assert seq < 100
+            seq = publisher.publish_until(lambda: heard.seqs(A))
             big = msgspec.msgpack.encode([0.0, [raw_stored(1, 100_000)], 0])
             assert len(big) > 64 * 1024
             publisher.pub.send_multipart([b"kv-events", seq.to_bytes(8, "big"), big])
-            later = seq + 1
-            while not any(s > seq for s, _ in heard.seqs(A)):  # heard again after the drop
-                publisher.publish(later, list(range(8)))
-                time.sleep(0.05)
-                later += 1
-                assert later < seq + 200, "the stream was never heard again"
+            # heard again after the drop
+            publisher.publish_until(
+                lambda: any(s > seq for s, _ in heard.seqs(A)), seq + 1, timeout_s=10
+            )
             assert seq not in {s for s, _ in heard.seqs(A)}
             assert (A, "disconnected") in heard.errors
         finally:

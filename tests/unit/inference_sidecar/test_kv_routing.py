@@ -27,17 +27,10 @@ from inference_sidecar.kv.blocks import (
 from inference_sidecar.kv.prompt_tokens import PromptTokenizer, message_text
 from inference_sidecar.policies import BoundedHashPolicy, KVPrefixPolicy, make_policy
 from inference_sidecar.policies.bounded_hash import load_bound
+from tests.support.clock import FakeClock
 
 A, B, C = "http://a:1", "http://b:1", "http://c:1"
 HASHING = BlockHashing(block_size=4)
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def stored(tokens: list[int], hashing: BlockHashing = HASHING) -> Stored:
@@ -245,7 +238,7 @@ class TestIndexEvents:
 
 class TestIndexFreshness:
     def test_a_worker_that_stops_publishing_after_a_request_becomes_stale(self) -> None:
-        clock = Clock()
+        clock = FakeClock(100.0)
         index = KVIndex([A], hashing=HASHING, stale_after_s=5, clock=clock)
         index.expect_events(A)
         clock.now += 5
@@ -256,7 +249,7 @@ class TestIndexFreshness:
         assert index.is_fresh(A)
 
     def test_a_request_whose_events_already_arrived_expects_nothing_more(self) -> None:
-        clock = Clock()
+        clock = FakeClock(100.0)
         index = KVIndex([A], hashing=HASHING, stale_after_s=5, clock=clock)
         sent = clock.now
         clock.now += 0.5
@@ -267,7 +260,7 @@ class TestIndexFreshness:
         assert index.is_fresh(A)
 
     def test_an_idle_worker_stays_fresh(self) -> None:
-        clock = Clock()
+        clock = FakeClock(100.0)
         index = KVIndex([A], hashing=HASHING, stale_after_s=5, clock=clock)
         clock.now += 1000
         assert index.is_fresh(A)
@@ -329,8 +322,8 @@ def warm(index: KVIndex, worker: str, tokens: list[int], seq: int = 0) -> None:
 
 
 class TestKVPrefixPolicy:
-    def policy(self, **kw: Any) -> tuple[KVPrefixPolicy, KVIndex, Clock]:
-        clock = Clock()
+    def policy(self, **kw: Any) -> tuple[KVPrefixPolicy, KVIndex, FakeClock]:
+        clock = FakeClock(100.0)
         index = KVIndex([A, B, C], hashing=HASHING, stale_after_s=5, clock=clock)
         return KVPrefixPolicy(index, clock=clock, **kw), index, clock
 

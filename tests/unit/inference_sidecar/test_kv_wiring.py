@@ -18,7 +18,6 @@ from kv_harness import (
     kv_prefix_router,
     prompt_tokens,
     stored_batch,
-    wait_for,
 )
 from router_harness import BODY, CHAT, A, B, C, metric, session
 
@@ -31,6 +30,8 @@ from inference_sidecar.kv.sources import EventSource
 from inference_sidecar.kv.subscriber import KVEventSubscriber
 from inference_sidecar.router import Router, build_app
 from inference_sidecar.workers import KV_EVENTS_OFFSET, ClusterConfig, plan_workers
+from tests.support.clock import FakeClock
+from tests.support.waiting import until
 
 
 class TestConfig:
@@ -109,20 +110,13 @@ class TestSubscriber:
         subscriber = KVEventSubscriber({A: source}, deliver)
         subscriber.start()
         try:
-            # A SUB socket misses what is sent before it has joined: publish until heard.
-            seq = 0
-            while not received:
-                publisher.buffer.clear()
-                publisher.publish(seq, list(range(8)))
-                time.sleep(0.05)
-                assert seq < 100
-                seq += 1
+            publisher.publish_until(lambda: received, replayable=False)
             received.clear()
             replays = publisher.replays  # joining after batch 0 asked for a replay already
             first = stored[-1].seq + 1
             publisher.publish(first, list(range(12)), drop=True)  # lost on the way
             publisher.publish(first + 1, list(range(16)))
-            wait_for(lambda: len(received) == 2)
+            until(lambda: len(received) == 2, "both batches after the lost one")
             assert received == [(first, True), (first + 1, False)]
             assert publisher.replays == replays + 1
             assert stored[-1].events[0] == Stored(
@@ -216,15 +210,15 @@ class TestRouter:
     async def test_a_served_request_without_events_makes_its_worker_stale(
         self, kv_router: Router, fake: FakeWorkers
     ) -> None:
-        now = [1000.0]
+        clock = FakeClock(1000.0)
         index = kv_router.kv_index
         assert index is not None
-        index._clock = lambda: now[0]
+        index._clock = clock
         async with httpx.AsyncClient(
             transport=httpx.ASGITransport(app=build_app(kv_router)), base_url="http://r"
         ) as client:
             reply = await client.post(CHAT, json=BODY, headers=session("s"))
         worker = reply.headers["x-sidecar-worker"]
-        now[0] += index.stale_after_s + 1
+        clock.advance(index.stale_after_s + 1)
         assert not index.is_fresh(worker)
         await kv_router.aclose()

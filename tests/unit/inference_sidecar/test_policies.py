@@ -14,6 +14,7 @@ from inference_sidecar.policies import (
     make_policy,
 )
 from inference_sidecar.policies.bounded_hash import LATENCY_MEMORY_S, load_bound, preference_order
+from tests.support.clock import FakeClock
 
 WORKERS = [f"http://127.0.0.1:{8100 + i}" for i in range(4)]
 KEYS = [f"shopper-{i}" for i in range(2000)]
@@ -415,14 +416,6 @@ class TestPolicyOptions:
     def test_factory_passes_recompute_weight(self) -> None:
         policy = make_policy("bounded_hash", recompute_weight=0.5)
         assert isinstance(policy, BoundedHashPolicy) and policy.recompute_weight == 0.5
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def served_in(policy: BoundedHashPolicy, clock: FakeClock, worker: str, key: str, s: float):

@@ -20,6 +20,7 @@ from inference_sidecar.kv import PromptTokenizer
 from inference_sidecar.kv.models import models_from_list
 from inference_sidecar.kv.prompt_blocks import prompt_blocks
 from inference_sidecar.router import Router, build_app
+from tests.support.waiting import until_async
 
 pytestmark = pytest.mark.anyio
 
@@ -90,9 +91,8 @@ async def test_health_is_answered_while_a_prompt_is_being_tokenized(
     router = router_with(fake, encoder)
     async with client_of(router) as client:
         slow = asyncio.create_task(client.post(CHAT, json=chat("x" * 100), headers=session("s")))
-        async with asyncio.timeout(5):
-            while not encoder.entered.is_set():
-                await asyncio.sleep(0.01)
+        await until_async(encoder.entered.is_set, "the prompt to be in the tokenizer")
+        async with asyncio.timeout(5):  # answered, not queued behind the held tokenizer
             health = await client.get("/health")
             other = await client.get("/metrics")
         assert health.status_code == 200 and other.status_code == 200

@@ -30,6 +30,8 @@ from router_harness import (
 from inference_sidecar.health import HealthConfig
 from inference_sidecar.pd import PREFILL_KV_TRANSFER_PARAMS
 from inference_sidecar.router import WORKER_HEADER, build_app
+from tests.support.clock import FakeClock
+from tests.support.waiting import until_async
 
 pytestmark = pytest.mark.anyio
 
@@ -136,9 +138,8 @@ class TestStickiness:
         fake.delay_s = 1.0
         long_body = {**BODY, "messages": [{"role": "user", "content": "e" * 12_000}]}
         first = asyncio.create_task(client.post(CHAT, json=long_body, headers=session("s1")))
-        async with asyncio.timeout(10):
-            while not fake.received:  # in flight from here for the fake's delay
-                await asyncio.sleep(0.01)
+        # in flight from here for the fake's delay
+        await until_async(lambda: fake.received, "the long prompt to reach a worker", timeout_s=10)
         busy = fake.received[0].worker
         second = await client.post(CHAT, json=BODY, headers=session(newcomer))
         assert second.headers[WORKER_HEADER] != busy
@@ -381,7 +382,7 @@ class TestClientGone:
             if not hung_up.is_set():
                 hung_up.set()
                 return {"type": "http.request", "body": body, "more_body": False}
-            await asyncio.sleep(0.2)  # the worker has the request by then
+            await until_async(lambda: fake.received, "the worker to have the request")
             return {"type": "http.disconnect"}
 
         async def send(message: dict[str, Any]) -> None:
@@ -413,18 +414,19 @@ class TestClientGone:
             await asyncio.sleep(60)  # the client stays
             return {"type": "http.disconnect"}
 
-        worker_call_cancelled = asyncio.Event()
+        worker_call_started, worker_call_cancelled = asyncio.Event(), asyncio.Event()
 
         async def answer() -> Any:
+            worker_call_started.set()
             try:
-                await asyncio.sleep(60)
+                await asyncio.sleep(60)  # a worker that takes its time
             finally:
                 worker_call_cancelled.set()
 
         handler = asyncio.create_task(
             _unless_disconnected(Request({"type": "http", "method": "POST"}, receive), answer())
         )
-        await asyncio.sleep(0.05)
+        await until_async(worker_call_started.is_set, "the worker call to start")
         handler.cancel()
 
         with pytest.raises(asyncio.CancelledError):
@@ -534,14 +536,14 @@ class TestHealthAndMetrics:
         assert r.status_code == 503 and r.json()["pools"]["worker"][A]["down"]
 
     async def test_ejected_worker_is_readmitted_by_probe(self, fake, client_for) -> None:
-        now = [0.0]
+        clock = FakeClock()
         _, router = client_for(health_interval_s=5)
-        router.clock = lambda: now[0]
+        router.clock = clock
         pool = router.pools["worker"]
         for _ in range(3):
-            pool.finish(A, False, 0.1, now[0], pool.start(A))
+            pool.finish(A, False, 0.1, clock.now, pool.start(A))
         assert not pool.is_in_service(A)
-        now[0] = 100.0
+        clock.advance(100.0)
         await router.probe_all()
         assert pool.is_in_service(A)
         assert (
@@ -577,15 +579,19 @@ class TestHealthAndMetrics:
             app.router.lifespan_context(app),
             httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://r") as c,
         ):
-            for _ in range(250):
-                if (await c.get("/health")).status_code == 200:
-                    break
-                await asyncio.sleep(0.02)
-            assert (await c.get("/health")).json()["status"] == "ok"
+
+            async def health() -> dict[str, Any]:
+                return (await c.get("/health")).json()
+
+            async def up() -> bool:
+                return (await c.get("/health")).status_code == 200
+
+            async def a_down() -> bool:
+                return (await health())["pools"]["worker"][A]["down"]
+
+            await until_async(up, "the first health checks", interval_s=0.02)
+            assert (await health())["status"] == "ok"
             fake.behaviour = {A: "down"}
-            for _ in range(250):
-                if (await c.get("/health")).json()["pools"]["worker"][A]["down"]:
-                    break
-                await asyncio.sleep(0.02)
+            await until_async(a_down, "the health checks to find A down", interval_s=0.02)
             assert not router.pools["worker"].is_in_service(A)
         assert router._health_task is None

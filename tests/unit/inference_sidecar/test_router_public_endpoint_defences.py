@@ -18,6 +18,7 @@ from inference_sidecar import cli
 from inference_sidecar.config import DEFAULT_MAX_CONCURRENT_REQUESTS, RouterConfig
 from inference_sidecar.exceptions import ConfigError
 from inference_sidecar.router import WORKER_HEADER, build_app
+from tests.support.waiting import until_async
 
 pytestmark = pytest.mark.anyio
 
@@ -71,12 +72,6 @@ class TestMalformedHeaders:
         assert_no_worker_charged(router)
 
 
-async def until(condition: Any, timeout_s: float = 5.0) -> None:
-    async with asyncio.timeout(timeout_s):
-        while not condition():
-            await asyncio.sleep(0.01)
-
-
 class TestAdmission:
     async def test_a_request_over_the_limit_is_a_429_with_retry_after(
         self, fake: FakeWorkers, client_for: Any
@@ -87,7 +82,7 @@ class TestAdmission:
             asyncio.create_task(client.post(CHAT, json=BODY, headers=session(f"s{i}")))
             for i in range(2)
         ]
-        await until(lambda: len(fake.received) == 2)
+        await until_async(lambda: len(fake.received) == 2, "both requests to reach the worker")
         refused = await client.post(CHAT, json=BODY, headers=session("s3"))
         error = assert_openai_error(refused, 429)
         assert error["code"] == 429
@@ -113,8 +108,7 @@ class TestAdmission:
         client, _ = client_for(workers=(A,), max_concurrent_requests=1, request_timeout_s=0.5)
         fake.behaviour = {A: "stall_stream"}
         stream = asyncio.create_task(client.post(CHAT, json={**BODY, "stream": True}))
-        await until(lambda: len(fake.received) == 1)
-        await asyncio.sleep(0.1)  # its first chunk has been relayed by now
+        await until_async(lambda: fake.chunks_taken.get(A), "the stream's first chunk relayed")
         assert (await client.post(CHAT, json=BODY)).status_code == 429
         await stream
         fake.behaviour = {}

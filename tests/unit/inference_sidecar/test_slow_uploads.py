@@ -14,16 +14,11 @@ from fake_workers import FakeWorkers
 from router_harness import ADMIN, ADMIN_TOKEN, BODY, CHAT, assert_openai_error, metric, session
 
 from inference_sidecar.router.admission import Admission
+from tests.support.waiting import until_async
 
 pytestmark = pytest.mark.anyio
 
 RAW = orjson.dumps(BODY)
-
-
-async def until(condition: Any, timeout_s: float = 5.0) -> None:
-    async with asyncio.timeout(timeout_s):
-        while not condition():
-            await asyncio.sleep(0.01)
 
 
 async def trickle(
@@ -53,7 +48,7 @@ class TestSlots:
             )
             for s in ("slow-1", "slow-2")
         ]
-        await until(lambda: len(taken) == 2)  # the router is reading both bodies
+        await until_async(lambda: len(taken) == 2, "the router to read both bodies")
         for i in range(3):
             reply = await client.post(CHAT, json=BODY, headers=session(f"fast-{i}"))
             assert reply.status_code == 200, reply.text
@@ -99,7 +94,7 @@ class TestBodyBudget:
         first = asyncio.create_task(
             client.post(CHAT, content=trickle(padded[:1500], padded[1500:], gate))
         )
-        await until(lambda: router.admission.body_bytes == 1500)
+        await until_async(lambda: router.admission.body_bytes == 1500, "1500 bytes counted")
         refused = await client.post(CHAT, content=padded)
         error = assert_openai_error(refused, 429)
         assert "request bodies" in error["message"] and refused.headers["retry-after"] == "1"
@@ -135,8 +130,8 @@ async def test_a_body_read_cut_short_by_cancellation_gives_its_bytes_back(
     upload = asyncio.create_task(
         client.post(CHAT, content=trickle(RAW[:10], RAW[10:], never, taken))
     )
-    await until(lambda: router.admission.body_bytes == 10)
+    await until_async(lambda: router.admission.body_bytes == 10, "10 bytes counted")
     upload.cancel()
     with pytest.raises(asyncio.CancelledError):
         await upload
-    await until(lambda: router.admission.body_bytes == 0)
+    await until_async(lambda: router.admission.body_bytes == 0, "the bytes given back")

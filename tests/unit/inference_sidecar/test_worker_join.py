@@ -4,7 +4,6 @@ router subscribes to its KV events and sends it the prompts it holds."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import httpx
@@ -15,7 +14,6 @@ from kv_harness import (
     kv_prefix_router,
     prompt_tokens,
     stored_batch,
-    wait_for,
 )
 from router_harness import (
     ADMIN,
@@ -37,6 +35,7 @@ from inference_sidecar.kv.subscriber import KVEventSubscriber
 from inference_sidecar.policies import make_policy
 from inference_sidecar.router import build_app
 from inference_sidecar.routing_state import RoutingState
+from tests.support.waiting import until
 
 pytestmark = pytest.mark.anyio
 
@@ -144,13 +143,8 @@ def test_the_subscriber_hears_a_worker_added_while_it_runs(tmp_path: Path) -> No
     subscriber.start()
     try:
         subscriber.add(C, EventSource(publisher.endpoint))
-        seq = 0
-        while not heard:  # a SUB socket misses what is sent before it has joined
-            publisher.publish(seq, list(range(8)))
-            time.sleep(0.05)
-            assert seq < 100
-            seq += 1
-        wait_for(lambda: heard and heard[-1][0] == C)
+        publisher.publish_until(lambda: heard)
+        until(lambda: heard and heard[-1][0] == C, "a batch from C")
     finally:
         subscriber.stop()
         publisher.close()

@@ -13,9 +13,10 @@ from typing import Any
 import httpx
 import orjson
 
-from flink_jobs.config import SessionConfig, TriggerConfig
+from flink_jobs.config import AppConfig, SessionConfig, TriggerConfig
 from flink_jobs.core.events import ShopperEvent
-from flink_jobs.core.prompting import RenderedPrompt
+from flink_jobs.core.grounding import grounded_facts, rules_intent, session_category_enum
+from flink_jobs.core.prompting import PromptRenderer, RenderedPrompt
 from flink_jobs.core.session import SessionState, apply_event, new_session_state
 from flink_jobs.core.tasks import PromptTask
 from flink_jobs.runtime.intent_store import IntentRecord
@@ -166,6 +167,29 @@ def prompt_task(
     return PromptTask(shopper_id, seq, version_ts=time_ms, event_time_ms=time_ms, prompt=prompt)
 
 
+def grounded_task(shopper_id: str = SHOPPER, seq: int = 2) -> PromptTask:
+    """The task the timeline makes when a shopper's second view (headphones, then earbuds)
+    fires a prompt: the default template's prompt with the grounded facts, the rules'
+    intent and the categories the answer may name."""
+    state = session_of(
+        numbered_event(1, "view", 28.6, HEADPHONES, shopper_id=shopper_id),
+        numbered_event(2, "view", 60.6, EARBUDS, shopper_id=shopper_id),
+    )
+    facts = grounded_facts(state)
+    prompt = PromptRenderer(AppConfig().prompt).render(state)
+    time_ms = T0 + 60_600
+    return PromptTask(
+        shopper_id,
+        seq,
+        time_ms,
+        time_ms,
+        prompt,
+        facts_json=facts.to_json().decode(),
+        rules=rules_intent(facts, state),
+        categories=session_category_enum(facts),
+    )
+
+
 def completion_body(
     content: str,
     *,
@@ -263,4 +287,20 @@ def unit_costs(**changes: float | None) -> UnitCosts:
             if v is not None
         },
         absent={name: f"test.json: no {name}" for name, v in values.items() if v is None},
+    )
+
+
+def versioned_record(shopper_id: str = "shopper-1", ts: int = 1_000, seq: int = 0) -> IntentRecord:
+    """A record whose payload names its version (``"<ts>.<seq>"`` as the summary), so the
+    stored payload can be checked."""
+    tag = f"{ts}.{seq}"
+    intent = {"intents": [{"label": "compare", "confidence": 0.8}], "summary": tag}
+    return intent_record(
+        shopper_id,
+        ts,
+        seq,
+        intent=intent,
+        template="intent_v1",
+        template_hash="abc123",
+        model="smollm2-135m",
     )

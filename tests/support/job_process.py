@@ -8,8 +8,7 @@ import os
 import signal
 import subprocess
 import sys
-import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +16,7 @@ import psutil
 
 from flink_jobs.tools.flink_cluster import settings_env
 from flink_jobs.tools.local_services import LOCAL_BROKER_SOURCE_PROPERTIES
+from tests.support.waiting import passes_within
 
 
 def call_processes(root: int) -> list[int]:
@@ -91,21 +91,46 @@ class JobProcess:
     def log_text(self) -> str:
         return self.log_path.read_text(errors="replace")
 
+    def log_tail(self, chars: int = 3000) -> str:
+        """The end of the job's log, for a failed wait to show."""
+        return f"job log tail:\n{self.log_text()[-chars:]}"
+
+    def exited(self) -> str | None:
+        """Why a wait on this job can stop (``give_up`` of ``tests.support.waiting``): that
+        it exited, with its code, or ``None`` while it runs."""
+        code = self._proc.poll()
+        return None if code is None else f"the job exited (code {code})"
+
+    def waits(
+        self, timeout_s: float, interval_s: float = 0.5, state: Callable[[], object] | None = None
+    ) -> dict[str, Any]:
+        """The settings of a wait on something this job does: ``until(check, what,
+        **job.waits(timeout_s))`` stops as soon as the job exits and shows ``state()`` (what
+        was still missing) and the end of the job's log."""
+
+        def explain() -> str:
+            return f"{state()}\n{self.log_tail()}" if state is not None else self.log_tail()
+
+        return {
+            "timeout_s": timeout_s,
+            "interval_s": interval_s,
+            "give_up": self.exited,
+            "explain": explain,
+        }
+
     def kill(self) -> None:
         """SIGKILL the whole process group: no shutdown hooks, no final checkpoint."""
         if self._proc.poll() is None:
             os.killpg(self._proc.pid, signal.SIGKILL)
             self._proc.wait(timeout=30)
         # The JVM's Python workers may outlive the group leader for a moment.
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            try:
-                os.killpg(self._proc.pid, 0)
-            except ProcessLookupError:
-                break
-            try:
-                os.killpg(self._proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                break
-            time.sleep(0.2)
+        passes_within(self._group_gone_after_kill, 10, interval_s=0.2)
         self._log.close()
+
+    def _group_gone_after_kill(self) -> bool:
+        """Whether the process group is gone; a SIGKILL to whatever is left of it."""
+        try:
+            os.killpg(self._proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            return True
+        return False

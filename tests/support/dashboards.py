@@ -10,7 +10,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DASHBOARDS = sorted((REPO / "deploy/observability/grafana/dashboards").glob("*.json"))
 
 #: Flink's Prometheus reporter names a user metric ``flink_<scope>_<group>_<name>``; for the

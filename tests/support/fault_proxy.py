@@ -22,8 +22,9 @@ its own; :meth:`wait_done` blocks until then. ``GET`` (``/health``, ``/metrics``
 always forwarded at once, as a sick worker still answers its health check.
 
 Every answer is counted per mode (``served``), and each faulty one names the shopper it
-went to (``shoppers``, from the body's ``user``); the proxy runs uvicorn in a daemon
-thread of the test process, on a loopback port.
+went to (``shoppers``, from the body's ``user``); ``changing`` is how many faulty answers
+are still being made (a slow one takes its delay, a prose one the real answer's time). The
+proxy runs uvicorn in a daemon thread of the test process, on a loopback port.
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ from dataclasses import dataclass
 
 import httpx
 import orjson
+
+from tests.support.waiting import passes_within, until
 
 MODES = ("pass", "slow", "5xx", "invalid_json", "bad_intent")
 BAD_INTENT_TEXT = "Sure! This shopper is probably looking for running shoes."
@@ -72,8 +75,7 @@ class FaultProxy:
         self._until = 0.0
         self._started_at = 0.0
         self._served_in_window = 0
-        self._done = threading.Event()
-        self._done.set()
+        self._changing = 0
         self._client = httpx.AsyncClient(base_url=self.target, timeout=120)
 
         app = Starlette(routes=[Route("/{path:path}", self._handle, methods=["GET", "POST"])])
@@ -82,11 +84,13 @@ class FaultProxy:
         )
         self._thread = threading.Thread(target=self._server.run, name="fault-proxy", daemon=True)
         self._thread.start()
-        deadline = time.monotonic() + 10
-        while not self._server.started:
-            if time.monotonic() > deadline or not self._thread.is_alive():
-                raise RuntimeError(f"fault proxy did not start on port {port}")
-            time.sleep(0.05)
+        until(
+            lambda: self._server.started,
+            f"the fault proxy to start on port {port}",
+            timeout_s=10,
+            interval_s=0.05,
+            give_up=lambda: not self._thread.is_alive() and "its server thread ended",
+        )
 
     # --- control -------------------------------------------------------------------------
 
@@ -95,6 +99,12 @@ class FaultProxy:
         with self._lock:
             self._expire(time.time())
             return self._mode
+
+    @property
+    def changing(self) -> int:
+        """Faulty answers taken but not yet handed back."""
+        with self._lock:
+            return self._changing
 
     def inject(self, mode: str, requests: int, max_s: float, delay_s: float = 0.0) -> None:
         """Apply ``mode`` to the next ``requests`` POSTs, for at most ``max_s`` seconds."""
@@ -109,16 +119,10 @@ class FaultProxy:
             now = time.time()
             self._mode, self._delay_s, self._left = mode, delay_s, requests
             self._until, self._started_at, self._served_in_window = now + max_s, now, 0
-            self._done.clear()
 
     def wait_done(self, timeout_s: float) -> bool:
-        """Wait until the current fault has ended (by count or by time)."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.mode == "pass":
-                return True
-            self._done.wait(0.2)
-        return self.mode == "pass"
+        """Wait until the current fault has ended (by count or by time); whether it has."""
+        return passes_within(lambda: self.mode == "pass", timeout_s, interval_s=0.2)
 
     def close(self) -> None:
         self._server.should_exit = True
@@ -133,7 +137,6 @@ class FaultProxy:
                 FaultWindow(self._mode, self._started_at, now, self._served_in_window)
             )
             self._mode = "pass"
-            self._done.set()
 
     def _take(self, body: bytes) -> tuple[str, float]:
         """The mode for this request, counting it against the fault's budget."""
@@ -143,17 +146,27 @@ class FaultProxy:
             if mode != "pass":
                 self._left -= 1
                 self._served_in_window += 1
+                self._changing += 1
                 self.shoppers.setdefault(mode, []).append(_field(body, "user"))
             self.served[mode] += 1
             return mode, delay
 
     async def _handle(self, request):
-        from starlette.responses import Response
-
         body = await request.body()
         if request.method == "GET":
             return await self._forward(request, body)
         mode, delay = self._take(body)
+        if mode == "pass":
+            return await self._forward(request, body)
+        try:
+            return await self._changed(mode, delay, request, body)
+        finally:
+            with self._lock:
+                self._changing -= 1
+
+    async def _changed(self, mode: str, delay: float, request, body: bytes):
+        from starlette.responses import Response
+
         if mode == "5xx":
             error = {"error": {"message": "injected fault", "type": "server_error", "code": 503}}
             return Response(orjson.dumps(error), 503, media_type="application/json")
