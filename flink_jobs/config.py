@@ -29,11 +29,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
+from urllib.parse import urlsplit
 
 # The one ConfigError of every package (docs/decisions.md#shared-config-errors), re-exported:
 # the job's errors of its settings.
 from intent_reader.config_errors import ConfigError as ConfigError
 from intent_reader.config_errors import redact_url
+from intent_reader.layout import DEFAULT_CLUSTER_SHARDS, HASH_SLOTS, KeyLayout
 
 MANAGED_FLINK_PROPERTIES = Path("/etc/flink/application_properties.json")
 ENV_PREFIX = "SI_"
@@ -185,10 +187,18 @@ class RedisConfig(_Section):
     #: its last checkpoint: back-pressure and a loud failure, never a silent loss.
     write_retry_budget_s: float = bounded(30.0, gt=0)
     #: Stream key that each landed intent write is also appended to, in the same script
-    #: (docs/redis_layout.md, "Update notifications"); empty: off. Needs a non-cluster Redis.
+    #: (docs/redis_layout.md, "Update notifications"); empty: off. On a cluster, one shard of
+    #: it per slot group.
     notify_stream: str = ""
-    #: Approximate length the stream is trimmed to (XADD MAXLEN ~).
+    #: Approximate length the stream is trimmed to (XADD MAXLEN ~), all shards together.
     notify_stream_maxlen: int = bounded(100_000, gt=0)
+    #: Redis Cluster (ElastiCache with cluster mode enabled, MemoryDB): the job's clients are
+    #: cluster clients and its keys carry hash tags, so that every key one write touches
+    #: shares a slot (docs/redis_layout.md, "Redis Cluster"). Off: one primary, keys untagged.
+    cluster: bool = False
+    #: Slot groups of the cluster layout: part of the key layout, so readers must use the
+    #: same number, and changing it moves every key.
+    cluster_shards: int = bounded(DEFAULT_CLUSTER_SHARDS, ge=1, le=HASH_SLOTS)
     #: For a backfill that re-evaluates recorded events with a new prompt template or model:
     #: at an equal version, replace an intent made by another template or model (normally
     #: an equal version is a no-op). Off for the live job (docs/redis_layout.md).
@@ -208,6 +218,35 @@ class RedisConfig(_Section):
                     f"{self.notify_stream!r} would be {taken}; "
                     f"use e.g. {self.key_prefix}:intent-updates",
                 )
+        if self.cluster:
+            self._check_cluster()
+
+    def _check_cluster(self) -> None:
+        if not self.url.startswith(("redis://", "rediss://")):
+            raise ConfigError(
+                "redis.cluster",
+                "needs a redis:// or rediss:// URL naming one of the cluster's nodes or its "
+                f"configuration endpoint (got {redact_url(self.url)!r})",
+            )
+        database = urlsplit(self.url).path.strip("/")
+        if database not in ("", "0"):
+            raise ConfigError(
+                "redis.cluster",
+                f"Redis Cluster has database 0 only; redis.url names database {database!r} "
+                f"({redact_url(self.url)!r})",
+            )
+        for name in ("key_prefix", "notify_stream"):
+            value = getattr(self, name)
+            if "{" in value or "}" in value:
+                raise ConfigError(
+                    f"redis.{name}",
+                    f"{value!r} holds a brace: with redis.cluster the job gives its keys their "
+                    "hash tags, and one of its own would put every key in one slot",
+                )
+
+    def layout(self) -> KeyLayout:
+        """The job's key layout: tagged over ``cluster_shards`` groups with ``cluster``."""
+        return KeyLayout(self.key_prefix, self.cluster_shards if self.cluster else 0)
 
 
 def layout_key_named(key: str, prefix: str) -> str:

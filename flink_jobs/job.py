@@ -24,7 +24,6 @@ import sysconfig
 import tempfile
 from pathlib import Path
 
-import redis
 from pyflink.common import Configuration, Types, WatermarkStrategy
 from pyflink.common.serialization import SimpleStringSchema
 from pyflink.datastream import CheckpointingMode, StreamExecutionEnvironment
@@ -51,6 +50,7 @@ from flink_jobs.operators import (
 )
 from flink_jobs.paths import cache_dir
 from flink_jobs.runtime.intent_store import NotifyStreamError, check_notify_stream
+from intent_reader.clients import UNAVAILABLE_ERRORS, sync_client
 
 log = logging.getLogger(__name__)
 
@@ -205,22 +205,29 @@ def event_time_watermarks(config: AppConfig) -> WatermarkStrategy:
 
 
 def check_redis_layout(config: AppConfig) -> None:
-    """Refuse at start a ``redis.notify_stream`` key that exists and is not a stream
-    (:class:`ConfigError`): every write would fail on it. Were Redis unreachable from here,
-    the write script still checks the key before it writes anything."""
-    if not config.redis.notify_stream:
+    """Refuse at start a ``redis.notify_stream`` key (or, on a cluster, a shard's key) that
+    exists and is not a stream (:class:`ConfigError`): every write would fail on it. Were
+    Redis unreachable from here, the write script still checks the key before it writes
+    anything."""
+    rc = config.redis
+    if not rc.notify_stream:
         return
-    client = redis.Redis.from_url(config.redis.url, socket_timeout=5.0, socket_connect_timeout=5.0)
+    client = None
     try:
-        check_notify_stream(client, config.redis.notify_stream)
+        # A cluster client reads the topology as it is made: it may fail here already.
+        client = sync_client(
+            rc.url, cluster=rc.cluster, socket_timeout=5.0, socket_connect_timeout=5.0
+        )
+        check_notify_stream(client, rc.notify_stream, rc.layout())
     except NotifyStreamError as exc:
         raise ConfigError("redis.notify_stream", str(exc)) from None
-    except (redis.ConnectionError, redis.TimeoutError) as exc:
+    except UNAVAILABLE_ERRORS as exc:
         log.warning(
             "could not check redis.notify_stream's type at start (%s); each write checks it", exc
         )
     finally:
-        client.close()
+        if client is not None:
+            client.close()
 
 
 def check_prompts(config: AppConfig) -> None:

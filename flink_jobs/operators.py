@@ -97,7 +97,11 @@ class _Counted:
         self._metrics = PublishedGroup(group, self._gauges)
         self._flink_counters = GaugeCounters(self._metrics)
         self._stats = StatsReporter(
-            config.redis.url, config.redis.key_prefix, config.job.stats_flush_s
+            config.redis.url,
+            config.redis.key_prefix,
+            config.job.stats_flush_s,
+            cluster=config.redis.cluster,
+            shards=config.redis.cluster_shards,
         )
         self._retire_stats = weakref.finalize(self, self._stats.close)
 

@@ -17,6 +17,8 @@
     for update in updates.follow():                      # when redis.notify_stream is set
         ...
 
+    reader = IntentReader.from_url("rediss://clustercfg...:6379", cluster=True)  # redis.cluster
+
 The Redis layout is documented in ``docs/redis_layout.md``.
 """
 
@@ -31,7 +33,7 @@ from intent_reader.client import (
     ShopperIntent,
     parse_intent,
 )
-from intent_reader.layout import intent_key
+from intent_reader.layout import KeyLayout, intent_key
 from intent_reader.rerank import Candidate, Ranked, RerankWeights, rerank
 from intent_reader.updates import IntentUpdate, IntentUpdates, MalformedUpdateError
 
@@ -44,6 +46,7 @@ __all__ = [
     "IntentReaderError",
     "IntentUpdate",
     "IntentUpdates",
+    "KeyLayout",
     "MalformedIntentError",
     "MalformedUpdateError",
     "Ranked",

@@ -34,10 +34,21 @@ before those fields existed read with ``facts=None`` and ``source="model"``.
 intent reflects happened (clamped at 0 for clocks that disagree). ``written_age_ms`` is the
 same for the time the intent landed in Redis (``written_at_ms``, Redis server time).
 
-A batch is one pipelined round trip of ``HMGET`` calls (not a transaction; on Redis
-Cluster each key is read from its own slot by a cluster-aware client).
+A batch is one pipelined round trip of ``HMGET`` calls (not a transaction).
 :class:`IntentReader` reads over ``redis.Redis``, :class:`AsyncIntentReader` (the same API,
 coroutines) over ``redis.asyncio.Redis``.
+
+Redis Cluster: ``from_url(url, cluster=True)`` (or a reader given a
+``redis.cluster.RedisCluster`` / ``redis.asyncio.cluster.RedisCluster``) reads the cluster
+layout the job writes with ``redis.cluster`` (``docs/redis_layout.md``, "Redis Cluster"):
+``shards`` must be the job's ``redis.cluster_shards`` (the default is the same). A batch is
+then one pipelined round trip per node, the client following ``MOVED`` and ``ASK`` while
+slots move. A shopper whose reply is an error of a cluster in motion (its node lost
+mid-batch, ``CLUSTERDOWN``, a redirection that did not settle) maps to None and is named in
+``errors`` (:class:`ReaderUnavailableError`), the others are read; a batch that cannot be
+sent, or whose every reply is such an error, raises it, as on a single node. An
+:class:`AsyncIntentReader` over a cluster client sends one batch at a time
+(``intent_reader.clients.pipeline_lock``).
 
 Errors::
 
@@ -59,6 +70,14 @@ from typing import Any, Literal, TypedDict
 import redis
 import redis.asyncio
 
+from intent_reader.clients import (
+    UNAVAILABLE_ERRORS,
+    async_client,
+    is_unavailable,
+    layout_for,
+    pipeline_lock,
+    sync_client,
+)
 from intent_reader.layout import (
     DEFAULT_PREFIX,
     DEFAULT_SOURCE,
@@ -66,7 +85,6 @@ from intent_reader.layout import (
     INTENT_LABELS,
     MAX_FIELD_BYTES,
     OPTIONAL_FIELDS,
-    intent_key,
 )
 
 log = logging.getLogger(__name__)
@@ -297,12 +315,16 @@ class _ReaderSettings:
         strict: bool = False,
         clock: Callable[[], float] = time.time,
         owns_client: bool = False,
+        shards: int | None = None,
     ) -> None:
         if not (max_age_s > 0 and math.isfinite(max_age_s)):
             raise ValueError(f"max_age_s must be a positive number, got {max_age_s}")
         _check_policy(stale)
         self.client = client
         self.prefix = prefix
+        #: The key layout read: ``shards`` slot groups (None: the cluster layout's default
+        #: over a cluster client, the single-node layout otherwise).
+        self.layout = layout_for(client, prefix, shards)
         self.max_age_s = max_age_s
         self.stale = stale
         self.strict = strict
@@ -314,7 +336,7 @@ class _ReaderSettings:
 
     def _queue(self, pipe: Any, ids: Sequence[str]) -> None:
         for shopper_id in ids:
-            pipe.hmget(intent_key(shopper_id, self.prefix), FIELDS)
+            pipe.hmget(self.layout.intent_key(shopper_id), FIELDS)
 
     def _results(
         self,
@@ -329,7 +351,14 @@ class _ReaderSettings:
         max_age_ms = int((self.max_age_s if max_age_s is None else max_age_s) * 1000)
         now_ms = int(self._clock() * 1000)
         out = IntentBatch()
+        unavailable = [r for r in replies if is_unavailable(r)]
+        if unavailable and len(unavailable) == len(replies):
+            raise ReaderUnavailableError(f"Redis unavailable: {unavailable[0]}")
         for shopper_id, reply in zip(ids, replies, strict=True):
+            if is_unavailable(reply):  # its node alone is down, or its slot moving
+                out.errors[shopper_id] = ReaderUnavailableError(f"Redis unavailable: {reply}")
+                out[shopper_id] = None
+                continue
             try:
                 if isinstance(reply, redis.ResponseError):  # WRONGTYPE: another type at the key
                     raise MalformedIntentError(shopper_id, f"Redis refused the read: {reply}")
@@ -367,10 +396,13 @@ class IntentReader(_ReaderSettings):
     client: redis.Redis
 
     @classmethod
-    def from_url(cls, url: str, timeout_s: float = 0.05, **kwargs: Any) -> IntentReader:
+    def from_url(
+        cls, url: str, timeout_s: float = 0.05, *, cluster: bool = False, **kwargs: Any
+    ) -> IntentReader:
         """A reader with its own client, which :meth:`close` closes; the timeouts suit a
-        ranking request's budget."""
-        client = redis.Redis.from_url(url, **_client_timeouts(timeout_s))
+        ranking request's budget. ``cluster``: a Redis Cluster client, from any node's
+        address or the configuration endpoint."""
+        client = sync_client(url, cluster=cluster, **_client_timeouts(timeout_s))
         return cls(client, owns_client=True, **kwargs)
 
     def close(self) -> None:
@@ -411,7 +443,7 @@ class IntentReader(_ReaderSettings):
             with self.client.pipeline(transaction=False) as pipe:
                 self._queue(pipe, ids)
                 return list(pipe.execute(raise_on_error=False))
-        except (redis.ConnectionError, redis.TimeoutError) as e:
+        except UNAVAILABLE_ERRORS as e:
             raise ReaderUnavailableError(f"Redis unavailable: {e}") from e
 
 
@@ -438,10 +470,13 @@ class AsyncIntentReader(_ReaderSettings):
     client: redis.asyncio.Redis
 
     @classmethod
-    def from_url(cls, url: str, timeout_s: float = 0.05, **kwargs: Any) -> AsyncIntentReader:
+    def from_url(
+        cls, url: str, timeout_s: float = 0.05, *, cluster: bool = False, **kwargs: Any
+    ) -> AsyncIntentReader:
         """A reader with its own client, which :meth:`aclose` closes; the timeouts suit a
-        ranking request's budget."""
-        client = redis.asyncio.Redis.from_url(url, **_client_timeouts(timeout_s))
+        ranking request's budget. ``cluster``: a Redis Cluster client (it reads the
+        topology on first use)."""
+        client = async_client(url, cluster=cluster, **_client_timeouts(timeout_s))
         return cls(client, owns_client=True, **kwargs)
 
     async def __aenter__(self) -> AsyncIntentReader:
@@ -474,10 +509,10 @@ class AsyncIntentReader(_ReaderSettings):
 
     async def _hmget_all(self, ids: Sequence[str]) -> list[Any]:
         try:
-            async with self.client.pipeline(transaction=False) as pipe:
+            async with pipeline_lock(self.client), self.client.pipeline(transaction=False) as pipe:
                 self._queue(pipe, ids)
                 return list(await pipe.execute(raise_on_error=False))
-        except (redis.ConnectionError, redis.TimeoutError) as e:
+        except UNAVAILABLE_ERRORS as e:
             raise ReaderUnavailableError(f"Redis unavailable: {e}") from e
 
     async def aclose(self) -> None:

@@ -30,6 +30,11 @@ Semantics a consumer should know:
   :meth:`IntentUpdates.follow`, logged and counted (``malformed``); the good entries read
   with it are yielded. :meth:`IntentUpdates.read` raises it, with those good entries on the
   error (``MalformedUpdateError.updates``).
+- **Sharded on Redis Cluster.** With ``redis.cluster`` the job appends to one stream per
+  slot group, ``{stream}:{s<n>}``; a follower over a cluster client (``cluster=True``)
+  follows every shard, polling them (a blocking read cannot span slots), with a cursor per
+  shard (``last_ids``). A shopper's updates stay in order; across shards they are ordered
+  by entry ID only.
 
 A follower made by ``from_url`` owns its client and closes it (``close()`` or ``with``).
 
@@ -49,7 +54,15 @@ from typing import Any, cast
 import redis
 
 from intent_reader.client import IntentReaderError, ReaderUnavailableError
+from intent_reader.clients import (
+    UNAVAILABLE_ERRORS,
+    SyncClient,
+    is_unavailable,
+    layout_for,
+    sync_client,
+)
 from intent_reader.layout import (
+    DEFAULT_PREFIX,
     DEFAULT_SOURCE,
     MAX_FIELD_BYTES,
     NOTIFY_FIELDS,
@@ -143,66 +156,119 @@ def _id_tuple(entry_id: str) -> tuple[int, int]:
     return (int(ms), int(seq or 0))
 
 
+@dataclass(slots=True)
+class _Cursor:
+    """Where a follower is in one stream key: the last ID read, and how many entries the
+    stream had been given up to it (XINFO's "entries-added" numbering; None when unknown:
+    a resumed cursor, Redis < 7)."""
+
+    last_id: str
+    position: int | None = None
+
+
+def _cursor(start: str, info: Mapping[str, Any] | None) -> _Cursor:
+    if start == "earliest":
+        if info is None:
+            return _Cursor("0-0", 0)
+        if "entries-added" in info:
+            return _Cursor("0-0", int(info["entries-added"]) - int(info["length"]))
+        return _Cursor("0-0")
+    if start == "latest":
+        if info is None:
+            return _Cursor("0-0", 0)
+        position = int(info["entries-added"]) if "entries-added" in info else None
+        return _Cursor(_text(info["last-generated-id"]), position)
+    _id_tuple(start)  # raises ValueError for a malformed ID
+    return _Cursor(start)
+
+
 class IntentUpdates:
     """A cursor over the notification stream (``XREAD``, blocking).
 
     ``start``: ``"latest"`` (only what is appended from now on), ``"earliest"`` (everything
-    the stream still holds) or an entry ID to resume after.
+    the stream still holds) or an entry ID to resume after (in the cluster layout, a mapping
+    of shard keys to IDs, ``last_ids``; a shard it does not name is read from its start).
+
+    Over a cluster client (or with ``shards``) it follows every shard of the stream
+    (``{stream}:{s<n>}``, docs/redis_layout.md, "Redis Cluster"): a shopper's updates are in
+    one shard, in order; across shards each batch is ordered by entry ID, which follows the
+    shards' clocks. A blocking read cannot span slots, so :meth:`read` polls the shards
+    (``XRANGE`` after each cursor, one pipelined round trip per node) every ``poll_s``
+    seconds until one has an entry or ``block_s`` has passed.
     """
 
     def __init__(
         self,
-        client: redis.Redis,
+        client: SyncClient,
         stream: str,
-        start: str = "latest",
+        start: str | Mapping[str, str] = "latest",
         batch: int = 100,
         owns_client: bool = False,
+        shards: int | None = None,
+        poll_s: float = 0.05,
     ) -> None:
         if not stream:
             raise ValueError("stream must not be empty")
         if batch <= 0:
             raise ValueError(f"batch must be positive, got {batch}")
+        if poll_s <= 0:
+            raise ValueError(f"poll_s must be positive, got {poll_s}")
         self.client = client
         self.stream = stream
         self.batch = batch
+        self.poll_s = poll_s
+        #: Every key followed: the stream, or its shards in the cluster layout.
+        self.streams = layout_for(client, DEFAULT_PREFIX, shards).notify_keys(stream)
         #: Whether ``close`` closes the client (a follower made by ``from_url``).
         self.owns_client = owns_client
         #: Entries that were not updates, since the follower was made (each also logged).
         self.malformed = 0
-        # How many entries the stream had been given up to the cursor (XINFO's
-        # "entries-added" numbering); None when unknown (a resumed cursor, Redis < 7).
-        self._position: int | None = None
-        info = self._info()
-        if start == "earliest":
-            self.last_id = "0-0"
-            if info is not None and "entries-added" in info:
-                self._position = int(info["entries-added"]) - int(info["length"])
-            elif info is None:
-                self._position = 0
-        elif start == "latest":
-            self.last_id = _text(info["last-generated-id"]) if info else "0-0"
-            if info is None:
-                self._position = 0
-            elif "entries-added" in info:
-                self._position = int(info["entries-added"])
+        if isinstance(start, Mapping):
+            starts = {key: start.get(key, "0-0") for key in self.streams}
         else:
-            _id_tuple(start)  # raises ValueError for a malformed ID
-            self.last_id = start
+            starts = dict.fromkeys(self.streams, start)
+        needs_info = any(s in ("latest", "earliest") for s in starts.values())
+        infos = self._infos() if needs_info else dict.fromkeys(self.streams)
+        self._cursors = {key: _cursor(starts[key], infos[key]) for key in self.streams}
 
     @classmethod
     def from_url(
-        cls, url: str, stream: str, block_timeout_s: float = 60.0, **kwargs: Any
+        cls,
+        url: str,
+        stream: str,
+        block_timeout_s: float = 60.0,
+        *,
+        cluster: bool = False,
+        **kwargs: Any,
     ) -> IntentUpdates:
         """A follower with its own client, which :meth:`close` closes; the socket timeout
-        outlasts any blocking read."""
-        client = redis.Redis.from_url(
-            url, socket_timeout=block_timeout_s + 5.0, socket_connect_timeout=2.0
+        outlasts any blocking read. ``cluster``: a Redis Cluster client, following every
+        shard."""
+        client = sync_client(
+            url, cluster=cluster, socket_timeout=block_timeout_s + 5.0, socket_connect_timeout=2.0
         )
         try:
             return cls(client, stream, owns_client=True, **kwargs)
         except BaseException:
             client.close()
             raise
+
+    @property
+    def sharded(self) -> bool:
+        return len(self.streams) > 1 or self.streams[0] != self.stream
+
+    @property
+    def last_id(self) -> str:
+        """The cursor of a follower of one stream key: save it to resume with
+        ``start=<it>``. A sharded follower has one per shard (:attr:`last_ids`)."""
+        if self.sharded:
+            raise ValueError("a sharded follower has a cursor per shard: use last_ids")
+        return self._cursors[self.stream].last_id
+
+    @property
+    def last_ids(self) -> dict[str, str]:
+        """Each followed key's cursor: save it to resume with ``start=<it>``."""
+        return {key: cursor.last_id for key, cursor in self._cursors.items()}
 
     def close(self) -> None:
         """Close the client if this follower made it (``from_url``)."""
@@ -215,50 +281,99 @@ class IntentUpdates:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _info(self) -> dict[str, Any] | None:
-        """``XINFO STREAM`` (one atomic view of the stream), or None when it does not exist."""
+    def _infos(self) -> dict[str, dict[str, Any] | None]:
+        """``XINFO STREAM`` of each key (one atomic view of each stream), or None for a key
+        that does not exist."""
         try:
-            info = cast(dict[bytes | str, Any], self.client.xinfo_stream(self.stream))
-            return {_text(k): v for k, v in info.items()}
-        except redis.ResponseError:
-            return None
-        except (redis.ConnectionError, redis.TimeoutError) as e:
+            if not self.sharded:
+                replies: list[Any] = [self._xinfo(self.stream)]
+            else:
+                with self.client.pipeline(transaction=False) as pipe:
+                    for key in self.streams:
+                        pipe.xinfo_stream(key)
+                    replies = pipe.execute(raise_on_error=False)
+        except UNAVAILABLE_ERRORS as e:
             raise ReaderUnavailableError(f"Redis unavailable: {e}") from e
+        infos: dict[str, dict[str, Any] | None] = {}
+        for key, reply in zip(self.streams, replies, strict=True):
+            if is_unavailable(reply):
+                raise ReaderUnavailableError(f"Redis unavailable: {reply}")
+            infos[key] = None if isinstance(reply, Exception) else _decoded(reply)
+        return infos
+
+    def _xinfo(self, key: str) -> Any:
+        try:
+            return self.client.xinfo_stream(key)
+        except redis.ResponseError as e:  # no such key
+            return e
 
     def read(self, block_s: float | None = 0.0) -> list[IntentUpdate]:
-        """The next updates after the cursor (at most ``batch``), oldest first.
+        """The next updates after the cursor (at most ``batch`` per key), oldest first.
 
         Waits up to ``block_s`` seconds for the first one (``None``: no wait). Advances the
         cursor past what it returns, malformed entries included: the first raises
         :class:`MalformedUpdateError` after the cursor moved (so a retry does not meet it
         again), carrying the batch's good updates.
         """
+        batches = self._poll_shards(block_s) if self.sharded else self._xread(block_s)
+        updates: list[IntentUpdate] = []
+        bad: MalformedUpdateError | None = None
+        for key, entries in batches:
+            cursor = self._cursors[key]
+            if cursor.position is not None:
+                cursor.position += len(entries)
+            for entry_id, fields in entries:
+                cursor.last_id = _text(entry_id)  # XADD IDs are ASCII, whatever the fields hold
+                try:
+                    updates.append(parse_update(entry_id, fields))
+                except MalformedUpdateError as e:
+                    self.malformed += 1
+                    log.warning("%s; skipped", e)
+                    bad = bad or e
+        if len(batches) > 1:
+            updates.sort(key=lambda u: _id_tuple(u.entry_id))  # stable: each shard in order
+        if bad is not None:
+            raise MalformedUpdateError(str(bad), updates) from bad
+        return updates
+
+    def _xread(self, block_s: float | None) -> list[tuple[str, list[Any]]]:
         block = None if block_s is None else max(1, int(block_s * 1000))
         try:
             reply = cast(
                 "list[Any] | dict[Any, Any]",
-                self.client.xread({self.stream: self.last_id}, count=self.batch, block=block),
+                self.client.xread(
+                    {self.stream: self._cursors[self.stream].last_id}, count=self.batch, block=block
+                ),
             )
-        except (redis.ConnectionError, redis.TimeoutError) as e:
+        except UNAVAILABLE_ERRORS as e:
             raise ReaderUnavailableError(f"Redis unavailable: {e}") from e
         if not reply:
             return []
         entries = reply[0][1] if isinstance(reply, list) else next(iter(reply.values()))[0]
-        updates: list[IntentUpdate] = []
-        bad: MalformedUpdateError | None = None
-        if self._position is not None:
-            self._position += len(entries)
-        for entry_id, fields in entries:
-            self.last_id = _text(entry_id)  # XADD IDs are ASCII, whatever the fields hold
+        return [(self.stream, entries)]
+
+    def _poll_shards(self, block_s: float | None) -> list[tuple[str, list[Any]]]:
+        """Every shard's entries after its cursor, polled until there are some or
+        ``block_s`` has passed."""
+        deadline = time.monotonic() + (block_s or 0.0)
+        while True:
             try:
-                updates.append(parse_update(entry_id, fields))
-            except MalformedUpdateError as e:
-                self.malformed += 1
-                log.warning("%s; skipped", e)
-                bad = bad or e
-        if bad is not None:
-            raise MalformedUpdateError(str(bad), updates) from bad
-        return updates
+                with self.client.pipeline(transaction=False) as pipe:
+                    for key, cursor in self._cursors.items():
+                        pipe.xrange(key, min=f"({cursor.last_id}", max="+", count=self.batch)
+                    replies = pipe.execute(raise_on_error=False)
+            except UNAVAILABLE_ERRORS as e:
+                raise ReaderUnavailableError(f"Redis unavailable: {e}") from e
+            failed = next((r for r in replies if isinstance(r, Exception)), None)
+            if failed is not None:
+                if is_unavailable(failed):
+                    raise ReaderUnavailableError(f"Redis unavailable: {failed}")
+                raise IntentReaderError(f"reading the notification shards failed: {failed}")
+            found = [(key, r) for key, r in zip(self.streams, replies, strict=True) if r]
+            left = deadline - time.monotonic()
+            if found or left <= 0:
+                return found
+            time.sleep(min(self.poll_s, left))
 
     def follow(
         self, idle_timeout_s: float | None = None, poll_s: float = 5.0
@@ -283,24 +398,36 @@ class IntentUpdates:
             yield from updates
 
     def missed(self) -> int | None:
-        """How many entries after the cursor were trimmed away unread since the last call.
+        """How many entries after the cursor were trimmed away unread since the last call,
+        over every followed key.
 
         Call it now and then (say, after a long pause), not per entry: it is one
-        ``XINFO STREAM``. The count is exact for a follower started "latest" or "earliest"
-        on Redis 7+; for one resumed from a saved ID it is None (unknown) until the first
-        call, which only syncs the count. Missed entries are counted once.
+        ``XINFO STREAM`` per key. The count is exact for a follower started "latest" or
+        "earliest" on Redis 7+; for one resumed from a saved ID it is None (unknown) until
+        the first call, which only syncs the count. Missed entries are counted once.
         """
-        info = self._info()
+        infos = self._infos()
+        total: int | None = 0
+        for key, info in infos.items():
+            lost = self._missed(key, info)
+            total = None if lost is None or total is None else total + lost
+        return total
+
+    def _missed(self, key: str, info: Mapping[str, Any] | None) -> int | None:
         if info is None:
             return 0
         if "entries-added" not in info:
             return None  # Redis < 7 does not number entries
+        cursor = self._cursors[key]
         trimmed = int(info["entries-added"]) - int(info["length"])  # gone from the front
-        if self._position is None:
-            after = self.client.xrange(self.stream, min=f"({self.last_id}", max="+")
-            ahead = len(cast(list[Any], after))
-            self._position = int(info["entries-added"]) - ahead
+        if cursor.position is None:
+            ahead = len(cast(list[Any], self.client.xrange(key, min=f"({cursor.last_id}", max="+")))
+            cursor.position = int(info["entries-added"]) - ahead
             return None
-        lost = max(0, trimmed - self._position)
-        self._position += lost
+        lost = max(0, trimmed - cursor.position)
+        cursor.position += lost
         return lost
+
+
+def _decoded(info: Mapping[Any, Any]) -> dict[str, Any]:
+    return {_text(k): v for k, v in info.items()}

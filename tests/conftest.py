@@ -23,7 +23,10 @@ Sections, in file order:
    that merely answers changes nothing: the compose tier (``make compose-test``) starts
    one of its own, whose registry-less images the other tiers could not use.
 3. Redis: ``redis_service`` (handle: ``.url``, ``.restart()``, ``.stop()``), ``redis_url``,
-   ``redis_client`` (function-scoped, bytes replies).
+   ``redis_client`` (function-scoped, bytes replies); ``redis_cluster``, a Redis Cluster of
+   three primaries with a replica each, always local ``redis-server`` processes
+   (``local_services.start_redis_cluster``), for tests that neither move its slots nor
+   stop its nodes (those start their own).
 4. Kafka: ``kafka_service`` (handle: ``.bootstrap``, ``.restart()``, ``.stop()``),
    ``kafka_bootstrap``.
 
@@ -325,6 +328,13 @@ def redis_client(redis_url: str) -> Iterator[redis.Redis]:
         yield client
     finally:
         client.close()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(services_dir: Path) -> Iterator[local_services.RedisClusterService]:
+    """A Redis Cluster for the whole session: share it with unique key prefixes."""
+    with local_services.start_redis_cluster(services_dir / "redis-cluster") as cluster:
+        yield cluster
 
 
 @pytest.fixture

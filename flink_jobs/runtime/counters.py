@@ -18,6 +18,14 @@ count it twice, and the accounting above would no longer balance. So each report
 its batches, and a Lua script adds a batch only if its number is above the last one this
 reporter applied (kept in ``{prefix}:stats:flushes``); a batch that failed is sent again
 unchanged, under the same number, until Redis answers.
+
+On Redis Cluster (``redis.cluster``) the keys follow the cluster layout
+(``intent_reader.layout.KeyLayout``): each reporter writes the stats hash, ledger and
+samples lists of one slot group, picked by its id (``{prefix}:stats:{s<n>}``,
+``{prefix}:stats:flushes:{s<n>}``, ``{prefix}:samples:<name>:{s<n>}``), so the hash and its
+ledger share the slot the script needs, and the operators' instances spread their flushes
+over the primaries instead of all writing one hot key. Readers sum the hashes and
+concatenate the lists (``flink_jobs.tools.run_summary``).
 """
 
 from __future__ import annotations
@@ -29,22 +37,29 @@ from collections import Counter
 
 import redis
 
+from intent_reader.clients import sync_client
+from intent_reader.layout import DEFAULT_CLUSTER_SHARDS, KeyLayout
+
 log = logging.getLogger(__name__)
 
 
+#: The newest samples each list keeps (each of a cluster's, one per slot group).
 MAX_SAMPLES = 10_000
 
 
 def stats_key(prefix: str) -> str:
-    return f"{prefix}:stats"
+    """The stats hash of the single-node layout."""
+    return KeyLayout(prefix).stats_key()
 
 
 def samples_key(prefix: str, name: str) -> str:
-    return f"{prefix}:samples:{name}"
+    """A samples list of the single-node layout."""
+    return KeyLayout(prefix).samples_key(name)
 
 
 def flushes_key(prefix: str) -> str:
-    return f"{prefix}:stats:flushes"
+    """The ledger of the single-node layout."""
+    return KeyLayout(prefix).flushes_key()
 
 
 #: KEYS: the stats hash, the flushes hash. ARGV: reporter id, batch number, then name and
@@ -60,15 +75,29 @@ return 1
 
 
 class StatsReporter:
-    def __init__(self, redis_url: str, prefix: str, flush_interval_s: float) -> None:
-        self._keys = [stats_key(prefix), flushes_key(prefix)]
-        self._prefix = prefix
+    """One operator instance's counters, flushed to Redis by a daemon thread; ``cluster``
+    makes its client a cluster client and its keys those of one of ``shards`` slot groups."""
+
+    def __init__(
+        self,
+        redis_url: str,
+        prefix: str,
+        flush_interval_s: float,
+        *,
+        cluster: bool = False,
+        shards: int = DEFAULT_CLUSTER_SHARDS,
+    ) -> None:
+        self._id = uuid.uuid4().hex
+        self._layout = KeyLayout(prefix, shards if cluster else 0)
+        self._group = self._layout.shard_of(self._id)
+        self._keys = [self._layout.stats_key(self._group), self._layout.flushes_key(self._group)]
         self._samples: dict[str, list[int]] = {}
-        self._client = redis.Redis.from_url(redis_url, socket_timeout=5)
-        self._apply = self._client.register_script(APPLY_BATCH)
+        self._client = sync_client(redis_url, cluster=cluster, socket_timeout=5)
+        # redis-py types register_script for its single-node clients only; a cluster
+        # client has it too (a script object that runs by EVALSHA on the key's node).
+        self._apply = self._client.register_script(APPLY_BATCH)  # type: ignore[misc]
         self._interval = flush_interval_s
         self._pending: Counter[str] = Counter()
-        self._id = uuid.uuid4().hex
         self._unacked: tuple[int, Counter[str]] | None = None
         """The batch sent and not yet acknowledged, with its number: sent again as it is."""
         self._seq = 0
@@ -108,16 +137,29 @@ class StatsReporter:
             return False
         try:
             pipe = self._client.pipeline(transaction=False)
+            batch_args: list[object] = []
             if self._unacked is not None:
                 seq, batch = self._unacked
                 args = [self._id, seq, *(x for item in batch.items() for x in item)]
-                self._apply(keys=self._keys, args=args, client=pipe)
+                # The raw command: a cluster pipeline has no evalsha method.
+                batch_args = [self._apply.sha, len(self._keys), *self._keys, *args]
+                pipe.execute_command("EVALSHA", *batch_args)
             for name, values in samples.items():
-                key = samples_key(self._prefix, name)
+                key = self._layout.samples_key(name, self._group)
                 pipe.rpush(key, *values)
                 pipe.ltrim(key, -MAX_SAMPLES, -1)
-            pipe.execute()
-        except redis.RedisError as exc:
+            replies = pipe.execute(raise_on_error=False)
+            if batch_args and isinstance(replies[0], redis.exceptions.NoScriptError):
+                # The server lost the script (a restart, a promoted replica): load it and
+                # send the batch again, which its number keeps from being counted twice.
+                self._client.script_load(APPLY_BATCH)
+                replies[0] = self._client.execute_command(  # type: ignore[no-untyped-call]
+                    "EVALSHA", *batch_args
+                )  # the cluster client's execute_command is untyped in redis-py
+            failed = next((r for r in replies if isinstance(r, Exception)), None)
+            if failed is not None:
+                raise failed
+        except (redis.RedisError, redis.exceptions.RedisClusterException) as exc:
             # The batch stays unacknowledged and is sent again, under its number, on the
             # next flush: counts are never lost nor added twice while Redis is away.
             # (Timing samples are best effort and dropped.)

@@ -12,8 +12,9 @@ Plain asyncio, no Flink: ``outbox.Outbox`` runs prompts through :class:`PromptRu
 or an invalid answer becomes a dead letter saying why; so does an intent whose Redis key
 cannot take it (another type at the key: retrying would fail the same way, and a job restart
 would meet it again). A Redis that is unreachable or cannot take writes for now (READONLY,
-BUSY, OOM, LOADING...) is retried with backoff for ``redis.write_retry_budget_s`` and then
-raised, so the job fails and restarts from its last checkpoint rather than drop an intent.
+BUSY, OOM, LOADING...; on a cluster also CLUSTERDOWN during a failover, TRYAGAIN while a
+slot migrates) is retried with backoff for ``redis.write_retry_budget_s`` and then raised,
+so the job fails and restarts from its last checkpoint rather than drop an intent.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import orjson
-import redis
 
 from flink_jobs.config import AppConfig
 from flink_jobs.core.events import DeadLetter
@@ -46,8 +46,16 @@ from flink_jobs.runtime.intent_store import (
     StoreUnavailableError,
 )
 from flink_jobs.runtime.llm_client import LlmClient, LlmError
+from intent_reader.clients import UNAVAILABLE_ERRORS
 
 log = logging.getLogger(__name__)
+
+#: What a write is retried on: the store's own "Redis unavailable" and a client's errors of
+#: a server that passes (a cluster in motion included).
+_RETRIED_WRITE_ERRORS: tuple[type[BaseException], ...] = (
+    StoreUnavailableError,
+    *UNAVAILABLE_ERRORS,
+)
 
 
 class RedisUnavailable(RuntimeError):
@@ -306,7 +314,7 @@ async def upsert_with_retry(
     while True:
         try:
             return await store.upsert(record)
-        except (StoreUnavailableError, redis.ConnectionError, redis.TimeoutError) as exc:
+        except _RETRIED_WRITE_ERRORS as exc:
             left = deadline - now()
             if left <= 0:
                 raise RedisUnavailable(
@@ -340,12 +348,11 @@ class PromptRunner:
         if (self._llm is None or self._store is None) and self._make_clients is not None:
             self._llm, self._store = self._make_clients()
         if self._llm is None or self._store is None:
-            import redis.asyncio
-
             from flink_jobs.runtime.intent_store import Notify
+            from intent_reader.clients import async_client
 
             rc = self._config.redis
-            client = redis.asyncio.Redis.from_url(rc.url, socket_timeout=rc.write_timeout_s)
+            client = async_client(rc.url, cluster=rc.cluster, socket_timeout=rc.write_timeout_s)
             notify = Notify(rc.notify_stream, rc.notify_stream_maxlen) if rc.notify_stream else None
             self._store = AsyncIntentStore(
                 client,
@@ -353,6 +360,7 @@ class PromptRunner:
                 rc.intent_ttl_s * 1000,
                 notify=notify,
                 reevaluate=rc.reevaluate,
+                shards=rc.layout().shards,
             )
             self._llm = LlmClient(self._config.llm)
         return self._llm, self._store

@@ -54,10 +54,24 @@ no-op (a replayed backfill changes nothing). A live store never replaces an equa
 so the live job replaying a checkpoint does not undo a re-evaluation; it logs a warning the
 first time an equal version of another template or model refuses its write.
 
-The check and the write run in one Lua script (``EVALSHA``), so they are atomic. Without
-notifications (below) each call touches exactly one key, so the script is safe on Redis
-Cluster. A batch is sent as
-one pipeline (one round trip, not a transaction: each upsert is atomic on its own).
+The check and the write run in one Lua script (``EVALSHA``), so they are atomic. A batch
+is sent as one pipeline (one round trip per node, not a transaction: each upsert is atomic on
+its own).
+
+Redis Cluster
+-------------
+Over a cluster client the keys follow the cluster layout (``intent_reader.layout.KeyLayout``
+with ``shards`` slot groups): ``{prefix}:intent:{s<n>}:{shopper_id}``, ``n`` the shopper's
+group, and the notification stream's shard ``{stream}:{s<n>}``. Both keys of one write share
+the hash tag, hence the slot, so the script stays one atomic call on the primary that owns
+it. The client follows ``MOVED`` and ``ASK`` while slots move; a write that still meets a
+cluster in motion (``CLUSTERDOWN`` while a failed primary's replica is promoted,
+``TRYAGAIN`` while its slot migrates, a redirection that did not settle, a node that cannot
+be reached) is retried like an unavailable Redis, and the store reads the topology again
+before the next attempt. The asyncio store sends one pipeline at a time on a cluster client
+(``intent_reader.clients.pipeline_lock`` says why). Replication is asynchronous: a write
+the old primary acknowledged and had not sent to its replica before it died is lost
+(docs/redis_layout.md, "Redis Cluster").
 
 Update notifications (optional)
 -------------------------------
@@ -67,11 +81,11 @@ entry to that stream in the same script (``XADD key MAXLEN ~ maxlen *``)::
     shopper_id  version_ts  version_seq  top_label  written_at_ms  source  template  model
     intent
 
-A refused (stale or equal) write appends nothing. The script then touches two keys, so
-it needs a non-cluster Redis (one primary with replicas); ``intent_reader.IntentUpdates``
-reads the stream. The script checks both keys' types before it writes anything: were the
-stream key something else (say, the stats hash), the intent would otherwise land and the
-``XADD`` after it fail, a stored intent reported as failed. The job also refuses such a key
+A refused (stale or equal) write appends nothing. On a cluster the entry goes to the
+stream's shard in the shopper's slot (above); ``intent_reader.IntentUpdates`` reads the
+stream, or all its shards. The script checks both keys' types before it writes anything:
+were the stream key something else (say, the stats hash), the intent would otherwise land
+and the ``XADD`` after it fail, a stored intent reported as failed. The job also refuses such a key
 at start (:func:`check_notify_stream`; ``RedisConfig.validate`` for a name of the layout).
 Approximate trimming keeps about ``maxlen`` entries: a consumer that falls further behind
 misses notifications, never intents (the hash stays the truth).
@@ -84,11 +98,13 @@ Errors::
     IntentStoreError           base; any other refusal (a bug or a misconfiguration: fail loudly)
     ├── NotifyStreamError      the notification stream key holds another type (a
     │                          misconfiguration: every write would fail; nothing written)
-    ├── StoreUnavailableError  Redis could not be reached or timed out (retry later)
+    ├── StoreUnavailableError  Redis could not be reached or timed out, or the cluster client
+    │   │                      found no node for the slot (retry later)
     │   └── StoreBusyError     Redis answered but cannot take writes for now: READONLY (a
     │                          replica, e.g. after a failover), LOADING, BUSY (a long script),
     │                          OOM (``maxmemory`` reached under ``noeviction``), MASTERDOWN,
-    │                          NOREPLICAS, TRYAGAIN (retry later)
+    │                          NOREPLICAS, TRYAGAIN, CLUSTERDOWN, MOVED or ASK left over
+    │                          (retry later)
     └── KeyRejectedError       this shopper's key cannot take the write (WRONGTYPE: the key
                                holds another type); retrying cannot help, other keys can
 """
@@ -105,14 +121,25 @@ import redis
 import redis.asyncio
 import redis.exceptions
 
+from intent_reader.clients import (
+    UNAVAILABLE_ERRORS,
+    AsyncClient,
+    SyncClient,
+    arediscover,
+    is_cluster,
+    layout_for,
+    pipeline_lock,
+    rediscover,
+)
 from intent_reader.layout import (
     DEFAULT_PREFIX,
     DEFAULT_SOURCE,
     DEFAULT_TTL_MS,
     RECORD_FIELDS,
     SOURCE_RANKS,
-    intent_key,
+    KeyLayout,
 )
+from intent_reader.layout import intent_key as intent_key  # the single-node key, re-exported
 
 log = logging.getLogger(__name__)
 
@@ -409,10 +436,11 @@ class Notify:
 
 
 def evalsha_args(
-    record: IntentRecord, prefix: str, ttl_ms: int, sha: str, notify: Notify | None = None
+    record: IntentRecord, layout: KeyLayout, ttl_ms: int, sha: str, notify: Notify | None = None
 ) -> list[str | int]:
-    """The full ``EVALSHA`` argument list for upserting ``record`` (and notifying)."""
-    key = intent_key(record.shopper_id, prefix)
+    """The full ``EVALSHA`` argument list for upserting ``record`` (and notifying): the
+    shopper's key and, with ``notify``, the stream key in the same slot."""
+    key = layout.intent_key(record.shopper_id)
     args = upsert_args(record, ttl_ms)
     if notify is None:
         return [sha, 1, key, *args]
@@ -420,9 +448,9 @@ def evalsha_args(
         sha,
         2,
         key,
-        notify.stream,
+        layout.notify_key(notify.stream, record.shopper_id),
         *args,
-        str(notify.maxlen),
+        str(layout.notify_maxlen(notify.maxlen)),
         record.shopper_id,
         record.top_label,
     ]
@@ -465,16 +493,31 @@ def parse_stored(shopper_id: str, fields: Mapping[bytes | str, bytes | str]) -> 
 
 
 #: Server states that pass: the write is retried (StoreBusyError). redis-py raises some as
-#: their own classes (with the code cut from the message), the rest as ResponseError.
+#: their own classes (with the code cut from the message), the rest as ResponseError. A
+#: subclass comes before its base (MASTERDOWN is a CLUSTERDOWN to redis-py, MOVED an ASK).
 _BUSY_CLASSES = {
     redis.exceptions.ReadOnlyError: "READONLY",
     redis.exceptions.OutOfMemoryError: "OOM",
     redis.exceptions.BusyLoadingError: "LOADING",
     redis.exceptions.MasterDownError: "MASTERDOWN",
     redis.exceptions.TryAgainError: "TRYAGAIN",
+    redis.exceptions.ClusterDownError: "CLUSTERDOWN",
+    redis.exceptions.MovedError: "MOVED",
+    redis.exceptions.AskError: "ASK",
 }
 _BUSY_CODES = frozenset(
-    {"READONLY", "OOM", "LOADING", "BUSY", "MASTERDOWN", "NOREPLICAS", "TRYAGAIN"}
+    {
+        "READONLY",
+        "OOM",
+        "LOADING",
+        "BUSY",
+        "MASTERDOWN",
+        "NOREPLICAS",
+        "TRYAGAIN",
+        "CLUSTERDOWN",
+        "MOVED",
+        "ASK",
+    }
 )
 #: Errors of one key's content: the shopper's write is refused, with this reason.
 _PER_KEY_CODES = {"WRONGTYPE": "key_wrong_type"}
@@ -506,14 +549,21 @@ def server_error(error: redis.ResponseError, shopper_id: str | None = None) -> I
     return IntentStoreError(f"upsert of {who} failed: {error}")
 
 
-def check_notify_stream(client: redis.Redis, stream: str) -> None:
-    """Refuse a notification stream key that exists and is not a stream
-    (:class:`NotifyStreamError`); a missing key is fine (the first write makes it)."""
-    kind = _text(cast(bytes, client.type(stream)))
-    if kind not in ("stream", "none"):
-        raise NotifyStreamError(
-            f"{stream!r} holds a {kind}, not a stream: name another key or remove this one"
-        )
+def check_notify_stream(client: SyncClient, stream: str, layout: KeyLayout | None = None) -> None:
+    """Refuse a notification stream whose key (or, in the cluster layout, the key of any of
+    its shards) exists and is not a stream (:class:`NotifyStreamError`); a missing key is
+    fine (the first write makes it)."""
+    keys = (layout or KeyLayout()).notify_keys(stream)
+    with client.pipeline(transaction=False) as pipe:
+        for key in keys:
+            pipe.type(key)
+        kinds = [_text(kind) for kind in pipe.execute()]
+    for key, kind in zip(keys, kinds, strict=True):
+        if kind not in ("stream", "none"):
+            where = repr(stream) if key == stream else f"{stream!r}: its shard {key!r}"
+            raise NotifyStreamError(
+                f"{where} holds a {kind}, not a stream: name another key or remove this one"
+            )
 
 
 def _results_to_bools(records: Sequence[IntentRecord], replies: Sequence[object]) -> list[bool]:
@@ -529,6 +579,9 @@ def _results_to_bools(records: Sequence[IntentRecord], replies: Sequence[object]
                 raise error from reply
             rejected = rejected or error
             written.append(False)
+        elif isinstance(reply, UNAVAILABLE_ERRORS):
+            # A node lost mid-pipeline, or no node for the slot: retried as a whole.
+            raise StoreUnavailableError(f"Redis unavailable: {reply}") from reply
         elif isinstance(reply, Exception):
             raise IntentStoreError(
                 f"upsert of shopper {record.shopper_id!r} failed: {reply}"
@@ -564,38 +617,49 @@ class _EqualVersionNote:
                 return
 
 
-_UNAVAILABLE = (redis.ConnectionError, redis.TimeoutError)
+_UNAVAILABLE = UNAVAILABLE_ERRORS
 
 
 class _StoreCore:
     """What both stores share: settings, the script's arguments and reading its replies;
-    the subclasses add only the I/O."""
+    the subclasses add only the I/O.
+
+    ``shards``: the slot groups of the key layout (``intent_reader.layout.KeyLayout``); by
+    default the cluster layout's over a cluster client, the single-node layout otherwise."""
 
     def __init__(
         self,
-        client: redis.Redis | redis.asyncio.Redis,
+        client: SyncClient | AsyncClient,
         prefix: str = DEFAULT_PREFIX,
         ttl_ms: int = DEFAULT_TTL_MS,
         notify: Notify | None = None,
         reevaluate: bool = False,
+        shards: int | None = None,
     ) -> None:
         if ttl_ms <= 0:
             raise ValueError(f"ttl_ms must be positive, got {ttl_ms}")
         self.client = client
         self.prefix = prefix
+        self.layout = layout_for(client, prefix, shards)
+        self.cluster = is_cluster(client)
         self.ttl_ms = ttl_ms
         self.notify = notify
         self._source = REEVALUATE_SCRIPT if reevaluate else UPSERT_SCRIPT
-        self._script = client.register_script(self._source)
+        # redis-py types register_script for its single-node clients only; a cluster
+        # client has it too (a script object that runs by EVALSHA on the key's node).
+        self._script = client.register_script(self._source)  # type: ignore[misc]
         self._equal_version = _EqualVersionNote()
 
     def key(self, shopper_id: str) -> str:
-        return intent_key(shopper_id, self.prefix)
+        return self.layout.intent_key(shopper_id)
 
     def _queue(self, pipe: Any, records: Sequence[IntentRecord]) -> None:
+        # The raw command: a cluster pipeline has no evalsha method, and needs none (it
+        # routes EVALSHA by its keys).
         for record in records:
-            pipe.evalsha(
-                *evalsha_args(record, self.prefix, self.ttl_ms, self._script.sha, self.notify)
+            pipe.execute_command(
+                "EVALSHA",
+                *evalsha_args(record, self.layout, self.ttl_ms, self._script.sha, self.notify),
             )
 
     def _written(self, records: Sequence[IntentRecord], replies: Sequence[object]) -> list[bool]:
@@ -609,10 +673,15 @@ def _fill_resent(replies: list[object], missing: Sequence[int], again: Sequence[
         replies[i] = reply
 
 
-def _is_failover(error: StoreBusyError) -> bool:
-    """Whether the server refused as a replica: a failover, after which the endpoint may name
-    a new primary (the caller drops its idle connections)."""
-    return error.code == "READONLY"
+def _is_failover(error: StoreUnavailableError, cluster: bool) -> bool:
+    """Whether the refusal may come from a failover, after which the endpoint may name a new
+    primary or a replica own the slots (the caller drops its idle connections or reads the
+    cluster's topology again): a server that refused as a replica; on a cluster, any
+    refusal that passes but a slot being migrated (TRYAGAIN: its owners are known)."""
+    code = error.code if isinstance(error, StoreBusyError) else ""
+    if cluster:
+        return code != "TRYAGAIN"
+    return code == "READONLY"
 
 
 # --- synchronous store -------------------------------------------------------------------
@@ -625,7 +694,7 @@ class IntentStore(_StoreCore):
     equal version made by another template or model (both in the module docstring).
     """
 
-    client: redis.Redis
+    client: SyncClient
 
     def upsert(self, record: IntentRecord) -> bool:
         """Write ``record`` if it is newer than what is stored; returns whether it wrote."""
@@ -643,14 +712,16 @@ class IntentStore(_StoreCore):
                 self.client.script_load(self._source)
                 _fill_resent(replies, missing, self._send([records[i] for i in missing]))
         except _UNAVAILABLE as e:
+            if self.cluster:
+                rediscover(self.client)
             raise StoreUnavailableError(f"Redis unavailable: {e}") from e
         except redis.ResponseError as e:  # the script could not be loaded
             raise server_error(e) from e
         try:
             return self._written(records, replies)
-        except StoreBusyError as e:
-            if _is_failover(e):
-                self.client.connection_pool.disconnect(inuse_connections=False)
+        except StoreUnavailableError as e:
+            if _is_failover(e, self.cluster):
+                rediscover(self.client)
             raise
 
     def _send(self, records: Sequence[IntentRecord]) -> list[object]:
@@ -673,7 +744,7 @@ class IntentStore(_StoreCore):
 class AsyncIntentStore(_StoreCore):
     """``IntentStore`` over a ``redis.asyncio.Redis`` client."""
 
-    client: redis.asyncio.Redis
+    client: AsyncClient
 
     async def upsert(self, record: IntentRecord) -> bool:
         return (await self.upsert_many([record]))[0]
@@ -681,6 +752,10 @@ class AsyncIntentStore(_StoreCore):
     async def upsert_many(self, records: Sequence[IntentRecord]) -> list[bool]:
         if not records:
             return []
+        async with pipeline_lock(self.client):
+            return await self._upsert_many(records)
+
+    async def _upsert_many(self, records: Sequence[IntentRecord]) -> list[bool]:
         try:
             replies = await self._send(records)
             missing = _script_missing(replies)
@@ -689,14 +764,16 @@ class AsyncIntentStore(_StoreCore):
                 await self.client.script_load(self._source)
                 _fill_resent(replies, missing, await self._send([records[i] for i in missing]))
         except _UNAVAILABLE as e:
+            if self.cluster:
+                await arediscover(self.client)
             raise StoreUnavailableError(f"Redis unavailable: {e}") from e
         except redis.ResponseError as e:  # the script could not be loaded
             raise server_error(e) from e
         try:
             return self._written(records, replies)
-        except StoreBusyError as e:
-            if _is_failover(e):
-                await self.client.connection_pool.disconnect(inuse_connections=False)
+        except StoreUnavailableError as e:
+            if _is_failover(e, self.cluster):
+                await arediscover(self.client)
             raise
 
     async def _send(self, records: Sequence[IntentRecord]) -> list[object]:
@@ -706,9 +783,11 @@ class AsyncIntentStore(_StoreCore):
 
     async def read(self, shopper_id: str) -> StoredIntent | None:
         try:
-            fields = await cast(
-                Awaitable[dict[bytes | str, bytes | str]], self.client.hgetall(self.key(shopper_id))
-            )
+            async with pipeline_lock(self.client):
+                fields = await cast(
+                    Awaitable[dict[bytes | str, bytes | str]],
+                    self.client.hgetall(self.key(shopper_id)),
+                )
         except _UNAVAILABLE as e:
             raise StoreUnavailableError(f"Redis unavailable: {e}") from e
         return parse_stored(shopper_id, fields)

@@ -13,6 +13,10 @@ Building blocks, top down:
 
 - ``start_redis`` / ``start_tansu`` return a started ``RedisService`` / ``KafkaService``
   (``.url`` / ``.bootstrap``, ``.stop()``, ``.restart()`` on the same port, context manager).
+- ``start_redis_cluster`` returns a started ``RedisClusterService``: a Redis Cluster of
+  ``redis-server`` processes, primaries and replicas, with the roles and slot owners its
+  nodes report (``primaries()``, ``replicas_of()``, ``owner_of(slot)``), for tests that
+  move slots or kill a primary.
 - ``create_topics`` creates topics through the Kafka admin API (idempotent).
 - ``LocalProcess`` is the process handle under both: its own process group, output to a
   log file, ``stop()`` = SIGTERM then SIGKILL, and a readiness wait that fails fast, with
@@ -340,6 +344,247 @@ def start_redis(
     ``persistent`` keeps its data across ``restart()`` (see ``RedisService``); ``extra_args``
     are more server options (``--cluster-enabled yes``)."""
     return RedisService(port, workdir, ready_timeout_s, persistent, extra_args).start()
+
+
+class RedisClusterService:
+    """A Redis Cluster of ``primaries`` ``redis-server`` processes (``--cluster-enabled yes``),
+    each with ``replicas`` replicas, on loopback ports: what a test of slot migration or
+    failover needs.
+
+    The cluster is formed by hand over redis-py, as ``redis-cli --cluster create`` would:
+    the slots split in equal ranges over the primaries, a distinct config epoch per node,
+    ``CLUSTER MEET``, ``CLUSTER REPLICATE``; then ``start()`` waits until every node says
+    ``cluster_state:ok``, knows every other node and every replica's link is up.
+    ``node_timeout_ms`` (``cluster-node-timeout``) is how long a node may be unreachable
+    before the others fail it over: short here, so a test's failover takes seconds.
+    """
+
+    name = "redis-cluster"
+
+    def __init__(
+        self,
+        workdir: Path | str | None = None,
+        *,
+        primaries: int = 3,
+        replicas: int = 1,
+        node_timeout_ms: int = 1000,
+        ready_timeout_s: float = DEFAULT_READY_TIMEOUT_S,
+    ) -> None:
+        if primaries < 1 or replicas < 0:
+            raise ValueError("a cluster needs a primary, and no negative count of replicas")
+        self.workdir = Path(workdir or tempfile.mkdtemp(prefix="si-redis-cluster-"))
+        self.primaries_wanted = primaries
+        self.replicas_wanted = replicas
+        self.node_timeout_ms = node_timeout_ms
+        self.ready_timeout_s = ready_timeout_s
+        self.nodes: list[RedisService] = []
+        #: Each node's cluster bus port, by its client port.
+        self.bus_ports: dict[int, int] = {}
+
+    def _node_args(self, index: int, bus_port: int) -> list[str]:
+        return [
+            "--cluster-enabled", "yes",
+            "--cluster-config-file", str(self.workdir / f"nodes-{index}.conf"),
+            "--cluster-node-timeout", str(self.node_timeout_ms),
+            # The bus port is picked free like the client port: the default, the client
+            # port plus 10000, is past 65535 for a port from the upper ephemeral range.
+            "--cluster-port", str(bus_port),
+            # A replica's first sync starts at once, not after the default 5 s wait for
+            # other replicas to join it.
+            "--repl-diskless-sync-delay", "0",
+        ]  # fmt: skip
+
+    @property
+    def url(self) -> str:
+        """A URL of a running node, from which a cluster client finds the others."""
+        return next(n.url for n in self.nodes if n.running)
+
+    def client(self, node: RedisService) -> Any:
+        import redis
+
+        return redis.Redis(host=node.host, port=node.port, socket_timeout=5)
+
+    def start(self) -> Self:
+        import redis
+
+        total = self.primaries_wanted * (1 + self.replicas_wanted)
+        try:
+            for index in range(total):
+                self.nodes.append(self._start_node(index))
+            clients = [self.client(n) for n in self.nodes]
+            try:
+                self._form(clients)
+            finally:
+                for c in clients:
+                    c.close()
+            self.wait_ok(self.ready_timeout_s)
+        except (ServiceError, redis.RedisError, TimeoutError):
+            self.stop()
+            raise
+        log.info("%s ready: %s", self.name, ", ".join(str(n.port) for n in self.nodes))
+        return self
+
+    def _start_node(self, index: int) -> RedisService:
+        """Node ``index`` on a free client port and a free bus port, picked again should
+        another process take either before the server binds it."""
+        for attempt in range(1, _START_ATTEMPTS_ON_FREE_PORT + 1):
+            port, bus_port = free_port(), free_port()
+            if port == bus_port:
+                continue
+            node = RedisService(
+                port, self.workdir / f"node-{index}", self.ready_timeout_s,
+                extra_args=self._node_args(index, bus_port),
+            )  # fmt: skip
+            try:
+                node.start()
+            except ServiceStartError:
+                if attempt == _START_ATTEMPTS_ON_FREE_PORT:
+                    raise
+                continue
+            self.bus_ports[node.port] = bus_port
+            return node
+        raise ServiceStartError(self.name, "no two free ports for a node", self.workdir, "")
+
+    def _form(self, clients: list[Any]) -> None:
+        primaries = clients[: self.primaries_wanted]
+        bounds = [(16384 * i) // len(primaries) for i in range(len(primaries) + 1)]
+        for i, client in enumerate(primaries):
+            client.execute_command("CLUSTER", "ADDSLOTSRANGE", bounds[i], bounds[i + 1] - 1)
+        for epoch, client in enumerate(clients, start=1):
+            client.execute_command("CLUSTER", "SET-CONFIG-EPOCH", epoch)
+        for node in self.nodes[1:]:
+            bus_port = self.bus_ports[node.port]
+            clients[0].execute_command("CLUSTER", "MEET", node.host, node.port, bus_port)
+        self._wait(lambda: all(_knows(c, len(clients)) for c in clients), "every node to meet")
+        ids = [_text(c.execute_command("CLUSTER", "MYID")) for c in clients]
+        for index in range(self.primaries_wanted, len(clients)):
+            primary = (index - self.primaries_wanted) % self.primaries_wanted
+            clients[index].execute_command("CLUSTER", "REPLICATE", ids[primary])
+
+    def wait_ok(self, timeout_s: float | None = None) -> None:
+        """Until every running node says ``cluster_state:ok`` and knows every node, and every
+        running replica's link to its primary is up."""
+
+        def settled() -> bool:
+            import redis
+
+            for node in self.nodes:
+                if not node.running:
+                    continue
+                client = self.client(node)
+                try:
+                    info = client.cluster("info")
+                    if info.get("cluster_state") != "ok" or not _knows(client, len(self.nodes)):
+                        return False
+                    replication = client.info("replication")
+                    if (
+                        replication.get("role") == "slave"
+                        and replication.get("master_link_status") != "up"
+                    ):
+                        return False
+                except redis.RedisError:
+                    return False
+                finally:
+                    client.close()
+            return True
+
+        self._wait(settled, "the cluster to settle", timeout_s)
+
+    def _wait(self, check: Any, what: str, timeout_s: float | None = None) -> None:
+        deadline = time.monotonic() + (timeout_s or self.ready_timeout_s)
+        while not check():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.name}: timed out waiting for {what}")
+            time.sleep(0.05)
+
+    def role_of(self, node: RedisService) -> str:
+        """``master`` or ``slave``, as the node itself says (INFO replication)."""
+        client = self.client(node)
+        try:
+            return str(client.info("replication")["role"])
+        finally:
+            client.close()
+
+    def primaries(self) -> list[RedisService]:
+        """The running nodes that are primaries now."""
+        return [n for n in self.nodes if n.running and self.role_of(n) == "master"]
+
+    def replicas_of(self, primary: RedisService) -> list[RedisService]:
+        """The running nodes that replicate ``primary`` now."""
+        found = []
+        for node in self.nodes:
+            if node is primary or not node.running:
+                continue
+            client = self.client(node)
+            try:
+                info = client.info("replication")
+            finally:
+                client.close()
+            if info.get("role") == "slave" and int(info.get("master_port", -1)) == primary.port:
+                found.append(node)
+        return found
+
+    def node_id(self, node: RedisService) -> str:
+        client = self.client(node)
+        try:
+            return _text(client.execute_command("CLUSTER", "MYID"))
+        finally:
+            client.close()
+
+    def owner_of(self, slot: int) -> RedisService:
+        """The primary that serves ``slot``, as a running node's ``CLUSTER SLOTS`` says."""
+        for node in self.nodes:
+            if not node.running:
+                continue
+            client = self.client(node)
+            try:
+                for start, end, primary, *_ in client.execute_command("CLUSTER", "SLOTS"):
+                    if start <= slot <= end:
+                        return next(n for n in self.nodes if n.port == int(primary[1]))
+            finally:
+                client.close()
+        raise ServiceError(f"no running node of {self.name} knows who serves slot {slot}")
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
+
+    def __enter__(self) -> Self:
+        if not self.nodes:
+            self.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+
+def _knows(client: Any, count: int) -> bool:
+    """Whether the node behind ``client`` knows ``count`` nodes, none still in handshake."""
+    lines = _text(client.execute_command("CLUSTER", "NODES")).strip().splitlines()
+    return len(lines) == count and not any("handshake" in line for line in lines)
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def start_redis_cluster(
+    workdir: Path | str | None = None,
+    *,
+    primaries: int = 3,
+    replicas: int = 1,
+    node_timeout_ms: int = 1000,
+    ready_timeout_s: float = DEFAULT_READY_TIMEOUT_S,
+) -> RedisClusterService:
+    """Start a Redis Cluster of ``primaries`` with ``replicas`` each (``RedisClusterService``)
+    and wait until it serves every slot."""
+    return RedisClusterService(
+        workdir,
+        primaries=primaries,
+        replicas=replicas,
+        node_timeout_ms=node_timeout_ms,
+        ready_timeout_s=ready_timeout_s,
+    ).start()
 
 
 def start_tansu(

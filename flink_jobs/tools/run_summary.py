@@ -24,8 +24,7 @@ import orjson
 import redis
 from prometheus_client.parser import text_string_to_metric_families
 
-from flink_jobs.runtime.counters import samples_key, stats_key
-from intent_reader.layout import intent_key
+from intent_reader.layout import KeyLayout
 
 EVENT_OUTCOMES = (
     "events_accepted",
@@ -43,14 +42,31 @@ PROMPT_OUTCOMES = (
 )
 
 
-def read_stats(client: redis.Redis, prefix: str) -> dict[str, int]:
-    stats = cast(dict[bytes, bytes], client.hgetall(stats_key(prefix)))
-    return {_text(k): int(v) for k, v in stats.items()}
+def read_stats(client: redis.Redis, prefix: str, shards: int = 0) -> dict[str, int]:
+    """The job's counters: the stats hash, or in the cluster layout over ``shards`` slot
+    groups the sum of every group's hash, field by field."""
+    totals: dict[str, int] = {}
+    for fields in _each(client, "hgetall", KeyLayout(prefix, shards).stats_keys()):
+        for k, v in fields.items():
+            totals[_text(k)] = totals.get(_text(k), 0) + int(v)
+    return totals
 
 
-def read_samples(client: redis.Redis, prefix: str, name: str) -> list[int]:
-    samples = cast(list[bytes], client.lrange(samples_key(prefix, name), 0, -1))
-    return [int(v) for v in samples]
+def read_samples(client: redis.Redis, prefix: str, name: str, shards: int = 0) -> list[int]:
+    """The timing samples ``name``: the list, or in the cluster layout every group's."""
+    keys = KeyLayout(prefix, shards).samples_keys(name)
+    return [int(v) for values in _each(client, "lrange", keys, 0, -1) for v in values]
+
+
+def _each(client: redis.Redis, command: str, keys: tuple[str, ...], *args: object) -> list[Any]:
+    """``command`` on each of ``keys``: one call for one key, else one pipeline (grouped by
+    node on a cluster)."""
+    if len(keys) == 1:
+        return [getattr(client, command)(keys[0], *args)]
+    with client.pipeline(transaction=False) as pipe:
+        for key in keys:
+            getattr(pipe, command)(key, *args)
+        return pipe.execute()
 
 
 def wait_for_task_starts(
@@ -105,24 +121,30 @@ class IntentRow:
 
 
 def read_intents(
-    client: redis.Redis, prefix: str, shopper_ids: Iterable[str] | None = None
+    client: redis.Redis,
+    prefix: str,
+    shopper_ids: Iterable[str] | None = None,
+    shards: int = 0,
 ) -> list[IntentRow]:
+    """The intents of ``shopper_ids``, or of every shopper (a ``SCAN``, of every primary on
+    a cluster), under the layout of ``shards`` slot groups (0: single node)."""
+    layout = KeyLayout(prefix, shards)
     if shopper_ids is None:
-        keys = list(client.scan_iter(match=intent_key("*", prefix), count=1000))
+        keys = client.scan_iter(match=layout.intent_pattern(), count=1000)
+        ids = [s for s in map(layout.shopper_id, keys) if s is not None]
     else:
-        keys = [intent_key(s, prefix) for s in shopper_ids]
+        ids = list(shopper_ids)
     pipe = client.pipeline(transaction=False)
-    for key in keys:
-        pipe.hgetall(key)
+    for shopper_id in ids:
+        pipe.hgetall(layout.intent_key(shopper_id))
     rows = []
-    marker = intent_key("", prefix)
-    for key, fields in zip(keys, pipe.execute(), strict=True):
+    for shopper_id, fields in zip(ids, pipe.execute(), strict=True):
         if not fields:
             continue
         f = {_text(k): _text(v) for k, v in fields.items()}
         rows.append(
             IntentRow(
-                shopper_id=_text(key)[len(marker) :],
+                shopper_id=shopper_id,
                 top_label=f.get("top_label", ""),
                 summary=f.get("summary", ""),
                 event_time_ms=int(f.get("event_time_ms", 0)),
