@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ from flink_jobs.tools import intent_eval
 from flink_jobs.tools.distill.dataset import Example, load_source, read_examples
 from flink_jobs.tools.distill.serving import task_of
 from flink_jobs.tools.embedded_stack import ServedModel, start_llm_tier
+from flink_jobs.tools.provenance import git_state
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +83,7 @@ def run_curve(
     workdir: Path,
     workers: int = 2,
 ) -> dict[str, Any]:
+    code = git_state()  # now: the files may change while the run goes on
     examples = [x for x in read_examples(data, ["test"]) if x.source == source][:points]
     events, _ = load_source(events_file)
     shoppers = {x.shopper_id for x in examples}
@@ -103,11 +106,22 @@ def run_curve(
                 "rules": {m: getattr(group.rules, m) for m in CURVE_METRICS},
             }
         )
-    rows.sort(key=lambda r: r["train_examples"])
-    result = {"source": source, "test_points": len(examples), "rows": rows}
+    rows.sort(key=lambda r: examples_seen(r))
+    result = {
+        "source": source,
+        "test_points": len(examples),
+        "rows": rows,
+        "git": code,
+        "when": time.strftime("%Y-%m-%d %H:%M"),
+    }
     RESULT.write_bytes(orjson.dumps(result, option=orjson.OPT_INDENT_2) + b"\n")
     _plot(result, RESULT.with_suffix(".png"))
     return result
+
+
+def examples_seen(row: dict[str, Any]) -> int:
+    """The examples an adapter's training saw: fewer than it drew when it stopped early."""
+    return int(row.get("examples_seen") or row["train_examples"])
 
 
 def _plot(result: dict[str, Any], path: Path) -> None:
@@ -122,11 +136,11 @@ def _plot(result: dict[str, Any], path: Path) -> None:
     rows = result["rows"]
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for ax, metric in zip(axes, ("ndcg_at_10", "purchase_auc"), strict=True):
-        xs = [r["train_examples"] for r in rows]
+        xs = [examples_seen(r) for r in rows]
         ax.plot(xs, [r["answer"][metric] or 0 for r in rows], "o-", label="adapter's answers")
         ax.plot(xs, [r["rules"][metric] or 0 for r in rows], "--", color="grey", label="rules-only")
         ax.set_xscale("log")
-        ax.set_xlabel("training examples")
+        ax.set_xlabel("training examples seen")
         ax.set_title(f"{result['source']} test split: {metric}")
         ax.legend()
     fig.tight_layout()
