@@ -59,8 +59,9 @@ bench: setup
 figures: setup
 	$(PY) -m bench.run_all --report-only
 
-# Routing benchmark (20-45 min, host-dependent): our router vs round-robin vs vllm-router on three vLLM
-# workers; writes bench/results/routing.{json,md}. Takes the machine's heavy-run lock.
+# Routing benchmark (20-45 min, host-dependent, before its replicas phase): our router vs round-robin
+# vs vllm-router on three vLLM workers, then 1-3 replicas of some behind a spreading client;
+# writes bench/results/routing.{json,md}. Takes the machine's heavy-run lock.
 bench-routing:
 	SI_WITH_BENCH=1 bash scripts/setup.sh
 	flock /tmp/si-heavy.lock $(PY) -m bench.routing $(ARGS)

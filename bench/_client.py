@@ -16,7 +16,7 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import httpx
@@ -28,6 +28,15 @@ from bench._workload import Request
 log = logging.getLogger(__name__)
 
 WORKER_HEADER = "x-sidecar-worker"
+
+#: Where requests go: one router's URL, or a choice made per request (the replicas
+#: phase's spreading client, ``bench._replicas.RoundRobin``).
+Target = str | Callable[[], str]
+
+
+def base_url(target: Target) -> str:
+    """The router a request goes to: ``target`` itself, or its choice for this request."""
+    return target if isinstance(target, str) else target()
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,7 +57,7 @@ class Outcome:
 
 
 async def send(
-    client: httpx.AsyncClient, url: str, model: str, request: Request, max_tokens: int
+    client: httpx.AsyncClient, target: Target, model: str, request: Request, max_tokens: int
 ) -> Outcome:
     body = {
         "model": model,
@@ -59,6 +68,7 @@ async def send(
         "stream_options": {"include_usage": True},
     }
     headers = {"X-Session-ID": request.shopper}
+    url = base_url(target)
     sent = time.monotonic()
     started = time.perf_counter()
     ttft = float("nan")
@@ -106,7 +116,7 @@ def chunk_usage(line: str) -> dict | None:
 
 
 async def run_ordered(
-    url: str,
+    url: Target,
     model: str,
     requests: Sequence[Request],
     concurrency: int,
@@ -146,7 +156,7 @@ async def run_ordered(
 
 
 async def run_lanes(
-    url: str, model: str, lanes: Sequence[Sequence[Request]], max_tokens: int, deadline: float
+    url: Target, model: str, lanes: Sequence[Sequence[Request]], max_tokens: int, deadline: float
 ) -> tuple[list[Outcome], bool, float]:
     """All lanes at once, each sending its requests one after the other. Returns the
     outcomes, whether the deadline cut it short, and when (monotonic) the first lane ran

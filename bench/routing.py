@@ -29,6 +29,10 @@ Steps, in the order ``main()`` runs them:
    a minimum given what the serving workers' caches held then (``bench._cache_watch``,
    from their KV events); token counts from vLLM's counters (deltas), latencies
    client-side, in-flight per worker sampled from the workers' gauges;
+   last, the replicas phase (``--phases replicas`` alone runs it alone)
+   (``bench._replicas``): our router with each load view and vllm-router's
+   ``REPLICA_PEERS``, each 1, 2 and 3 times over in fresh processes, on the skewed phase's
+   first repeat, a client sending each request to the next replica in turn;
 5. judge the router's targets (its tokens computed against the minimum and round-robin, its
    balance and its tail latency under skew), print a table, write ``bench/results/routing.json``
    (keys documented in ``docs/lab_notebook.md``) and ``bench/results/routing.md``.
@@ -57,7 +61,14 @@ from typing import Any, NamedTuple
 import httpx
 
 from bench._cache_watch import CacheWatch
-from bench._client import SAMPLE_INTERVAL_S, InflightSampler, Outcome, run_lanes, run_ordered
+from bench._client import (
+    SAMPLE_INTERVAL_S,
+    InflightSampler,
+    Outcome,
+    Target,
+    run_lanes,
+    run_ordered,
+)
 from bench._common import git_state, machine_text, target
 from bench._common import machine as host_machine
 from bench._metrics import (
@@ -70,6 +81,9 @@ from bench._metrics import (
     sample_weights,
     token_summary,
 )
+from bench._replicas import REPLICA_COUNTS, RoundRobin, judge_replicas, vs_one_replica
+from bench._replicas import header as replicas_header
+from bench._replicas import rows as replicas_rows
 from bench._workload import (
     Request,
     WorkloadConfig,
@@ -134,6 +148,16 @@ ROUTERS = (
 )
 PEERS = tuple(s.key for s in ROUTERS if s.router == "vllm-router")
 PHASES = ("steady", "skewed", "restart", "join")
+#: Every phase ``--phases`` takes: ``PHASES`` run each router once (the skewed phase once
+#: per repeat); ``replicas`` runs 1, 2 and 3 replicas of some (``replica_specs``).
+PHASE_CHOICES = (*PHASES, "replicas")
+#: Our router in the replicas phase: its default policy with each load view; the
+#: ``workers`` one is judged (``bench._replicas``), ``own`` shows what it replaces.
+OURS_REPLICATED = "sidecar_bounded_hash"
+#: vllm-router's policies the replicas phase runs beside ours: hashing alone, and its
+#: cache- and load-aware policy, whose tree and counts are per router process.
+REPLICA_PEERS = ("vllm_router_consistent_hash", "vllm_router_cache_aware")
+REPLICAS_JUDGED = f"{OURS_REPLICATED}_load_view_workers"
 
 
 @dataclass(frozen=True, slots=True)
@@ -263,18 +287,20 @@ DECISIONS = "inference_sidecar_routing_decisions_total"
 WORKER_ERRORS = "inference_sidecar_worker_errors_total"
 
 
-def router_decisions(url: str) -> dict[str, float]:
+def router_decisions(target: Target) -> dict[str, float]:
     """Our router's routing decisions so far (sticky / spilled / failed_over), and its failed
-    attempts by kind (``attempt_failed_<kind>``: what each failover answered); {} for others."""
-    try:
-        text = httpx.get(f"{url}/metrics", timeout=5).text
-    except httpx.HTTPError:
-        return {}
-    failed = parse_by_label(text, WORKER_ERRORS, "kind")
-    return {
-        **parse_by_label(text, DECISIONS, "decision"),
-        **{f"attempt_failed_{kind}": n for kind, n in failed.items()},
-    }
+    attempts by kind (``attempt_failed_<kind>``: what each failover answered), summed over
+    its replicas when ``target`` spreads requests over several; {} for others."""
+    total: Counter[str] = Counter()
+    for url in target.urls if isinstance(target, RoundRobin) else (target,):
+        try:
+            text = httpx.get(f"{url}/metrics", timeout=5).text
+        except httpx.HTTPError:
+            continue
+        failed = parse_by_label(text, WORKER_ERRORS, "kind")
+        total.update(parse_by_label(text, DECISIONS, "decision"))
+        total.update({f"attempt_failed_{kind}": n for kind, n in failed.items()})
+    return dict(total)
 
 
 def reset_prefix_caches(workers: Sequence[str]) -> None:
@@ -486,6 +512,13 @@ DEFINITIONS = {
         "the skewed phase's repeats pooled: latencies of every request in one distribution, "
         "token counters summed, in-flight samples concatenated; each repeat under runs[]"
     ),
+    "replicas": (
+        "replicas.<router>.runs.<n>: the skewed phase's first repeat through n fresh "
+        "replicas of the router, each request sent to the next replica in turn; the same "
+        "keys as a skewed repeat, router_decisions summed over the replicas; "
+        "vs_one_replica.<n>: computed_tokens_per_request and inflight_max_over_mean over "
+        "the one-replica run's"
+    ),
 }
 
 
@@ -502,7 +535,7 @@ class Sampled:
 
 async def run_phase(
     kind: str,
-    url: str,
+    url: Target,
     workers: Sequence[str],
     model: str,
     work: Any,
@@ -638,6 +671,34 @@ def joiner_config(cluster: ClusterConfig, cfg: BenchConfig) -> ClusterConfig:
         cores=cfg.cores[1:2],
         log_dir=cluster.log_dir / "joiner",
     )
+
+
+async def run_replicas(
+    spec: RouterSpec,
+    n: int,
+    pool: WorkerProcesses,
+    cfg: BenchConfig,
+    log_dir: Path,
+    model: str,
+    lanes: Sequence[Sequence[Request]],
+    deadline: float,
+) -> tuple[list[Outcome], dict[str, dict[str, float]], Sampled, float, bool, dict[str, int]]:
+    """``n`` fresh replicas of ``spec``'s router, the skewed ``lanes`` spread over them one
+    request to the next replica in turn (``RoundRobin``: a load balancer without
+    affinity); returns what ``run_phase`` returns, its decisions summed over the replicas.
+    Starting the replicas does not count against ``deadline``."""
+    began = time.monotonic()
+    replicas: list[tuple[LocalProcess, str]] = []
+    try:
+        for i in range(n):
+            replica = replace(spec, key=f"{spec.key}_x{n}_{i + 1}")
+            replicas.append(start_router(replica, pool, cfg.block_size, log_dir, cfg.sidecar_args))
+        deadline += time.monotonic() - began
+        spread = RoundRobin([url for _, url in replicas])
+        return await run_phase("skewed", spread, pool.urls, model, lanes, cfg, deadline)
+    finally:
+        for proc, _ in replicas:
+            proc.stop()
 
 
 # ----- targets -------------------------------------------------------------------------------
@@ -824,6 +885,17 @@ def table(phases: dict[str, dict[str, dict]], labels: Mapping[str, str]) -> str:
             if key in by_router:
                 r = by_router[key]
                 rows.append([phase, label, *(_cell(r.get(k)) for _, k in COLUMNS)])
+    return _grid(header, rows)
+
+
+def replicas_table(replicas: Mapping[str, Mapping[str, Any]]) -> str:
+    """The replicas phase: per router and replica count, its figures and their ratios to
+    one replica's."""
+    rows = [[label, n, *map(_cell, cells)] for label, n, *cells in replicas_rows(replicas)]
+    return _grid(replicas_header(), rows)
+
+
+def _grid(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     widths = [max(len(str(x)) for x in col) for col in zip(header, *rows, strict=True)]
     line = lambda cells: " | ".join(str(c).ljust(w) for c, w in zip(cells, widths, strict=True))  # noqa: E731
     return "\n".join([line(header), "-+-".join("-" * w for w in widths), *map(line, rows)])
@@ -928,6 +1000,22 @@ def markdown(doc: dict[str, Any], text_table: str) -> str:
                 f"| {r.get('router_decisions') or '-'} |"
             )
     lines += [""]
+    if doc.get("replicas"):
+        lines += [
+            "## Replicas: one to three routers behind a client that spreads requests",
+            "",
+            "Each router 1, 2 and 3 times over (fresh processes per run) in front of the "
+            "same three workers, on the skewed phase's first repeat, each request sent to "
+            "the next replica in turn (a load balancer without affinity). `x one`: the "
+            "figure over the same router's with one replica. Targets (ours, `--load-view "
+            "workers`): computed tokens per request within 1.05x, in-flight max/mean within "
+            "1.1x of one replica's.",
+            "",
+            "```",
+            replicas_table(doc["replicas"]),
+            "```",
+            "",
+        ]
     if doc.get("notes"):
         lines += ["## Notes", "", *(f"- {n}" for n in doc["notes"]), ""]
     return "\n".join(lines)
@@ -999,7 +1087,28 @@ def schedule(specs: Sequence[RouterSpec], cfg: BenchConfig) -> list[tuple[str, i
     for disrupted in ("restart", "join"):
         if disrupted in cfg.phases:
             order += [(disrupted, 0, spec) for spec in specs]
+    if "replicas" in cfg.phases:  # the second item is the number of replicas
+        replicated = replica_specs(cfg.routers)
+        order += [("replicas", n, spec) for n in REPLICA_COUNTS for spec in replicated]
     return order
+
+
+def replica_specs(routers: Sequence[str]) -> list[RouterSpec]:
+    """The routers of the replicas phase among ``routers`` (``--routers`` keys): ours
+    (``OURS_REPLICATED``) with each load view, then ``REPLICA_PEERS``."""
+    specs = []
+    if OURS_REPLICATED in routers:
+        ours = next(spec for spec in ROUTERS if spec.key == OURS_REPLICATED)
+        for view in ("workers", "own"):
+            specs.append(
+                replace(
+                    ours,
+                    key=f"{ours.key}_load_view_{view}",
+                    label=f"{ours.label} --load-view {view}",
+                    args=("--load-view", view),
+                )
+            )
+    return specs + [spec for spec in ROUTERS if spec.key in REPLICA_PEERS and spec.key in routers]
 
 
 class RunParts(NamedTuple):
@@ -1101,25 +1210,35 @@ async def bench(cfg: BenchConfig, command: str) -> dict[str, Any]:
 
         phases: dict[str, dict[str, dict]] = {kind: {} for kind in PHASES}
         skewed: dict[str, tuple[list[dict], list[RunParts]]] = {s.key: ([], []) for s in specs}
+        replicated: dict[str, dict[int, dict[str, Any]]] = {}
         memory: dict[str, float | None] = {}
+        plan = schedule(specs, cfg)
+        # The replicas phase starts its own router processes, per run.
+        once = {spec.key for kind, _, spec in plan if kind != "replicas"}
         routers = {
             spec.key: start_router(spec, pool, cfg.block_size, log_dir, cfg.sidecar_args)
             for spec in specs
+            if spec.key in once
         }
         joiner: WorkerProcesses | None = None
         stack = contextlib.ExitStack()
         try:
             watch = stack.enter_context(CacheWatch(pool.kv_event_sources))
             watch.learn_hashing(workers[0])
-            plan = schedule(specs, cfg)
             for i, (kind, r, spec) in enumerate(plan):
                 budget = (deadline - time.monotonic() - 30) / (len(plan) - i)
-                work = repeats[r].lanes if kind == "skewed" else steady_requests
-                minimum = skewed_min[r] if kind == "skewed" else steady_min
-                url = routers[spec.key][1]
+                # The replicas phase's workload is the skewed phase's first repeat.
+                run = 0 if kind == "replicas" else r
+                work = repeats[run].lanes if kind in ("skewed", "replicas") else steady_requests
+                minimum = skewed_min[run] if kind in ("skewed", "replicas") else steady_min
+                url = routers[spec.key][1] if spec.key in routers else ""
                 phase_deadline = time.monotonic() + max(10.0, budget)
                 given_caches: list[int] = []
-                if kind == "restart":
+                if kind == "replicas":
+                    outcomes, delta, sampled, wall, cut, decisions = await run_replicas(
+                        spec, r, pool, cfg, log_dir, model, work, phase_deadline
+                    )
+                elif kind == "restart":
                     (
                         outcomes, delta, sampled, wall, cut, decisions, given_caches
                     ) = await run_disrupted_phase(
@@ -1154,7 +1273,10 @@ async def bench(cfg: BenchConfig, command: str) -> dict[str, Any]:
                 if kind in ("restart", "join"):
                     half = len(steady_requests) // 2
                     result.update(given_caches_fields(result, done, half, given_caches))
-                if kind != "skewed":
+                if kind == "replicas":
+                    result["seed"] = repeats[0].seed
+                    replicated.setdefault(spec.key, {})[r] = result
+                elif kind != "skewed":
                     phases[kind][spec.key] = result
                 else:
                     result["seed"] = repeats[r].seed
@@ -1163,7 +1285,7 @@ async def bench(cfg: BenchConfig, command: str) -> dict[str, Any]:
                 log.info(
                     "%-28s %-6s %3d/%d req in %5.1f s: hit %.3f, computed/req %.0f "
                     "(min %.0f), p99 %.2f s, in-flight max/mean %.2f",
-                    spec.label, f"{kind}{r + 1 if kind == 'skewed' else ''}", len(outcomes),
+                    spec.label, phase_tag(kind, r), len(outcomes),
                     len(minimum), wall, result["prefix_cache_hit_ratio"] or 0,
                     result["computed_tokens_per_request"] or 0, per_req_min,
                     result["latency_p99_s"] or 0, result["inflight_max_over_mean"] or 0,
@@ -1188,6 +1310,11 @@ async def bench(cfg: BenchConfig, command: str) -> dict[str, Any]:
     targets = judge(phases["steady"], phases["skewed"])
     if any(spec.policy == "kv_prefix" for spec in specs):
         targets += judge_kv(phases)
+    replica_labels = {spec.key: spec for spec in replica_specs(cfg.routers)}
+    if "replicas" in cfg.phases and REPLICAS_JUDGED in replica_labels:
+        targets += judge_replicas(
+            replicated.get(REPLICAS_JUDGED, {}), replica_labels[REPLICAS_JUDGED].label
+        )
     one_cache = working_set / kv_tokens if kv_tokens else None
     all_caches = working_set / (3 * kv_tokens) if kv_tokens else None
     notes = []
@@ -1197,7 +1324,10 @@ async def bench(cfg: BenchConfig, command: str) -> dict[str, Any]:
             f"{watched['verified_chains']} block chains against the benchmark's own hashes, "
             f"{watched['mismatched_chains']} mismatched, {watched['holes']} holes in the streams"
         )
-    if any(r["truncated"] for p in phases.values() for r in p.values()):
+    replica_runs = [run for runs in replicated.values() for run in runs.values()]
+    if any(r["truncated"] for p in phases.values() for r in p.values()) or any(
+        r["truncated"] for r in replica_runs
+    ):
         notes.append("a phase hit its time budget: fewer requests than planned were sent")
     notes.append(
         "minimum = tokens past each prompt's longest common prefix with any earlier prompt "
@@ -1260,10 +1390,43 @@ async def bench(cfg: BenchConfig, command: str) -> dict[str, Any]:
             for spec in (*ROUTERS, *cfg.variants)
         },
         "phases": phases,
+        **(
+            {"replicas": replicas_doc(replicated, replica_labels, repeats[0].seed)}
+            if "replicas" in cfg.phases
+            else {}
+        ),
         "memory_rss_mib": memory,
         "targets": targets,
         "all_targets_met": all(t["met"] is True for t in targets),
         "notes": notes,
+    }
+
+
+def phase_tag(kind: str, r: int) -> str:
+    """A plan entry as the log shows it: the skewed repeat's number, the replicas."""
+    if kind == "skewed":
+        return f"skewed{r + 1}"
+    return f"x{r}" if kind == "replicas" else kind
+
+
+def replicas_doc(
+    runs: Mapping[str, Mapping[int, dict[str, Any]]], specs: Mapping[str, RouterSpec], seed: int
+) -> dict[str, Any]:
+    """The replicas phase as the results file holds it: per router, what it is, each
+    replica count's figures (``runs``, keyed by the count) and their ratios to one
+    replica's (``vs_one_replica``)."""
+    return {
+        key: {
+            "router": spec.router,
+            "policy": spec.policy,
+            "label": spec.label,
+            "args": list(spec.args),
+            "seed": seed,
+            "runs": {str(n): run for n, run in sorted(runs[key].items())},
+            "vs_one_replica": {str(n): v for n, v in vs_one_replica(runs[key]).items()},
+        }
+        for key, spec in specs.items()
+        if runs.get(key)
     }
 
 
@@ -1298,8 +1461,12 @@ def parse_args(argv: Sequence[str] | None) -> BenchConfig:
     )  # fmt: skip
     p.add_argument(
         "--phases",
-        default="steady,skewed,restart,join",
-        help="which phases to run (of " + ",".join(PHASES) + ")",
+        default=",".join(PHASE_CHOICES),
+        help="which phases to run (of " + ",".join(PHASE_CHOICES) + "); replicas runs 1, 2 "
+        "and 3 replicas of our router (each load view) and of vllm-router's "
+        + " and ".join(k.removeprefix("vllm_router_") for k in REPLICA_PEERS)
+        + " behind a client that spreads requests over them in turn, on the skewed "
+        "phase's first repeat",
     )
     p.add_argument(
         "--after-restart", type=int, default=50,
@@ -1323,6 +1490,10 @@ def parse_args(argv: Sequence[str] | None) -> BenchConfig:
     p.add_argument("--quick", action="store_true", help="a small smoke run (not for results)")
     p.add_argument("--out", type=Path, default=RESULTS_DIR)
     a = p.parse_args(argv)
+    if "replicas" in a.phases and a.skewed_repeats < 1:
+        raise SystemExit(
+            "--phases replicas runs the skewed phase's first repeat: --skewed-repeats >= 1"
+        )
     model_config = json.loads((find_model_dir() / "config.json").read_text())
     if a.quick:
         a.shoppers, a.requests, a.per_hot, a.per_background, a.time_limit = 7, 16, 4, 1, 600
@@ -1346,9 +1517,9 @@ def parse_args(argv: Sequence[str] | None) -> BenchConfig:
         time_limit_s=a.time_limit,
         out_dir=a.out,
         skewed_repeats=a.skewed_repeats,
-        phases=_choices("--phases", a.phases, PHASES),
+        phases=chosen("--phases", a.phases, PHASE_CHOICES),
         after_restart=a.after_restart,
-        routers=_choices("--routers", a.routers, tuple(spec.key for spec in ROUTERS)),
+        routers=chosen("--routers", a.routers, tuple(spec.key for spec in ROUTERS)),
         sidecar_args=tuple(a.sidecar_arg),
         variants=tuple(parse_variant(v) for v in a.variant),
     )
@@ -1368,7 +1539,7 @@ def parse_variant(value: str) -> RouterSpec:
     return replace(base, key=key.strip(), label=f"{base.label} {' '.join(args)}", args=tuple(args))
 
 
-def _choices(flag: str, value: str, allowed: Sequence[str]) -> tuple[str, ...]:
+def chosen(flag: str, value: str, allowed: Sequence[str]) -> tuple[str, ...]:
     chosen = tuple(v.strip() for v in value.split(",") if v.strip())
     unknown = [v for v in chosen if v not in allowed]
     if unknown or not chosen:
@@ -1396,6 +1567,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         doc = json.loads(path.read_text())
         text = table(doc["phases"], router_labels(doc))
         print(text)
+        if doc.get("replicas"):
+            print(replicas_table(doc["replicas"]))
         path.with_suffix(".md").write_text(markdown(doc, text))
         return 0
     cfg = parse_args(argv)
@@ -1403,6 +1576,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     doc = asyncio.run(bench(cfg, command.strip()))
     text = table(doc["phases"], router_labels(doc))
     print(text)
+    if doc.get("replicas"):
+        print(replicas_table(doc["replicas"]))
     for t in doc["targets"]:
         status = {True: "met", False: "MISSED", None: "n/a"}[t["met"]]
         print(f"  {status:<6} {t['name']}: {t['value']} {t['op']} {t['limit']} ({t['note']})")

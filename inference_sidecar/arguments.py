@@ -23,6 +23,7 @@ from inference_sidecar.config import (
 )
 from inference_sidecar.kv.blocks import SUPPORTED_ALGOS
 from inference_sidecar.kv.index import DEFAULT_STALE_AFTER_S
+from inference_sidecar.load_view import DEFAULT_LOAD_VIEW, DEFAULT_POLL_INTERVAL_S, LOAD_VIEWS
 from inference_sidecar.policies import POLICY_NAMES
 from inference_sidecar.policies.bounded_hash import (
     DEFAULT_NEW_KEY_PLACEMENT,
@@ -32,6 +33,9 @@ from inference_sidecar.policies.bounded_hash import (
 
 #: Where the router reads its admin token when ``--admin-token-file`` is not given.
 ADMIN_TOKEN_ENV = "SI_ROUTER_ADMIN_TOKEN"
+#: Where the router reads its load view when ``--load-view`` is not given: one setting
+#: for every replica of a deployment. Checked by ``RouterConfig`` (``ConfigError``).
+LOAD_VIEW_ENV = "SI_ROUTER_LOAD_VIEW"
 
 
 def number(minimum: float, *, above: bool = False) -> Callable[[str], float]:
@@ -124,6 +128,22 @@ def _add_router_options(p: argparse.ArgumentParser) -> None:
         help="bounded_hash: where a new shopper goes: least_loaded (the roomy workers with "
         "the fewest requests in flight, by cost among them), fewest_first (the fewest "
         "requests in flight, then the roomy ones among them) or cost (default %(default)s)",
+    )
+    p.add_argument(
+        "--load-view",
+        choices=LOAD_VIEWS,
+        default=None,
+        help="the load each worker counts at for the load bound: own (this router's "
+        "requests in flight) or workers (each worker's running + waiting requests from its "
+        "/metrics, polled, plus this router's since; use it with more than one router "
+        f"replica). Default ${LOAD_VIEW_ENV}, else {DEFAULT_LOAD_VIEW}",
+    )
+    p.add_argument(
+        "--load-poll-interval",
+        type=number(0.0, above=True),
+        default=DEFAULT_POLL_INTERVAL_S,
+        help="--load-view workers: seconds between two polls of the workers' /metrics "
+        "(default %(default)s)",
     )
     p.add_argument(
         "--kv-stale-after",

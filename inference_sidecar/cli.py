@@ -20,7 +20,7 @@ from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
-from inference_sidecar.arguments import ADMIN_TOKEN_ENV, build_parser
+from inference_sidecar.arguments import ADMIN_TOKEN_ENV, LOAD_VIEW_ENV, build_parser
 from inference_sidecar.config import (
     ADMIN_HOST,
     RouterConfig,
@@ -28,6 +28,7 @@ from inference_sidecar.config import (
 )
 from inference_sidecar.exceptions import ConfigError, SidecarError
 from inference_sidecar.kv.sources import EventSource
+from inference_sidecar.load_view import DEFAULT_LOAD_VIEW
 from inference_sidecar.workers import ClusterConfig, WorkerProcesses, specs_summary
 from intent_reader.config_errors import redact_url
 
@@ -45,6 +46,8 @@ def router_config(args: argparse.Namespace, **overrides: Any) -> RouterConfig:
         "recompute_weight": args.recompute_weight,
         "request_cost": args.request_cost,
         "new_key_placement": args.new_key_placement,
+        "load_view": load_view(args.load_view, os.environ),
+        "load_poll_interval_s": args.load_poll_interval,
         "max_attempts": args.max_attempts,
         "request_timeout_s": args.request_timeout,
         "max_concurrent_requests": args.max_concurrent_requests,
@@ -72,6 +75,15 @@ def admin_token(path: Path | None, environ: Mapping[str, str]) -> Secret | None:
             raise ConfigError("admin_token_file", f"cannot read {path}: {exc}") from exc
     value = environ.get(ADMIN_TOKEN_ENV, "").strip()
     return Secret(value) if value else None
+
+
+def load_view(flag: str | None, environ: Mapping[str, str]) -> str:
+    """``--load-view`` if given, else ``$SI_ROUTER_LOAD_VIEW``, else the default; a value
+    that is no view is refused by ``RouterConfig``."""
+    if flag is not None:
+        return flag
+    value = environ.get(LOAD_VIEW_ENV, "").strip()
+    return value or DEFAULT_LOAD_VIEW
 
 
 def parse_kv_events(values: Sequence[str]) -> dict[str, EventSource]:
@@ -109,11 +121,12 @@ def serve(config: RouterConfig, log_level: str) -> None:
     from inference_sidecar.router import create_app
 
     log.info(
-        "router on http://%s:%d (%s, policy %s) -> %s",
+        "router on http://%s:%d (%s, policy %s, load view %s) -> %s",
         config.host,
         config.port,
         config.mode,
         config.policy,
+        config.load_view,
         ", ".join(redact_url(u) for u in config.workers or (*config.prefill, *config.decode)),
     )
     options: dict[str, Any] = {

@@ -20,6 +20,7 @@ from inference_sidecar.health import HealthConfig
 from inference_sidecar.kv.blocks import SUPPORTED_ALGOS
 from inference_sidecar.kv.index import DEFAULT_STALE_AFTER_S
 from inference_sidecar.kv.sources import EventSource
+from inference_sidecar.load_view import DEFAULT_LOAD_VIEW, DEFAULT_POLL_INTERVAL_S, LOAD_VIEWS
 from inference_sidecar.policies import POLICY_NAMES
 from inference_sidecar.policies.bounded_hash import (
     DEFAULT_NEW_KEY_PLACEMENT,
@@ -105,6 +106,14 @@ class RouterConfig:
     #: then the roomy workers among them, then cost), "least_loaded" (the roomy workers with
     #: the fewest requests in flight, then cost) or "cost" (cost alone).
     new_key_placement: str = DEFAULT_NEW_KEY_PLACEMENT
+    #: The load the policy weighs per worker: "own" (this router's requests in flight) or
+    #: "workers" (what each worker reports on its ``/metrics``, polled, plus what this
+    #: router sent since). Several router replicas behind one load balancer need
+    #: "workers": each one's own count is a fraction of a worker's load.
+    load_view: str = DEFAULT_LOAD_VIEW
+    #: load_view "workers": seconds between two polls of every worker's ``/metrics``
+    #: (each poll bounded by ``health_timeout_s``).
+    load_poll_interval_s: float = DEFAULT_POLL_INTERVAL_S
     key_headers: tuple[str, ...] = DEFAULT_KEY_HEADERS
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     #: Seconds a client may take to send a request's body; past it the request is a 408.
@@ -173,6 +182,12 @@ class RouterConfig:
                 "new_key_placement",
                 f"must be one of {NEW_KEY_PLACEMENTS}, got {self.new_key_placement!r}",
             )
+        if self.load_view not in LOAD_VIEWS:
+            raise ConfigError(
+                "load_view",
+                f"must be one of {LOAD_VIEWS}, got {self.load_view!r} (several router "
+                "replicas behind one load balancer need 'workers')",
+            )
         self._check_numbers()
         self._check_admin()
         object.__setattr__(self, "key_headers", tuple(h.lower() for h in self.key_headers))
@@ -183,7 +198,7 @@ class RouterConfig:
         _check_number(self, "recompute_weight", minimum=0.0)
         for key in ("connect_timeout_s", "request_timeout_s", "body_timeout_s"):
             _check_number(self, key, minimum=0.0, exclusive=True)
-        for key in ("health_timeout_s", "kv_stale_after_s"):
+        for key in ("health_timeout_s", "kv_stale_after_s", "load_poll_interval_s"):
             _check_number(self, key, minimum=0.0, exclusive=True)
         _check_number(self, "health_interval_s", minimum=0.0)  # 0 turns the checks off
         _check_int(self, "port", 1, 65535)

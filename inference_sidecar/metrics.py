@@ -15,6 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from inference_sidecar.kv.index import KVIndex
+from inference_sidecar.load_view import LOAD_SOURCES, WorkerLoad
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128)
 
@@ -110,6 +111,11 @@ class RouterMetrics:
         """Export ``index``'s counters and the policy's per-worker fallbacks when scraped."""
         self.registry.register(_KVIndexCollector(index, fallbacks))
 
+    def watch_loads(self, figures: Callable[[], Mapping[tuple[str, str], WorkerLoad]]) -> None:
+        """Export the load each worker counts at (``figures()``: per pool and worker) and
+        its source when scraped."""
+        self.registry.register(_LoadCollector(figures))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
@@ -175,3 +181,40 @@ class _KVIndexCollector(Collector):
             blocks.add_metric([worker], self.index.block_count(worker))
             fresh.add_metric([worker], int(self.index.is_fresh(worker)))
         yield from (batches, events, resyncs, mismatches, unverifiable, fallbacks, blocks, fresh)
+
+
+class _LoadCollector(Collector):
+    """Reads the pools' load figures at scrape time: they change with every request and
+    every poll, and a source is a state set (one series per source, 1 for the current
+    one) so that a change of source moves a value rather than starting a new series."""
+
+    def __init__(self, figures: Callable[[], Mapping[tuple[str, str], WorkerLoad]]) -> None:
+        self.figures = figures
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        prefix = "inference_sidecar_worker_load"
+        load = GaugeMetricFamily(
+            prefix,
+            "The load the policy weighs per worker: its requests in flight as the load view "
+            "sees them.",
+            labels=["pool", "worker"],
+        )
+        source = GaugeMetricFamily(
+            prefix + "_source",
+            "1 for where a worker's load comes from: workers (its own /metrics, polled, plus "
+            "this router's requests since) or own (this router's requests in flight: the own "
+            "load view, or no recent sample of the worker's).",
+            labels=["pool", "worker", "source"],
+        )
+        age = GaugeMetricFamily(
+            prefix + "_sample_age_seconds",
+            "Age of the worker's last load sample in use (workers load view).",
+            labels=["pool", "worker"],
+        )
+        for (pool, worker), figure in sorted(self.figures().items()):
+            load.add_metric([pool, worker], figure.load)
+            for name in LOAD_SOURCES:
+                source.add_metric([pool, worker, name], int(figure.source == name))
+            if figure.sample_age_s is not None:
+                age.add_metric([pool, worker], figure.sample_age_s)
+        yield from (load, source, age)

@@ -8,11 +8,12 @@ with plain calls and a fake clock.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from inference_sidecar import health as h
+from inference_sidecar.load_view import WorkerLoad, WorkerLoads, own_loads
 from inference_sidecar.policies import Policy
 
 Decision = Literal["sticky", "placed", "spilled", "failed_over", "balanced"]
@@ -65,7 +66,12 @@ def classify(home: str | None, chosen: str, candidates: Sequence[str]) -> Decisi
 
 
 class RoutingState:
-    """Workers of one role ("worker", "prefill" or "decode") and their routing state."""
+    """Workers of one role ("worker", "prefill" or "decode") and their routing state.
+
+    The policy weighs each worker's load (``loads``): this router's requests in flight
+    there, or with ``worker_loads`` (the ``workers`` load view, ``load_view``) the load
+    the workers report, which every router replica sees alike.
+    """
 
     def __init__(
         self,
@@ -74,6 +80,7 @@ class RoutingState:
         policy: Policy,
         health_config: h.HealthConfig | None = None,
         on_event: Callable[[str, h.HealthEvent], None] | None = None,
+        worker_loads: WorkerLoads | None = None,
     ) -> None:
         self.name = name
         self.workers: tuple[str, ...] = tuple(dict.fromkeys(workers))
@@ -85,6 +92,7 @@ class RoutingState:
         self.in_flight: dict[str, int] = dict.fromkeys(self.workers, 0)
         self._open: dict[str, list[Ticket]] = {w: [] for w in self.workers}
         self._on_event = on_event
+        self.worker_loads = worker_loads
 
     def add_worker(self, worker: str) -> bool:
         """Admit ``worker`` at runtime (a worker joining the pool), in service with no
@@ -134,7 +142,7 @@ class RoutingState:
         candidates = self.candidates(exclude)
         if not candidates:
             return None
-        worker = self.policy.pick(key, candidates, self.in_flight, size, blocks)
+        worker = self.policy.pick(key, candidates, self.loads(), size, blocks)
         home = self.policy.home(key, self.workers)
         decision = classify(home, worker, candidates)
         if decision in ("sticky", "spilled") and self.policy.is_new(key):
@@ -146,6 +154,8 @@ class RoutingState:
     ) -> Ticket:
         """Count a request sent to ``worker``; returns the ticket to end it with."""
         self.in_flight[worker] += 1
+        if self.worker_loads is not None:
+            self.worker_loads.sent(worker)
         own = work_units(self._uncached_now(key, worker, size, blocks))
         open_ = self._open[worker]
         for other in open_:
@@ -158,6 +168,18 @@ class RoutingState:
         )
         open_.append(ticket)
         return ticket
+
+    def load_figures(self) -> dict[str, WorkerLoad]:
+        """Each member's load as the policy weighs it, and where the figure comes from."""
+        if self.worker_loads is None:
+            return own_loads(self.in_flight, self.workers)
+        return self.worker_loads.figures(self.in_flight, self.workers)
+
+    def loads(self) -> Mapping[str, int]:
+        """Each member's load as the policy weighs it (the class doc)."""
+        if self.worker_loads is None:
+            return self.in_flight
+        return self.worker_loads.loads(self.in_flight, self.workers)
 
     def _uncached_now(self, key: str, worker: str, size: int, blocks: Sequence[int]) -> int:
         """The prompt tokens ``worker`` will compute for this request, for its work: the
@@ -206,7 +228,10 @@ class RoutingState:
         return h.in_service(self.health.get(worker))
 
     def status(self) -> dict[str, dict[str, object]]:
-        """Per-worker view for ``GET /health``."""
+        """Per-worker view for ``GET /health``: ``load`` is what the policy weighs,
+        ``load_source`` where it comes from (``"workers"``: the worker's own report;
+        ``"own"``: this router's requests in flight)."""
+        loads = self.load_figures()
         return {
             w: {
                 "in_service": h.in_service(wh),
@@ -214,6 +239,8 @@ class RoutingState:
                 "ejected": wh.ejected,
                 "ejections": wh.ejections,
                 "in_flight": self.in_flight[w],
+                "load": loads[w].load,
+                "load_source": loads[w].source,
             }
             for w, wh in self.health.workers.items()
         }

@@ -37,8 +37,9 @@ class Policy:
     ) -> str:
         """Choose one of ``workers`` (non-empty) for ``key``.
 
-        ``loads`` maps a worker to its requests in flight through this router, not
-        counting the request being placed; a missing worker has load 0.
+        ``loads`` maps a worker to its requests in flight, not counting the request
+        being placed: through this router, or as the workers report them (the router's
+        ``load_view``, ``inference_sidecar.load_view``); a missing worker has load 0.
         """
         raise NotImplementedError
 

@@ -53,7 +53,8 @@ Without a size (``size=0``: the caller could not estimate the prompt) this is pl
 bounded-load hashing: the first worker under the bound in the key's order.
 
 Limits: the history does not see a worker evict a key's blocks (the estimate then errs
-towards staying), and router replicas keep separate histories.
+towards staying). Router replicas agree on a key's rendezvous order, and on the loads with
+the ``workers`` load view (``inference_sidecar.load_view``), but keep their own histories.
 """
 
 from __future__ import annotations

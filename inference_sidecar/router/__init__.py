@@ -20,6 +20,7 @@ Modules, by concern::
     streaming    a worker's stream relayed to the client
     attempts     a parsed request and one worker's attempt at it
     membership   the pools: workers joining, health checks, readiness
+    load_polling the workers' loads read from their /metrics (the ``workers`` load view)
     bodies       request and error bodies in OpenAI's shapes
 """
 

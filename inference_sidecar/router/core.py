@@ -1,7 +1,8 @@
 """``Router``: one router's parts, and the path of a completion request through them.
 
 The parts: ``Membership`` (pools, joins, health), ``Upstream`` (attempts on the workers),
-and with kv_prefix a ``KVFeed`` (the workers' KV events and a prompt's blocks). Routing
+with kv_prefix a ``KVFeed`` (the workers' KV events and a prompt's blocks), and with the
+``workers`` load view ``WorkerLoads`` (the workers' reported loads, ``load_polling``). Routing
 decisions, in-flight counts and health live in ``RoutingState`` objects, which are
 synchronous: the asyncio code only moves bytes and feeds them outcomes.
 """
@@ -31,11 +32,13 @@ from inference_sidecar.kv.index import KVIndex
 from inference_sidecar.kv.prompt_blocks import BlockComputer
 from inference_sidecar.kv.prompt_tokens import PromptTokenizer
 from inference_sidecar.kv.sources import EventSource
+from inference_sidecar.load_view import WorkerLoad, WorkerLoads, sample_lifetime
 from inference_sidecar.metrics import RouterMetrics
 from inference_sidecar.policies import KVPrefixPolicy, Policy, make_policy
 from inference_sidecar.router.admission import Admission
 from inference_sidecar.router.attempts import RoutedRequest
 from inference_sidecar.router.bodies import parse_body
+from inference_sidecar.router.load_polling import poll_loop, poll_once
 from inference_sidecar.router.membership import Membership
 from inference_sidecar.router.upstream import PREFILL_WORKER_HEADER, Upstream
 from inference_sidecar.routing_key import estimate_prompt_tokens, extract_routing_key
@@ -83,9 +86,22 @@ class Router:
                 on_error=self._kv_error,
                 on_unhashed=lambda reason: self.metrics.kv_unhashed.labels(reason).inc(),
             )
+        self.worker_loads: WorkerLoads | None = None
+        """The loads the workers report (``load_view`` "workers"), polled by ``start``."""
+        if config.load_view == "workers":
+            self.worker_loads = WorkerLoads(
+                sample_lifetime(config.load_poll_interval_s, config.health_timeout_s),
+                lambda: self.clock(),
+            )
         self.membership = Membership(
-            config, self.metrics, self._make_policy, lambda: self.clock(), self.kv
+            config,
+            self.metrics,
+            self._make_policy,
+            lambda: self.clock(),
+            self.kv,
+            self.worker_loads,
         )
+        self.metrics.watch_loads(self._load_figures)
         client = httpx.AsyncClient(
             transport=transport,
             timeout=httpx.Timeout(config.request_timeout_s, connect=config.connect_timeout_s),
@@ -108,6 +124,7 @@ class Router:
         )
         """Slots of the completion requests served at once and the body bytes held."""
         self._health_task: asyncio.Task[None] | None = None
+        self._load_task: asyncio.Task[None] | None = None
         self._kv_config_task: asyncio.Task[None] | None = None
         if self.kv is not None:
             self.metrics.watch_kv_index(self.kv.index, self._kv_fallbacks)
@@ -160,6 +177,24 @@ class Router:
     def readiness(self) -> tuple[bool, dict[str, Any]]:
         return self.membership.readiness()
 
+    async def poll_loads(self) -> None:
+        """Read every worker's load from its ``/metrics`` once (``load_view`` "workers")."""
+        assert self.worker_loads is not None
+        await poll_once(
+            self.worker_loads,
+            self.membership.workers(),
+            self._read_metrics,
+            self.config.health_timeout_s,
+            self._load_error,
+        )
+
+    def _load_figures(self) -> dict[tuple[str, str], WorkerLoad]:
+        return {
+            (pool.name, worker): figure
+            for pool in self.pools.values()
+            for worker, figure in pool.load_figures().items()
+        }
+
     def _on_health_event(self, pool: str, event: HealthEvent) -> None:
         self.membership.on_health_event(pool, event)
 
@@ -177,6 +212,18 @@ class Router:
             self._health_task = asyncio.create_task(
                 self.membership.health_loop(lambda: self._client), name="health-checks"
             )
+        if self.worker_loads is not None and self._load_task is None:
+            self._load_task = asyncio.create_task(
+                poll_loop(
+                    self.worker_loads,
+                    self.membership.workers,
+                    self._read_metrics,
+                    self.config.load_poll_interval_s,
+                    self.config.health_timeout_s,
+                    self._load_error,
+                ),
+                name="load-polling",
+            )
         if self.kv is not None:
             await self.kv.start()
             needs = self.kv.index.hashing is None or self.kv.max_model_len is None
@@ -189,12 +236,12 @@ class Router:
                 )
 
     async def aclose(self) -> None:
-        for task in (self._health_task, self._kv_config_task):
+        for task in (self._health_task, self._load_task, self._kv_config_task):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
-        self._health_task = self._kv_config_task = None
+        self._health_task = self._load_task = self._kv_config_task = None
         if self.kv is not None:
             await self.kv.stop()
         await self._client.aclose()
@@ -202,11 +249,19 @@ class Router:
     # ----- KV events (kv_prefix) -------------------------------------------------------
 
     async def _read_worker(self, worker: str, path: str) -> str:
+        """The text of ``worker``'s ``GET path`` within ``health_timeout_s``; an httpx
+        error when it cannot be had (``HTTPStatusError`` for a status that is not 2xx)."""
         reply = await self._client.get(
             f"{self.membership.urls[worker]}{path}", timeout=self.config.health_timeout_s
         )
         reply.raise_for_status()
         return reply.text
+
+    async def _read_metrics(self, worker: str) -> str:
+        return await self._read_worker(worker, "/metrics")
+
+    def _load_error(self, worker: str, kind: str) -> None:
+        self.metrics.worker_errors.labels("load_metrics", worker, kind).inc()
 
     def _served(self, worker: str, since: float) -> None:
         assert self.kv is not None

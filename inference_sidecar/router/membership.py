@@ -22,6 +22,7 @@ from inference_sidecar.exceptions import ConfigError
 from inference_sidecar.health import HealthEvent
 from inference_sidecar.kv.feed import KVFeed
 from inference_sidecar.kv.sources import EventSource
+from inference_sidecar.load_view import WorkerLoads
 from inference_sidecar.metrics import RouterMetrics
 from inference_sidecar.policies import Policy
 from inference_sidecar.routing_state import RoutingState
@@ -35,7 +36,8 @@ class Membership:
 
     ``make_policy()`` builds each pool's policy; ``clock`` is the router's; ``kv`` is the
     KV feed of a kv_prefix router (a joining worker's events are subscribed to, a worker
-    that goes down has its index entries cleared).
+    that goes down has its index entries cleared); ``worker_loads`` the loads the workers
+    report (the ``workers`` load view), shared by every pool.
     """
 
     def __init__(
@@ -45,11 +47,13 @@ class Membership:
         make_policy: Callable[[], Policy],
         clock: Callable[[], float],
         kv: KVFeed | None = None,
+        worker_loads: WorkerLoads | None = None,
     ) -> None:
         self.config = config
         self.metrics = metrics
         self._clock = clock
         self._kv = kv
+        self.worker_loads = worker_loads
         roles = (
             {"worker": config.workers}
             if config.mode == "aggregated"
@@ -63,6 +67,7 @@ class Membership:
                 make_policy(),
                 config.health,
                 on_event=self.on_health_event,
+                worker_loads=worker_loads,
             )
             for role, urls in roles.items()
         }
@@ -127,6 +132,8 @@ class Membership:
             self._probed_ok.discard(worker)
             if self._kv is not None:
                 self._kv.remove_worker(worker)
+            if self.worker_loads is not None:
+                self.worker_loads.forget(worker)
         for gauge in (self.metrics.in_service, self.metrics.in_flight):
             with contextlib.suppress(KeyError):
                 gauge.remove(pool.name, worker)
@@ -203,8 +210,11 @@ class Membership:
             "status": "ok" if ready else "unavailable",
             "mode": self.config.mode,
             "policy": self.config.policy,
+            "load_view": self.config.load_view,
             "pools": {name: pool.status() for name, pool in self.pools.items()},
         }
+        if self.worker_loads is not None:  # why a worker's load is this router's own count
+            doc["load_errors"] = dict(self.worker_loads.errors)
         if self._kv is not None:
             hashing = self._kv.index.hashing
             doc["kv_blocks"] = (

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import itertools
 import json
 import math
 import random
 from collections import Counter
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
-from bench._client import Outcome, chunk_usage
+from bench import routing
+from bench._client import Outcome, base_url, chunk_usage
 from bench._metrics import (
     COUNTERS,
     counters_delta,
@@ -22,6 +26,7 @@ from bench._metrics import (
     sample_weights,
     token_summary,
 )
+from bench._replicas import RoundRobin, judge_replicas, ratio, vs_one_replica
 from bench._workload import (
     WorkloadConfig,
     build_requests,
@@ -33,10 +38,12 @@ from bench._workload import (
     zipf_weights,
 )
 from bench.routing import (
+    PHASE_CHOICES,
     ROUTERS,
     BenchConfig,
     RunParts,
     Sampled,
+    chosen,
     dump,
     given_caches_fields,
     judge,
@@ -44,6 +51,10 @@ from bench.routing import (
     kv_bytes_per_token,
     parse_variant,
     pool_runs,
+    replica_specs,
+    replicas_doc,
+    replicas_table,
+    router_decisions,
     router_labels,
     schedule,
     summarise,
@@ -479,3 +490,155 @@ class TestResultsFile:
         text = dump(doc)
         assert '[0, "s-1", 2, 0.0, 1.5, 2.0, 900, 860]' in text.splitlines()[4]
         assert json.loads(text) == doc
+
+
+class TestReplicasPhase:
+    def test_the_spreading_client_sends_each_request_to_the_next_replica_in_turn(self):
+        spread = RoundRobin(["http://r1", "http://r2", "http://r3"])
+        assert [spread() for _ in range(7)] == [
+            "http://r1", "http://r2", "http://r3", "http://r1", "http://r2", "http://r3",
+            "http://r1",
+        ]  # fmt: skip
+
+    def test_one_replica_takes_every_request(self):
+        spread = RoundRobin(["http://r1"])
+        assert {spread() for _ in range(5)} == {"http://r1"}
+
+    def test_a_spreading_client_needs_a_replica(self):
+        with pytest.raises(ValueError, match="at least one replica"):
+            RoundRobin([])
+
+    def test_a_request_goes_to_its_targets_choice_made_when_it_is_sent(self):
+        spread = RoundRobin(["http://r1", "http://r2"])
+        assert [base_url(spread), base_url(spread)] == ["http://r1", "http://r2"]
+        assert base_url("http://router") == "http://router"
+
+    def test_each_run_is_compared_with_one_replicas(self):
+        runs = {
+            1: {"computed_tokens_per_request": 400.0, "inflight_max_over_mean": 1.2},
+            2: {"computed_tokens_per_request": 410.0, "inflight_max_over_mean": 1.5},
+            3: {"computed_tokens_per_request": 500.0, "inflight_max_over_mean": None},
+        }
+        assert vs_one_replica(runs) == {
+            1: {"computed_tokens_per_request": 1.0, "inflight_max_over_mean": 1.0},
+            2: {"computed_tokens_per_request": 1.025, "inflight_max_over_mean": 1.25},
+            3: {"computed_tokens_per_request": 1.25, "inflight_max_over_mean": None},
+        }
+
+    @pytest.mark.parametrize(("value", "base"), [(1.0, None), (None, 1.0), (1.0, 0.0),
+                                                 (math.nan, 1.0), (1.0, math.nan)])  # fmt: skip
+    def test_a_ratio_without_both_figures_is_none(self, value, base):
+        assert ratio(value, base) is None
+
+    def test_two_and_three_replicas_are_judged_against_one(self):
+        runs = {
+            1: {"computed_tokens_per_request": 400.0, "inflight_max_over_mean": 1.2},
+            2: {"computed_tokens_per_request": 420.0, "inflight_max_over_mean": 1.32},
+            3: {"computed_tokens_per_request": 422.0, "inflight_max_over_mean": 1.33},
+        }
+        got = {t["name"]: (t["value"], t["limit"], t["met"]) for t in judge_replicas(runs, "ours")}
+        assert got == {
+            "replicas.2.computed_per_request_vs_one": (1.05, 1.05, True),
+            "replicas.2.inflight_max_over_mean_vs_one": (1.1, 1.1, True),
+            "replicas.3.computed_per_request_vs_one": (1.055, 1.05, False),
+            "replicas.3.inflight_max_over_mean_vs_one": (1.108, 1.1, False),
+        }
+
+    def test_without_a_one_replica_run_nothing_is_met(self):
+        runs = {2: {"computed_tokens_per_request": 400.0, "inflight_max_over_mean": 1.0}}
+        assert all(t["met"] is False for t in judge_replicas(runs, "ours"))
+
+    def test_ours_runs_with_each_load_view_beside_vllm_routers_peers(self):
+        specs = replica_specs([spec.key for spec in ROUTERS])
+        assert [(s.key, s.args) for s in specs] == [
+            ("sidecar_bounded_hash_load_view_workers", ("--load-view", "workers")),
+            ("sidecar_bounded_hash_load_view_own", ("--load-view", "own")),
+            ("vllm_router_consistent_hash", ()),
+            ("vllm_router_cache_aware", ()),
+        ]
+
+    def test_the_phase_runs_the_routers_chosen_only(self):
+        specs = replica_specs(["vllm_router_cache_aware", "sidecar_round_robin"])
+        assert [s.key for s in specs] == ["vllm_router_cache_aware"]
+
+    def test_one_to_three_replicas_of_each_router_run_after_the_other_phases(self):
+        cfg = _config(phases=("steady", "replicas"), routers=("sidecar_bounded_hash",))
+        specs = [spec for spec in ROUTERS if spec.key == "sidecar_bounded_hash"]
+        plan = [(kind, n, spec.key) for kind, n, spec in schedule(specs, cfg)]
+        assert plan == [
+            ("steady", 0, "sidecar_bounded_hash"),
+            *(
+                ("replicas", n, f"sidecar_bounded_hash_load_view_{view}")
+                for n in (1, 2, 3)
+                for view in ("workers", "own")
+            ),
+        ]
+
+    def test_the_phase_is_selectable_alone(self):
+        assert chosen("--phases", "replicas", PHASE_CHOICES) == ("replicas",)
+        plan = schedule(ROUTERS, _config(phases=("replicas",)))
+        assert {kind for kind, _, _ in plan} == {"replicas"}
+
+    def test_the_results_key_each_run_by_its_replica_count(self):
+        specs = {s.key: s for s in replica_specs(["sidecar_bounded_hash"])}
+        run = {"computed_tokens_per_request": 400.0, "inflight_max_over_mean": 1.2, "errors": 0}
+        runs = {"sidecar_bounded_hash_load_view_workers": {2: run, 1: run}}
+        doc = replicas_doc(runs, specs, seed=11)
+        assert list(doc) == ["sidecar_bounded_hash_load_view_workers"]
+        entry = doc["sidecar_bounded_hash_load_view_workers"]
+        assert list(entry["runs"]) == ["1", "2"]
+        assert entry["vs_one_replica"]["2"]["computed_tokens_per_request"] == 1.0
+        assert json.loads(dump(doc)) == doc
+
+    def test_the_table_has_a_row_per_router_and_replica_count(self):
+        specs = {s.key: s for s in replica_specs(["sidecar_bounded_hash"])}
+        one = {"computed_tokens_per_request": 400.0, "inflight_max_over_mean": 1.2, "errors": 0}
+        two = {"computed_tokens_per_request": 440.0, "inflight_max_over_mean": 1.2, "errors": 0}
+        doc = replicas_doc({"sidecar_bounded_hash_load_view_own": {1: one, 2: two}}, specs, 11)
+        lines = replicas_table(doc).splitlines()
+        assert len(lines) == 4
+        assert "--load-view own | 2 " in lines[-1] and "1.100" in lines[-1]
+
+    def test_decisions_are_summed_over_the_replicas(self, monkeypatch):
+        pages = {
+            "http://r1/metrics": 'inference_sidecar_routing_decisions_total{decision="sticky"} 3',
+            "http://r2/metrics": 'inference_sidecar_routing_decisions_total{decision="sticky"} 2\n'
+            'inference_sidecar_routing_decisions_total{decision="spilled"} 1',
+        }
+
+        def get(url, timeout):
+            return SimpleNamespace(text=pages[url])
+
+        monkeypatch.setattr(routing.httpx, "get", get)
+        assert router_decisions(RoundRobin(["http://r1", "http://r2"])) == {
+            "sticky": 5.0,
+            "spilled": 1.0,
+        }
+
+    def test_a_run_starts_fresh_replicas_spreads_over_them_and_stops_them_whatever_happens(
+        self, monkeypatch
+    ):
+        started, stopped, seen = [], [], {}
+
+        def start(spec, pool, block_size, log_dir, sidecar_args=()):
+            started.append((spec.key, spec.args))
+            return SimpleNamespace(stop=lambda: stopped.append(spec.key)), f"http://{spec.key}"
+
+        async def phase(kind, target, workers, model, work, cfg, deadline):
+            seen.update(kind=kind, workers=workers, urls=[target() for _ in range(4)])
+            raise RuntimeError("the phase failed")
+
+        monkeypatch.setattr(routing, "start_router", start)
+        monkeypatch.setattr(routing, "run_phase", phase)
+        spec = replica_specs(["sidecar_bounded_hash"])[0]
+        pool = SimpleNamespace(urls=["http://w1", "http://w2", "http://w3"])
+        with pytest.raises(RuntimeError, match="the phase failed"):
+            asyncio.run(routing.run_replicas(spec, 2, pool, _config(), Path("."), "m", [], 0.0))
+        keys = [f"{spec.key}_x2_1", f"{spec.key}_x2_2"]
+        assert started == [(key, ("--load-view", "workers")) for key in keys]
+        assert seen == {
+            "kind": "skewed",
+            "workers": pool.urls,
+            "urls": [f"http://{key}" for key in keys] * 2,
+        }
+        assert stopped == keys

@@ -1,8 +1,12 @@
 """A scriptable stand-in for vLLM workers, behind ``httpx.MockTransport``.
 
 Each worker URL gets a behaviour ("ok", "down", "error500", "garbage", "slow", "hang",
-"break_stream", "stall_stream", "bad_request"); every request a worker receives is
-recorded so tests can check what the router sent where.
+"break_stream", "stall_stream", "bad_request", "no_metrics"); every request a worker
+receives is recorded so tests can check what the router sent where.
+
+``GET /metrics`` answers as vLLM's does for the gauges of a worker's load: running (the
+completions it holds now, or ``reported[worker]`` when set: requests other routers sent)
+and waiting (0); "no_metrics" answers 404 there.
 """
 
 from __future__ import annotations
@@ -40,6 +44,10 @@ class FakeWorkers:
     #: chunks of streamed answers the router has taken, per worker (counted when it asks
     #: for the next one)
     chunks_taken: dict[str, int] = field(default_factory=dict)
+    #: requests running per worker as its /metrics reports them, where set
+    reported: dict[str, int] = field(default_factory=dict)
+    #: GET /metrics answered per worker
+    metrics_reads: dict[str, int] = field(default_factory=dict)
 
     def transport(self) -> httpx.MockTransport:
         return httpx.MockTransport(self.handle)
@@ -61,6 +69,8 @@ class FakeWorkers:
             raise httpx.ConnectError("connection refused", request=request)
         if request.url.path == "/health":
             return httpx.Response(200 if mode != "unhealthy" else 503)
+        if request.url.path == "/metrics":
+            return self._metrics(worker, mode)
         if request.url.path == "/v1/models":
             if mode == "hang":
                 await asyncio.sleep(30)
@@ -75,6 +85,22 @@ class FakeWorkers:
             return await self._answer(worker, mode, orjson.loads(content), request)
         finally:
             self.in_flight[worker] -= 1
+
+    def _metrics(self, worker: str, mode: str) -> httpx.Response:
+        if mode == "no_metrics":
+            return httpx.Response(404, text="Not Found")
+        self.metrics_reads[worker] = self.metrics_reads.get(worker, 0) + 1
+        running = self.reported.get(worker, self.in_flight.get(worker, 0))
+        labels = 'engine="0",model_name="m"'
+        page = (
+            "# HELP vllm:num_requests_running Number of requests in model execution batches.\n"
+            "# TYPE vllm:num_requests_running gauge\n"
+            f"vllm:num_requests_running{{{labels}}} {float(running)}\n"
+            "# HELP vllm:num_requests_waiting Number of requests waiting to be processed.\n"
+            "# TYPE vllm:num_requests_waiting gauge\n"
+            f"vllm:num_requests_waiting{{{labels}}} 0.0\n"
+        )
+        return httpx.Response(200, text=page, headers={"content-type": "text/plain"})
 
     async def _answer(
         self, worker: str, mode: str, body: dict[str, Any], request: httpx.Request

@@ -33,6 +33,8 @@ ROUTER_FLAGS = {
     "--kv-block-size": ["0", "-16"],
     "--tokenizer-workers": ["-1"],
     "--admin-port": ["0", "-1", "70000"],
+    "--load-view": ["both", ""],
+    "--load-poll-interval": ["nan", "inf", "0", "-1"],
 }
 CLUSTER_FLAGS = {
     "--workers": ["0", "-1"],
@@ -102,6 +104,9 @@ def test_zero_still_turns_health_checks_off() -> None:
         ("kv_block_size", 0),
         ("tokenizer_workers", -1),
         ("admin_port", 0),
+        ("load_poll_interval_s", 0.0),
+        ("load_poll_interval_s", math.nan),
+        ("load_view", "both"),
     ],
 )
 def test_the_config_refuses_a_value_it_cannot_use_and_names_the_key(key: str, value: float) -> None:

@@ -7,6 +7,7 @@ from typing import Any, ClassVar
 import pytest
 
 from inference_sidecar import cli, pd
+from inference_sidecar.arguments import LOAD_VIEW_ENV
 from inference_sidecar.config import RouterConfig
 from inference_sidecar.exceptions import ConfigError
 from inference_sidecar.health import HealthEvent
@@ -211,6 +212,34 @@ class TestCli:
         assert cfg.policy == "round_robin" and cfg.load_factor == 1.5
         assert cfg.residency_factor == 1.75
         assert cfg.key_headers == ("x-user-id",)
+
+    def test_the_load_view_is_own_unless_chosen(self, monkeypatch) -> None:
+        monkeypatch.delenv(LOAD_VIEW_ENV, raising=False)
+        args = cli.build_parser().parse_args(["router", "--worker", A])
+        cfg = cli.router_config(args, workers=tuple(args.worker))
+        assert (cfg.load_view, cfg.load_poll_interval_s) == ("own", 0.5)
+
+    def test_load_view_flags(self) -> None:
+        args = cli.build_parser().parse_args(
+            ["router", "--worker", A, "--load-view", "workers", "--load-poll-interval", "0.25"]
+        )
+        cfg = cli.router_config(args, workers=tuple(args.worker))
+        assert (cfg.load_view, cfg.load_poll_interval_s) == ("workers", 0.25)
+
+    def test_the_load_view_comes_from_the_environment_unless_flagged(self, monkeypatch) -> None:
+        monkeypatch.setenv(LOAD_VIEW_ENV, "workers")
+        args = cli.build_parser().parse_args(["router", "--worker", A])
+        assert cli.router_config(args, workers=(A,)).load_view == "workers"
+        flagged = cli.build_parser().parse_args(["router", "--worker", A, "--load-view", "own"])
+        assert cli.router_config(flagged, workers=(A,)).load_view == "own"
+
+    def test_a_load_view_from_the_environment_that_is_none_stops_the_router(
+        self, monkeypatch, capsys
+    ) -> None:
+        monkeypatch.setenv(LOAD_VIEW_ENV, "shared")
+        assert cli.main(["router", "--worker", A]) == 2
+        err = capsys.readouterr().err
+        assert "load_view: must be one of ('own', 'workers'), got 'shared'" in err
 
     def test_router_pd_flags(self) -> None:
         args = cli.build_parser().parse_args(["router", "--prefill", A, "--decode", B, C])

@@ -51,6 +51,8 @@ def test_a_joined_worker_is_a_candidate_in_service_with_nothing_in_flight() -> N
         "ejected": False,
         "ejections": 0,
         "in_flight": 0,
+        "load": 0,
+        "load_source": "own",
     }
 
 
