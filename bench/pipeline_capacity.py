@@ -79,6 +79,7 @@ from flink_jobs.tools.local_services import (
     LocalProcess,
     create_topics,
     free_port,
+    http_ok,
     start_redis,
     start_tansu,
     stop_on_sigterm,
@@ -297,19 +298,12 @@ class Stack:
             cwd=Path(__file__).resolve().parent.parent,
         ).start()
         self.llm_url = f"http://127.0.0.1:{port}"
-        self.llm.wait_ready(lambda: _answers(f"{self.llm_url}/health"), timeout_s=30)
+        self.llm.wait_ready(lambda: http_ok(f"{self.llm_url}/health", 1.0), timeout_s=30)
 
     def close(self) -> None:
         for part in (self.llm, self.kafka, self.redis):
             with contextlib.suppress(Exception):
                 part.stop()
-
-
-def _answers(url: str) -> bool:
-    try:
-        return httpx.get(url, timeout=1.0).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 def settings(items: Sequence[str]) -> dict[str, dict[str, str]]:

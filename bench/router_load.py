@@ -57,7 +57,7 @@ from bench._common import (
     write_result,
 )
 from flink_jobs.tools.embedded_stack import start_standin_tier, start_standin_workers
-from flink_jobs.tools.local_services import LocalProcess, free_port
+from flink_jobs.tools.local_services import LocalProcess, free_port, http_ok
 from inference_sidecar.workers import default_cache_dir, find_model_dir, repo_root
 
 SLOTS = 8
@@ -142,18 +142,11 @@ class LoadStack:
         )
         self._exit.enter_context(router)
         url = f"http://127.0.0.1:{port}"
-        router.wait_ready(lambda: _healthy(url), timeout_s=60.0, interval_s=0.2)
+        router.wait_ready(lambda: http_ok(f"{url}/health"), timeout_s=60.0, interval_s=0.2)
         return url
 
     def close(self) -> None:
         self._exit.close()
-
-
-def _healthy(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/health", timeout=2.0).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 # ----- the clients ---------------------------------------------------------------------

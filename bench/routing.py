@@ -92,7 +92,7 @@ from bench._workload import (
     minimum_new_tokens,
     shared_prefix_tokens,
 )
-from flink_jobs.tools.local_services import LocalProcess, free_port, stop_on_sigterm
+from flink_jobs.tools.local_services import LocalProcess, free_port, http_ok, stop_on_sigterm
 from flink_jobs.tools.run_summary import percentile
 from inference_sidecar.cli import ADMIN_TOKEN_ENV
 from inference_sidecar.workers import (
@@ -241,14 +241,7 @@ def start_router(
     proc = LocalProcess(spec.key, argv, log_dir / f"{spec.key}.log", cwd=repo_root(), env=env)
     proc.start()
     url = f"http://127.0.0.1:{port}"
-
-    def ready() -> bool:
-        try:
-            return httpx.get(f"{url}/v1/models", timeout=2.0).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    proc.wait_ready(ready, timeout_s=120.0, interval_s=0.5)
+    proc.wait_ready(lambda: http_ok(f"{url}/v1/models"), timeout_s=120.0, interval_s=0.5)
     return proc, url
 
 

@@ -46,23 +46,14 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from intent_reader.layout import INTENT_LABELS
+
 STAND_IN_MODEL = "stand-in-model"
 FAULTS = ("5xx", "invalid_json", "hang")
 CUT_OFF_BODY = b'{"id": "stand-in-cut", "choices": [{"ind'
 HANG_POLL_S = 0.2
 # What the job asks for when it sends no response_format (llm.guided_json off): its intent
-# schema, kept here so the stand-in needs nothing from the package.
-INTENT_LABELS = (
-    "browsing",
-    "comparing_options",
-    "researching_product",
-    "ready_to_buy",
-    "gift_shopping",
-    "replenishing",
-    "deal_seeking",
-    "abandoning_cart",
-    "post_purchase",
-)
+# schema, its labels those the read side knows (a unit test keeps them the schema's).
 INTENT_SCHEMA: dict[str, Any] = {
     "type": "object",
     "required": ["intents", "summary"],

@@ -42,7 +42,7 @@ from flink_jobs.core.intents import Intent, parse_intent
 from flink_jobs.core.prompting import PromptRenderer
 from flink_jobs.core.session import SessionState
 from flink_jobs.runtime.llm_client import build_request
-from flink_jobs.tools.local_services import stop_on_sigterm
+from flink_jobs.tools.local_services import http_ok, stop_on_sigterm
 from inference_sidecar.processes import SupervisedProcess
 from inference_sidecar.workers import (
     ClusterConfig,
@@ -109,14 +109,7 @@ def launch_spec(spec: WorkerSpec, launch: str) -> WorkerSpec:
 
 def wait_healthy(proc: SupervisedProcess, url: str, timeout_s: float) -> float:
     started = time.monotonic()
-
-    def healthy() -> bool:
-        try:
-            return httpx.get(f"{url}/health", timeout=2.0).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    proc.wait_ready(healthy, timeout_s=timeout_s, interval_s=0.5)
+    proc.wait_ready(lambda: http_ok(f"{url}/health"), timeout_s=timeout_s, interval_s=0.5)
     return time.monotonic() - started
 
 

@@ -110,12 +110,16 @@ def clean_interpreter(dest: Path) -> Path:
     return dest / "bin" / "python"
 
 
-def _site_packages(python: Path) -> Path:
+def _printed_path(python: Path, code: str, timeout_s: float) -> Path:
+    """The path that ``python -c code`` prints."""
     done = subprocess.run(
-        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-        capture_output=True, text=True, check=True, timeout=60,
-    )  # fmt: skip
+        [str(python), "-c", code], capture_output=True, text=True, check=True, timeout=timeout_s
+    )
     return Path(done.stdout.strip())
+
+
+def _site_packages(python: Path) -> Path:
+    return _printed_path(python, "import sysconfig; print(sysconfig.get_paths()['purelib'])", 60)
 
 
 def runtime_interpreter(flink_version: str, workdir: Path, runtimes_dir: Path) -> Path:
@@ -170,11 +174,9 @@ def py_files(root: Path, run_options: Mapping[str, str]) -> list[Path]:
 
 def flink_home_of(python: Path) -> Path:
     """The Flink distribution inside the PyFlink that ``python`` imports."""
-    done = subprocess.run(
-        [str(python), "-c", "import os, pyflink; print(os.path.dirname(pyflink.__file__))"],
-        capture_output=True, text=True, check=True, timeout=120,
-    )  # fmt: skip
-    return Path(done.stdout.strip())
+    return _printed_path(
+        python, "import os, pyflink; print(os.path.dirname(pyflink.__file__))", 120
+    )
 
 
 def cluster_settings(app: UnpackedApp) -> dict[str, str]:

@@ -26,7 +26,7 @@ Sections, in file order:
    ``redis_client`` (function-scoped, bytes replies); ``redis_cluster``, a Redis Cluster of
    three primaries with a replica each, always local ``redis-server`` processes
    (``local_services.start_redis_cluster``), for tests that neither move its slots nor
-   stop its nodes (those start their own).
+   stop its nodes (those start their own), and ``cluster_client`` (function-scoped).
 4. Kafka: ``kafka_service`` (handle: ``.bootstrap``, ``.restart()``, ``.stop()``),
    ``kafka_bootstrap``.
 
@@ -39,6 +39,8 @@ backends.
    ``bench/standin_llm.py``, behind the same router, with the same interface plus
    ``.configure(...)`` and ``.inject(...)``), for service tests whose subject is the stream.
    Each is started once per session.
+6. The environment: ``proxy_env``, the test's environment without proxy variables (lower
+   and upper case) until the test sets some.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import pytest
 import redis
+import redis.cluster
 from hypothesis import settings
 
 from flink_jobs.tools import embedded_stack, local_services
@@ -338,6 +341,19 @@ def redis_cluster(services_dir: Path) -> Iterator[local_services.RedisClusterSer
 
 
 @pytest.fixture
+def cluster_client(
+    redis_cluster: local_services.RedisClusterService,
+) -> Iterator[redis.cluster.RedisCluster]:
+    """A cluster client of the session's Redis Cluster (bytes replies), closed after the
+    test."""
+    client = redis.cluster.RedisCluster.from_url(redis_cluster.url, socket_timeout=5)
+    try:
+        yield client
+    finally:
+        client.close()
+
+
+@pytest.fixture
 def unique_name() -> str:
     """A short name unique to this test run, for key prefixes and topic names."""
     return f"t{uuid.uuid4().hex[:10]}"
@@ -391,3 +407,17 @@ def standin_tier(
     )
     yield tier
     tier.stop()
+
+
+# --- 6. the environment ------------------------------------------------------------------
+
+PROXY_VARIABLES = ("http_proxy", "https_proxy", "all_proxy", "no_proxy")
+
+
+@pytest.fixture
+def proxy_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    """An environment with no proxy variables but those a test sets."""
+    for name in PROXY_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+        monkeypatch.delenv(name.upper(), raising=False)
+    return monkeypatch

@@ -27,6 +27,7 @@ from flink_jobs.tools.local_services import (
     LocalProcess,
     create_topics,
     free_port,
+    http_ok,
     start_redis,
     start_tansu,
 )
@@ -222,7 +223,7 @@ def start_standin_workers(
         process = standin_process(workdir, port, "--latency", latency, "--seed", str(seed + i))
         exit_stack.enter_context(process)
         url = f"http://127.0.0.1:{port}"
-        health = functools.partial(_answers, f"{url}/health")
+        health = functools.partial(http_ok, f"{url}/health")
         process.wait_ready(health, timeout_s=STANDIN_READY_TIMEOUT_S)
         started.append(StandInWorker(url, process))
     return started
@@ -253,15 +254,8 @@ def _start_router(workdir: Path, worker_urls: list[str], exit_stack: ExitStack) 
     router = LocalProcess("router", argv, workdir / "logs" / "router.log")
     exit_stack.enter_context(router)
     router_url = f"http://127.0.0.1:{router_port}"
-    router.wait_ready(lambda: _answers(f"{router_url}/health"), timeout_s=ROUTER_READY_TIMEOUT_S)
+    router.wait_ready(lambda: http_ok(f"{router_url}/health"), timeout_s=ROUTER_READY_TIMEOUT_S)
     return router_url
-
-
-def _answers(url: str) -> bool:
-    try:
-        return httpx.get(url, timeout=2.0).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 @dataclass

@@ -358,32 +358,47 @@ def evaluate(
     purchase_labels: tuple[str, ...] = PURCHASE_LABELS,
 ) -> EvalResult:
     """Score ``writes`` against ``events`` (any order; see the module docstring)."""
+    matched = _matched(events, writes, session_gap_s)
+    reports = tuple(
+        _score_group(key, group, matched.catalogue, candidates, seed, purchase_labels)
+        for key, group in sorted(matched.groups.items())
+    )
+    return EvalResult(reports, matched.unmatched, candidates, seed)
+
+
+@dataclass(frozen=True, slots=True)
+class _Matched:
+    """Every write that found its place in its shopper's events, grouped by (template,
+    model, source) in shopper order, with the products seen and the writes left over."""
+
+    groups: dict[tuple[str, str, str], list[_Point]]
+    catalogue: dict[str, str]
+    unmatched: int
+
+
+def _matched(
+    events: Iterable[ShopperEvent], writes: Iterable[IntentWrite], session_gap_s: float
+) -> _Matched:
+    """Each shopper's events in time order (stable: arrival order on ties), walked once
+    with that shopper's writes."""
     by_shopper: dict[str, list[ShopperEvent]] = defaultdict(list)
     for e in events:
         by_shopper[e.shopper_id].append(e)
     for shopper_events in by_shopper.values():
-        shopper_events.sort(key=lambda e: e.event_time_ms)  # stable: arrival order on ties
-    catalogue = _catalogue(by_shopper.values())
+        shopper_events.sort(key=lambda e: e.event_time_ms)
     session = SessionConfig(gap_s=session_gap_s)
 
     writes_by_shopper: dict[str, list[IntentWrite]] = defaultdict(list)
     for w in writes:
         writes_by_shopper[w.shopper_id].append(w)
-    points: list[_Point] = []
+    groups: dict[tuple[str, str, str], list[_Point]] = defaultdict(list)
     unmatched = 0
     for shopper_id, shopper_writes in sorted(writes_by_shopper.items()):
         found = _points(by_shopper.get(shopper_id, []), shopper_writes, session)
         unmatched += len(shopper_writes) - len(found)
-        points.extend(found)
-
-    groups: dict[tuple[str, str, str], list[_Point]] = defaultdict(list)
-    for p in points:
-        groups[(p.write.template, p.write.model, p.write.source)].append(p)
-    reports = tuple(
-        _score_group(key, group, catalogue, candidates, seed, purchase_labels)
-        for key, group in sorted(groups.items())
-    )
-    return EvalResult(reports, unmatched, candidates, seed)
+        for p in found:
+            groups[(p.write.template, p.write.model, p.write.source)].append(p)
+    return _Matched(groups, _catalogue(by_shopper.values()), unmatched)
 
 
 def _catalogue(shoppers: Iterable[Sequence[ShopperEvent]]) -> dict[str, str]:
@@ -610,23 +625,10 @@ def point_scores(
 ) -> dict[tuple[str, str, str], dict[str, list[PointScores]]]:
     """Per (template, model, source) group and arm, every write's figures (what
     :func:`evaluate` aggregates), for intervals over shoppers (:func:`bootstrap_difference`)."""
-    by_shopper: dict[str, list[ShopperEvent]] = defaultdict(list)
-    for e in events:
-        by_shopper[e.shopper_id].append(e)
-    for shopper_events in by_shopper.values():
-        shopper_events.sort(key=lambda e: e.event_time_ms)
-    catalogue = _catalogue(by_shopper.values())
-    session = SessionConfig(gap_s=session_gap_s)
-    writes_by_shopper: dict[str, list[IntentWrite]] = defaultdict(list)
-    for w in writes:
-        writes_by_shopper[w.shopper_id].append(w)
-    groups: dict[tuple[str, str, str], list[_Point]] = defaultdict(list)
-    for shopper_id, shopper_writes in sorted(writes_by_shopper.items()):
-        for p in _points(by_shopper.get(shopper_id, []), shopper_writes, session):
-            groups[(p.write.template, p.write.model, p.write.source)].append(p)
+    matched = _matched(events, writes, session_gap_s)
     return {
-        key: _per_arm(group, catalogue, candidates, seed, purchase_labels)
-        for key, group in sorted(groups.items())
+        key: _per_arm(group, matched.catalogue, candidates, seed, purchase_labels)
+        for key, group in sorted(matched.groups.items())
     }
 
 

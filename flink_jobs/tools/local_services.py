@@ -44,6 +44,8 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Self, cast
 
+import httpx
+
 from flink_jobs.paths import cache_dir
 from inference_sidecar.processes import (
     DEFAULT_READY_TIMEOUT_S,
@@ -116,6 +118,15 @@ def port_accepts(host: str, port: int, timeout_s: float = 0.5) -> bool:
         with socket.create_connection((host, port), timeout=timeout_s):
             return True
     except OSError:
+        return False
+
+
+def http_ok(url: str, timeout_s: float = 2.0) -> bool:
+    """Whether a GET of ``url`` answers 200: a readiness probe, so a server that cannot be
+    reached yet is a no, not an error."""
+    try:
+        return httpx.get(url, timeout=timeout_s).status_code == 200
+    except httpx.HTTPError:
         return False
 
 

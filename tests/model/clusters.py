@@ -5,7 +5,8 @@ cores). The aggregated cluster's workers publish their KV cache events, so the K
 tests (``test_router_kv_events_vllm.py``) put their ``kv_prefix`` router in front of the same
 workers instead of starting a pool of their own (a pool's start was the longest part of
 that module), and their file sorts just before the router tests' so the pool serves both
-in a row.
+in a row. ``Stack.start_kv_router`` starts that router; ``KVEventLog`` hears what a worker
+publishes, as the router would.
 """
 
 from __future__ import annotations
@@ -13,14 +14,18 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import msgspec
 import pytest
+import zmq
 
 from inference_sidecar.exceptions import ConfigError
+from inference_sidecar.kv import EventBatch, Stored, decode_batch
 from inference_sidecar.workers import (
     ClusterConfig,
     WorkerProcesses,
@@ -28,6 +33,7 @@ from inference_sidecar.workers import (
     log_tail,
     port_is_free,
 )
+from tests.support.metrics_text import metric_sum
 from tests.support.waiting import WaitFailed, until
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -64,17 +70,6 @@ def _healthy(url: str) -> bool:
         return httpx.get(f"{url}/health", timeout=1).status_code == 200
     except httpx.HTTPError:
         return False
-
-
-def metric_sum(text: str, name: str, **labels: str) -> float:
-    """Sum of the samples of ``name`` whose labels include ``labels``."""
-    total = 0.0
-    for line in text.splitlines():
-        if not line.startswith(name + "{") and not line.startswith(name + " "):
-            continue
-        if all(f'{k}="{v}"' in line for k, v in labels.items()):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
 
 
 @dataclass
@@ -207,7 +202,61 @@ class Stack:
             raise
         return router
 
+    def start_kv_router(self, pool: WorkerProcesses, name: str) -> RouterProcess:
+        """A ``kv_prefix`` router in front of ``pool``'s workers, fed the KV cache events
+        they publish, once it holds some of their blocks."""
+        assert pool.config.model_dir is not None
+        extra = ["--policy", "kv_prefix", "--tokenizer", str(pool.config.model_dir)]
+        for url, (events, replay) in pool.kv_event_sources.items():
+            extra += ["--kv-events", f"{url}={events},{replay}"]
+        router = self.start_router(pool.worker_urls, name, extra)
+        try:
+            until(
+                lambda: bool(httpx.get(f"{router.url}/health", timeout=2).json()["kv_blocks"]),
+                "the router to hold the workers' KV blocks",
+                timeout_s=20,
+                interval_s=0.1,
+            )
+        except BaseException:
+            router.stop()
+            raise
+        return router
+
     def close(self) -> None:
         if self.current is not None:
             self.current.stop()
             self.current = None
+
+
+class KVEventLog:
+    """Every batch one worker publishes on its KV cache event endpoint, heard by a SUB
+    socket of the test's own (from when it joins: a SUB socket hears nothing published
+    before)."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.batches: list[EventBatch] = []
+        self._ctx = zmq.Context()
+        self._sub = self._ctx.socket(zmq.SUB)
+        self._sub.setsockopt_string(zmq.SUBSCRIBE, "")
+        self._sub.connect(endpoint)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        decoder = msgspec.msgpack.Decoder()
+        while not self._stop.is_set():
+            if self._sub.poll(100):
+                _, seq, payload = self._sub.recv_multipart()
+                self.batches.append(
+                    decode_batch(int.from_bytes(seq, "big"), decoder.decode(payload))
+                )
+
+    def stored(self) -> list[Stored]:
+        return [e for b in list(self.batches) for e in b.events if isinstance(e, Stored)]
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._sub.close(0)
+        self._ctx.term()

@@ -10,7 +10,6 @@ probabilities.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import os
 import subprocess
@@ -23,14 +22,14 @@ from flink_jobs.config import load_config
 from flink_jobs.core.events import ShopperEvent, decode_event
 from flink_jobs.core.grounding import category_is_grounded
 from flink_jobs.core.trigger import END_OF_TIME_MS
-from flink_jobs.runtime.inference import Answered, ask
-from flink_jobs.runtime.llm_client import LlmClient
+from flink_jobs.runtime.inference import Answered
 from flink_jobs.tools.distill.dataset import build_examples, write_examples
 from flink_jobs.tools.distill.hindsight import CONFIDENCES
 from flink_jobs.tools.embedded_stack import ServedModel, start_llm_tier
 from flink_jobs.tools.eval_runner import select_records
 from inference_sidecar.workers import find_model_dir, find_vllm_python
 from tests.support.builders import prompt_task
+from tests.support.llm_call import ask_all
 
 pytestmark = [pytest.mark.timeout(900)]
 
@@ -122,14 +121,7 @@ def test_vllm_serves_the_adapter_and_its_answers_are_valid_and_grounded(
             )
             tasks.append(dataclasses.replace(task, prompt=prompt, categories=x.categories))
 
-        async def go():
-            client = LlmClient(config.llm)
-            try:
-                return await asyncio.gather(*(ask(t, client, 0) for t in tasks))
-            finally:
-                await client.aclose()
-
-        answers = asyncio.run(go())
+        answers = ask_all(tasks, config.llm)
     finally:
         tier.stop()
 

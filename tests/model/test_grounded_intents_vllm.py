@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 import orjson
@@ -22,8 +21,7 @@ from flink_jobs.config import load_config
 from flink_jobs.core.grounding import FALLBACK_CATEGORIES, category_levels, reconcile
 from flink_jobs.core.intents import parse_intent
 from flink_jobs.core.tasks import PromptTask
-from flink_jobs.runtime.inference import Answered, ask
-from flink_jobs.runtime.llm_client import LlmClient
+from flink_jobs.runtime.inference import Answered
 from flink_jobs.tools.local_services import create_topics
 from flink_jobs.tools.replay import replay_records
 from flink_jobs.tools.run_summary import read_stats
@@ -31,6 +29,7 @@ from flink_jobs.tools.sample_data import BadRecords, SampleConfig, generate_samp
 from intent_reader.updates import IntentUpdates
 from tests.support.builders import grounded_task
 from tests.support.job_process import job_groups
+from tests.support.llm_call import ask_all
 
 pytestmark = [pytest.mark.timeout(900)]
 
@@ -43,14 +42,7 @@ def test_a_request_with_the_sessions_categories_gets_a_category_from_them(llm_ti
     config = load_config({"llm": llm_tier.job_settings()}, environ={})
     tasks: list[PromptTask] = [grounded_task(f"shopper-0{n:04d}", seq=1) for n in range(4)]
 
-    async def go():
-        client = LlmClient(config.llm)
-        try:
-            return await asyncio.gather(*(ask(t, client, 0) for t in tasks))
-        finally:
-            await client.aclose()
-
-    answers = asyncio.run(go())
+    answers = ask_all(tasks, config.llm)
 
     assert all(isinstance(a, Answered) for a in answers), answers
     named = [c for a in answers for c in categories_named(a.intent.body)]

@@ -14,59 +14,34 @@ their KV cache events on; this module adds only its router.
 
 from __future__ import annotations
 
-import threading
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-import msgspec
 import pytest
-import zmq
 
-from inference_sidecar.kv import EventBatch, Stored, decode_batch
 from inference_sidecar.kv.blocks import hashing_from_metrics
 from inference_sidecar.kv.prompt_tokens import PromptTokenizer
 from inference_sidecar.policies.bounded_hash import preference_order
 from inference_sidecar.workers import WorkerProcesses
 from tests.model.clusters import (
     MODEL,
+    KVEventLog,
     RouterProcess,
     Stack,
     chat_body,
-    metric_sum,
     shopper_messages,
 )
+from tests.support.metrics_text import metric_sum
 from tests.support.waiting import passes_within, until
 
 pytestmark = [pytest.mark.timeout(420)]
 
 
-class EventLog:
-    """Every batch one worker publishes, heard by a SUB socket of the test's own."""
-
-    def __init__(self, endpoint: str) -> None:
-        self.batches: list[EventBatch] = []
-        self._ctx = zmq.Context()
-        self._sub = self._ctx.socket(zmq.SUB)
-        self._sub.setsockopt_string(zmq.SUBSCRIBE, "")
-        self._sub.connect(endpoint)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        decoder = msgspec.msgpack.Decoder()
-        while not self._stop.is_set():
-            if self._sub.poll(100):
-                _, seq, payload = self._sub.recv_multipart()
-                self.batches.append(
-                    decode_batch(int.from_bytes(seq, "big"), decoder.decode(payload))
-                )
-
-    def stored(self) -> list[Stored]:
-        return [e for b in list(self.batches) for e in b.events if isinstance(e, Stored)]
+class EventLog(KVEventLog):
+    """Every batch one worker publishes, and whether the log hears it yet."""
 
     def hears(self, worker: str) -> bool:
         """Whether a probe sent to ``worker`` now is heard. A SUB socket hears only what is
@@ -78,12 +53,6 @@ class EventLog:
         reply = httpx.post(f"{worker}/v1/chat/completions", json=probe, timeout=120)
         assert reply.status_code == 200, reply.text
         return passes_within(self.stored, 5, interval_s=0.1)
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join()
-        self._sub.close(0)
-        self._ctx.term()
 
 
 @dataclass
@@ -108,18 +77,8 @@ class KVCluster:
 def cluster(stack: Stack) -> Iterator[KVCluster]:
     pool = stack.get("aggregated").pool
     assert pool.kv_event_sources, "the aggregated workers must publish KV events"
-    assert pool.config.model_dir is not None
-    extra = ["--policy", "kv_prefix", "--tokenizer", str(pool.config.model_dir)]
-    for url, (events, replay) in pool.kv_event_sources.items():
-        extra += ["--kv-events", f"{url}={events},{replay}"]
-    router = stack.start_router(pool.worker_urls, "kv", extra)
+    router = stack.start_kv_router(pool, "kv")
     try:
-        until(
-            lambda: bool(httpx.get(f"{router.url}/health", timeout=2).json()["kv_blocks"]),
-            "the router to hold the workers' KV blocks",
-            timeout_s=20,
-            interval_s=0.1,
-        )
         yield KVCluster(pool, router)
     finally:
         router.stop()

@@ -14,59 +14,40 @@ their KV cache events; this module adds only its router.
 
 from __future__ import annotations
 
-import threading
 import uuid
 from collections.abc import Iterator
 
 import httpx
-import msgspec
 import pytest
-import zmq
 
-from inference_sidecar.kv import Stored, decode_batch
+from inference_sidecar.kv import Stored
 from inference_sidecar.kv.blocks import BlockExtras, hashing_from_metrics
 from inference_sidecar.kv.prompt_tokens import PromptTokenizer
 from inference_sidecar.workers import WorkerProcesses
-from tests.model.clusters import CHAT, RouterProcess, Stack, chat_body, shopper_messages
+from tests.model.clusters import (
+    CHAT,
+    KVEventLog,
+    RouterProcess,
+    Stack,
+    chat_body,
+    shopper_messages,
+)
 from tests.support.waiting import passes_within, until
 
 pytestmark = [pytest.mark.timeout(420)]
 
 
-class RootChains:
-    """The root chains (``BlockStored`` with no parent) one worker publishes, heard by a
-    SUB socket of the test's own."""
-
-    def __init__(self, endpoint: str) -> None:
-        self.chains: list[Stored] = []
-        self._ctx = zmq.Context()
-        self._sub = self._ctx.socket(zmq.SUB)
-        self._sub.setsockopt_string(zmq.SUBSCRIBE, "")
-        self._sub.connect(endpoint)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        decoder = msgspec.msgpack.Decoder()
-        while not self._stop.is_set():
-            if self._sub.poll(100):
-                _, seq, payload = self._sub.recv_multipart()
-                batch = decode_batch(int.from_bytes(seq, "big"), decoder.decode(payload))
-                self.chains += [
-                    e for e in batch.events if isinstance(e, Stored) and e.parent is None
-                ]
-
-    def salted_with(self, salt: str) -> Stored | None:
-        return next(
-            (c for c in list(self.chains) if c.extra_keys and c.extra_keys[0] == [salt]), None
-        )
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join()
-        self._sub.close(0)
-        self._ctx.term()
+def salted_chain(log: KVEventLog, salt: str) -> Stored | None:
+    """The first root chain (a ``BlockStored`` with no parent) the log heard salted with
+    ``salt``."""
+    return next(
+        (
+            c
+            for c in log.stored()
+            if c.parent is None and c.extra_keys and c.extra_keys[0] == [salt]
+        ),
+        None,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -78,18 +59,8 @@ def pool(stack: Stack) -> WorkerProcesses:
 
 @pytest.fixture(scope="module")
 def kv_router(stack: Stack, pool: WorkerProcesses) -> Iterator[RouterProcess]:
-    assert pool.config.model_dir is not None
-    extra = ["--policy", "kv_prefix", "--tokenizer", str(pool.config.model_dir)]
-    for url, (events, replay) in pool.kv_event_sources.items():
-        extra += ["--kv-events", f"{url}={events},{replay}"]
-    router = stack.start_router(pool.worker_urls, "kv-salt", extra)
+    router = stack.start_kv_router(pool, "kv-salt")
     try:
-        until(
-            lambda: bool(httpx.get(f"{router.url}/health", timeout=2).json()["kv_blocks"]),
-            "the router to hold the workers' KV blocks",
-            timeout_s=20,
-            interval_s=0.1,
-        )
         yield router
     finally:
         router.stop()
@@ -103,7 +74,7 @@ def test_the_routers_salted_hashes_equal_what_the_worker_published(
     assert pool.config.model_dir is not None
     hashing = hashing_from_metrics(httpx.get(f"{worker}/metrics", timeout=10).text)
     tokenizer = PromptTokenizer.from_model_dir(pool.config.model_dir)
-    chains = RootChains(endpoint)
+    log = KVEventLog(endpoint)
     try:
         # A SUB socket hears only what is published after it has joined: a new salt per
         # request (a new chain each time) until the worker's chain for one is heard.
@@ -112,11 +83,11 @@ def test_the_routers_salted_hashes_equal_what_the_worker_published(
             body = chat_body(shopper_messages("salted", 30), max_tokens=1, cache_salt=salt)
             reply = httpx.post(f"{worker}{CHAT}", json=body, timeout=120)
             assert reply.status_code == 200, reply.text
-            if passes_within(lambda s=salt: chains.salted_with(s), 5, interval_s=0.1):
+            if passes_within(lambda s=salt: salted_chain(log, s), 5, interval_s=0.1):
                 break
-        chain = chains.salted_with(salt)
+        chain = salted_chain(log, salt)
     finally:
-        chains.close()
+        log.close()
     assert chain is not None, "the worker published no salted chain"
     tokens = tokenizer.token_ids("chat/completions", body)
     assert tokens is not None

@@ -38,10 +38,10 @@ from tests.model.clusters import (
     Cluster,
     Stack,
     chat_body,
-    metric_sum,
     shopper_messages,
 )
 from tests.support.fault_proxy import FaultProxy
+from tests.support.metrics_text import metric_sum
 from tests.support.waiting import until
 
 pytestmark = [pytest.mark.timeout(360)]

@@ -64,6 +64,7 @@ from flink_jobs.tools.local_services import (
     cache_dir,
     create_topics,
     free_port,
+    http_ok,
     start_redis,
     start_tansu,
 )
@@ -79,6 +80,7 @@ from flink_jobs.tools.run_summary import (
 )
 from flink_jobs.tools.sample_data import SampleConfig, generate_sample
 from tests.support.fault_proxy import BAD_INTENT_TEXT, FaultProxy, FaultWindow
+from tests.support.metrics_text import metric_sum
 from tests.support.waiting import WaitFailed, held_for, passes_within, until
 
 pytestmark = pytest.mark.timeout(15 * 60)
@@ -162,7 +164,7 @@ class Router:
 
     def start(self) -> Router:
         self.process.start()
-        self.process.wait_ready(lambda: _answers(f"{self.url}/health"), timeout_s=30)
+        self.process.wait_ready(lambda: http_ok(f"{self.url}/health"), timeout_s=30)
         return self
 
     def metrics(self) -> str:
@@ -170,24 +172,6 @@ class Router:
 
     def stop(self) -> None:
         self.process.stop()
-
-
-def _answers(url: str) -> bool:
-    try:
-        return httpx.get(url, timeout=2.0).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
-def metric_sum(text: str, name: str, **labels: str) -> float:
-    """Sum of the samples of ``name`` whose labels include ``labels``."""
-    total = 0.0
-    for line in text.splitlines():
-        if not (line.startswith(name + "{") or line.startswith(name + " ")):
-            continue
-        if all(f'{k}="{v}"' in line for k, v in labels.items()):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
 
 
 # --- the broker's log, kept across a restart ---------------------------------------------

@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Iterator
 
 import orjson
 import pytest
@@ -22,15 +21,6 @@ from flink_jobs.runtime.intent_store import IntentRecord, IntentStore
 
 T0 = 1_780_304_400_000  # 2026-06-01T09:00:00Z
 SHOPPER = "shopper-00146"
-
-
-@pytest.fixture
-def client(redis_url: str) -> Iterator[redis.Redis]:
-    c = redis.Redis.from_url(redis_url)
-    try:
-        yield c
-    finally:
-        c.close()
 
 
 def record(
@@ -59,9 +49,9 @@ def record(
 
 class TestExpiry:
     def test_a_refused_write_keeps_the_newer_intent_past_its_first_expiry(
-        self, client: redis.Redis, unique_name: str
+        self, redis_client: redis.Redis, unique_name: str
     ) -> None:
-        store = IntentStore(client, prefix=unique_name, ttl_ms=1_000)
+        store = IntentStore(redis_client, prefix=unique_name, ttl_ms=1_000)
         newer, older = record(T0 + 60_000), record(T0)
         assert store.upsert(newer)
         time.sleep(0.6)
@@ -74,33 +64,33 @@ class TestExpiry:
         assert store.read(SHOPPER).version == newer.version  # type: ignore[union-attr]
 
     def test_a_refused_write_never_shortens_the_expiry(
-        self, client: redis.Redis, unique_name: str
+        self, redis_client: redis.Redis, unique_name: str
     ) -> None:
-        long_lived = IntentStore(client, prefix=unique_name, ttl_ms=600_000)
-        short_lived = IntentStore(client, prefix=unique_name, ttl_ms=60_000)
+        long_lived = IntentStore(redis_client, prefix=unique_name, ttl_ms=600_000)
+        short_lived = IntentStore(redis_client, prefix=unique_name, ttl_ms=60_000)
         long_lived.upsert(record(T0 + 60_000))
 
         short_lived.upsert(record(T0))
 
-        assert client.pttl(long_lived.key(SHOPPER)) > 60_000
+        assert redis_client.pttl(long_lived.key(SHOPPER)) > 60_000
 
     def test_a_refused_write_leaves_the_stored_intent_as_it_was(
-        self, client: redis.Redis, unique_name: str
+        self, redis_client: redis.Redis, unique_name: str
     ) -> None:
-        store = IntentStore(client, prefix=unique_name, ttl_ms=60_000)
+        store = IntentStore(redis_client, prefix=unique_name, ttl_ms=60_000)
         store.upsert(record(T0 + 60_000))
-        before = client.hgetall(store.key(SHOPPER))
+        before = redis_client.hgetall(store.key(SHOPPER))
 
         store.upsert(record(T0))
 
-        assert client.hgetall(store.key(SHOPPER)) == before
+        assert redis_client.hgetall(store.key(SHOPPER)) == before
 
 
 class TestReevaluation:
     def test_a_live_write_at_an_equal_version_keeps_the_other_templates_intent(
-        self, client: redis.Redis, unique_name: str, caplog: pytest.LogCaptureFixture
+        self, redis_client: redis.Redis, unique_name: str, caplog: pytest.LogCaptureFixture
     ) -> None:
-        live = IntentStore(client, prefix=unique_name)
+        live = IntentStore(redis_client, prefix=unique_name)
         live.upsert(record(template_hash="56171ff6b9a3"))
 
         with caplog.at_level(logging.WARNING, "flink_jobs.runtime.intent_store"):
@@ -111,10 +101,10 @@ class TestReevaluation:
         assert "redis.reevaluate" in caplog.text  # said, not silent
 
     def test_a_reevaluation_replaces_an_equal_version_made_by_another_template(
-        self, client: redis.Redis, unique_name: str
+        self, redis_client: redis.Redis, unique_name: str
     ) -> None:
-        IntentStore(client, prefix=unique_name).upsert(record(template_hash="56171ff6b9a3"))
-        backfill = IntentStore(client, prefix=unique_name, reevaluate=True)
+        IntentStore(redis_client, prefix=unique_name).upsert(record(template_hash="56171ff6b9a3"))
+        backfill = IntentStore(redis_client, prefix=unique_name, reevaluate=True)
 
         written = backfill.upsert(record(template_hash="9d0c22e1f7b4"))
 
@@ -123,41 +113,41 @@ class TestReevaluation:
         assert (stored.version, stored.template_hash) == ((T0, 3), "9d0c22e1f7b4")  # type: ignore[union-attr]
 
     def test_a_reevaluation_replaces_an_equal_version_made_by_another_model(
-        self, client: redis.Redis, unique_name: str
+        self, redis_client: redis.Redis, unique_name: str
     ) -> None:
-        IntentStore(client, prefix=unique_name).upsert(record(model="SmolLM2-135M-Instruct"))
-        backfill = IntentStore(client, prefix=unique_name, reevaluate=True)
+        IntentStore(redis_client, prefix=unique_name).upsert(record(model="SmolLM2-135M-Instruct"))
+        backfill = IntentStore(redis_client, prefix=unique_name, reevaluate=True)
 
         assert backfill.upsert(record(model="SmolLM2-360M-Instruct")) is True
         assert backfill.read(SHOPPER).model == "SmolLM2-360M-Instruct"  # type: ignore[union-attr]
 
     def test_a_reevaluation_replayed_with_the_same_template_is_a_no_op(
-        self, client: redis.Redis, unique_name: str
+        self, redis_client: redis.Redis, unique_name: str
     ) -> None:
-        backfill = IntentStore(client, prefix=unique_name, reevaluate=True)
+        backfill = IntentStore(redis_client, prefix=unique_name, reevaluate=True)
         backfill.upsert(record(template_hash="9d0c22e1f7b4"))
 
         assert backfill.upsert(record(template_hash="9d0c22e1f7b4")) is False
 
     def test_a_reevaluation_never_replaces_a_newer_intent(
-        self, client: redis.Redis, unique_name: str
+        self, redis_client: redis.Redis, unique_name: str
     ) -> None:
-        IntentStore(client, prefix=unique_name).upsert(record(T0 + 60_000))
-        backfill = IntentStore(client, prefix=unique_name, reevaluate=True)
+        IntentStore(redis_client, prefix=unique_name).upsert(record(T0 + 60_000))
+        backfill = IntentStore(redis_client, prefix=unique_name, reevaluate=True)
 
         assert backfill.upsert(record(T0, template_hash="9d0c22e1f7b4")) is False
         assert backfill.upsert(record(T0 + 60_000, seq=2, template_hash="9d0c22e1f7b4")) is False
         assert backfill.read(SHOPPER).version == (T0 + 60_000, 3)  # type: ignore[union-attr]
 
     def test_a_live_replay_does_not_undo_a_reevaluation(
-        self, client: redis.Redis, unique_name: str
+        self, redis_client: redis.Redis, unique_name: str
     ) -> None:
         """After a backfill re-evaluated a shopper, the live job replaying the same version
         from a checkpoint keeps the re-evaluated intent."""
-        live = IntentStore(client, prefix=unique_name)
+        live = IntentStore(redis_client, prefix=unique_name)
         old = record(template_hash="56171ff6b9a3")
         live.upsert(old)
-        IntentStore(client, prefix=unique_name, reevaluate=True).upsert(
+        IntentStore(redis_client, prefix=unique_name, reevaluate=True).upsert(
             dataclasses.replace(old, template_hash="9d0c22e1f7b4")
         )
 

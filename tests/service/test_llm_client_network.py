@@ -7,34 +7,32 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import Any
 
 import orjson
 import pytest
 
-from flink_jobs.runtime import llm_client
 from flink_jobs.runtime.llm_client import (
     LlmAnswer,
     LlmClient,
     LlmError,
 )
-from tests.support.llm_call import CLIENT_CONFIG, INTENT_TEXT, PROMPT, SHOPPER, llm_completion
+from tests.support.llm_call import (
+    CLIENT_CONFIG,
+    INTENT_TEXT,
+    PROMPT,
+    SHOPPER,
+    llm_completion,
+    recorded_backoff_sleeps,
+)
 
 
 @pytest.fixture(autouse=True)
-def backoff_sleeps(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[float]]:
+def backoff_sleeps(monkeypatch: pytest.MonkeyPatch) -> list[float]:
     """Backoff sleeps are recorded instead of slept, so retry tests take no time."""
-    slept: list[float] = []
-    real_sleep = asyncio.sleep
-
-    async def fake_sleep(delay: float, *args: Any) -> Any:
-        slept.append(delay)
-        return await real_sleep(0, *args)
-
-    monkeypatch.setattr(llm_client.asyncio, "sleep", fake_sleep)
-    yield slept
+    return recorded_backoff_sleeps(monkeypatch)
 
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
@@ -132,18 +130,6 @@ class TestOverTheNetwork:
             over_the_network(say_nothing, max_attempts=1, request_timeout_s=0.2)
 
         assert caught.value.reason == "timeout", caught.value.detail
-
-
-PROXY_VARIABLES = ("http_proxy", "https_proxy", "all_proxy", "no_proxy")
-
-
-@pytest.fixture
-def proxy_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
-    """An environment with no proxy variables but those a test sets."""
-    for name in PROXY_VARIABLES:
-        monkeypatch.delenv(name, raising=False)
-        monkeypatch.delenv(name.upper(), raising=False)
-    return monkeypatch
 
 
 class TestProxy:

@@ -21,18 +21,17 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import orjson
 import pytest
 import redis
 
-from deploy import build_managed_flink_zip as builder
 from deploy.local_run import RUNTIMES, on_cluster, unpack
-from deploy.vendor import TargetPlatform
 from flink_jobs.config import load_config
-from flink_jobs.tools.local_services import LOCAL_BROKER_SOURCE_PROPERTIES, create_topics, free_port
+from flink_jobs.tools.local_services import create_topics, free_port
 from flink_jobs.tools.replay import replay_records
 from flink_jobs.tools.run_summary import read_stats
 from intent_reader.layout import intent_key
+from tests.support.job_process import job_groups
+from tests.support.managed_flink import build_local_zip, shopper_events, write_properties
 from tests.support.waiting import until
 
 pytestmark = pytest.mark.timeout(25 * 60)
@@ -49,48 +48,14 @@ PROMETHEUS_PREFIX = "flink_taskmanager_job_task_operator_shopper_intents_"
 
 @pytest.fixture(scope="module")
 def zip_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    missing = [n for n in builder.JARS if not (builder.default_jars_dir() / n).is_file()]
-    if missing:
-        pytest.skip(f"connector jars not built ({', '.join(missing)}): run scripts/setup.sh")
-    return builder.build(tmp_path_factory.mktemp("zip"), TargetPlatform.local()).zip_path
-
-
-def _events(name: str) -> list[bytes]:
-    base_ms = int(time.time() * 1000)
-    records = []
-    for s in range(SHOPPERS):
-        for i, kind in enumerate(("view", "click", "view", "add_to_cart")):
-            event = {
-                "event_id": f"{name}-{s}-{i}",
-                "shopper_id": f"{name}-shopper-{s}",
-                "event_type": kind,
-                "event_time": base_ms + (s * 4 + i) * 50,
-                "product": {"product_id": f"p-{s}-{i % 2}", "title": "Trail running shoe",
-                            "category": "Running Shoes", "price": 89.5},
-            }  # fmt: skip
-            records.append(orjson.dumps(event))
-    return records
+    return build_local_zip(tmp_path_factory.mktemp("zip")).zip_path
 
 
 def _properties(path: Path, name: str, kafka: str, redis_url: str, llm: dict) -> Path:
-    groups = {
-        "kafka": {
-            "bootstrap_servers": kafka,
-            "source_properties": LOCAL_BROKER_SOURCE_PROPERTIES,
-            "events_topic": f"{name}-events",
-            "dead_letter_topic": f"{name}-dlq",
-            "group_id": name,
-            "starting_offsets": "earliest",
-        },
-        "redis": {"url": redis_url, "key_prefix": name},
-        "llm": {k: str(v) for k, v in llm.items()},
-        "trigger": {"quiet_s": "1", "max_wait_s": "2", "min_interval_s": "0"},
-        "job": {"checkpoint_interval_s": "2", "stats_flush_s": "0.5", "parallelism": "0"},
-    }
-    doc = [{"PropertyGroupId": builder.RUN_OPTIONS_GROUP, "PropertyMap": builder.run_options()}]
-    doc += [{"PropertyGroupId": g, "PropertyMap": m} for g, m in groups.items()]
-    path.write_text(json.dumps(doc))
-    return path
+    groups = job_groups(name, kafka, redis_url, {k: str(v) for k, v in llm.items()})
+    groups["trigger"] = {"quiet_s": "1", "max_wait_s": "2", "min_interval_s": "0"}
+    groups["job"] = {"checkpoint_interval_s": "2", "stats_flush_s": "0.5", "parallelism": "0"}
+    return write_properties(path, groups)
 
 
 @dataclass
@@ -127,7 +92,9 @@ def cluster_run(
             timeout_s=JOB_START_TIMEOUT_S,
             interval_s=0.2,
         )
-        sent = replay_records(kafka_bootstrap, f"{name}-events", _events(name), rate=40.0)
+        sent = replay_records(
+            kafka_bootstrap, f"{name}-events", shopper_events(name, SHOPPERS), rate=40.0
+        )
         assert sent.ok, sent.describe(f"{name}-events")
         shoppers = {f"{name}-shopper-{s}" for s in range(SHOPPERS)}
 

@@ -18,9 +18,10 @@ import pytest
 
 from deploy import build_managed_flink_zip as builder
 from deploy import vendor
-from deploy.local_run import unpack
+from deploy.local_run import UnpackedApp, unpack
 from deploy.main import FAT_JAR, PY_FOLDERS
 from flink_jobs.config import read_property_groups
+from tests.support.managed_flink import build_local_zip
 
 REPO = Path(__file__).resolve().parents[2]
 JOB_JAVA_SOURCES = sorted((REPO / "flink_jobs" / "java" / "shopperintents").glob("*.java"))
@@ -31,10 +32,23 @@ JOB_JAVA_SOURCES = sorted((REPO / "flink_jobs" / "java" / "shopperintents").glob
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory: pytest.TempPathFactory) -> builder.BuildResult:
-    missing = [n for n in builder.JARS if not (builder.default_jars_dir() / n).is_file()]
-    if missing:
-        pytest.skip(f"connector jars not built ({', '.join(missing)}): run scripts/setup.sh")
-    return builder.build(tmp_path_factory.mktemp("zip"), vendor.TargetPlatform.local())
+    return build_local_zip(tmp_path_factory.mktemp("zip"))
+
+
+def printed_by(app: UnpackedApp, code: str, cwd: Path) -> list[str]:
+    """The words ``python -c code`` prints on the unpacked app's clean interpreter, with
+    only the zip's folders and PyFlink to import from; it must exit 0."""
+    done = subprocess.run(
+        [str(app.python), "-c", code],
+        env=app.environment(),
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout.split()
 
 
 @pytest.fixture(scope="module")
@@ -138,17 +152,7 @@ class TestZipLayout:
             "e._event_validator(); print(e.SCHEMAS_DIR); print(p.PROMPTS_DIR);"
             "print(httpx.__file__)"
         )
-        done = subprocess.run(
-            [str(app.python), "-c", code],
-            env=app.environment(),
-            cwd=tmp_path,
-            capture_output=True,
-            text=True,
-            timeout=120,
-            check=False,
-        )
-        assert done.returncode == 0, done.stderr[-3000:]
-        schemas, prompts, httpx_file = done.stdout.split()
+        schemas, prompts, httpx_file = printed_by(app, code, tmp_path)
         assert Path(schemas) == app.root / "app" / "flink_jobs" / "schemas"
         assert Path(prompts) == app.root / "app" / "flink_jobs" / "prompts"
         assert Path(httpx_file).is_relative_to(app.root / "site-packages")
@@ -164,16 +168,6 @@ class TestZipLayout:
             "import tokenizers; from flink_jobs.core.token_budget import token_counter;"
             "print(token_counter('auto').method); print(tokenizers.__file__)"
         )
-        done = subprocess.run(
-            [str(app.python), "-c", code],
-            env=app.environment(),
-            cwd=tmp_path,
-            capture_output=True,
-            text=True,
-            timeout=120,
-            check=False,
-        )
-        assert done.returncode == 0, done.stderr[-3000:]
-        method, library = done.stdout.split()
+        method, library = printed_by(app, code, tmp_path)
         assert method == "tokenizer"
         assert Path(library).is_relative_to(app.root / "site-packages")

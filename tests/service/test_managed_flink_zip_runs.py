@@ -16,7 +16,6 @@ import os
 import signal
 import subprocess
 import threading
-import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -25,17 +24,16 @@ import orjson
 import pytest
 import redis
 
-from deploy import build_managed_flink_zip as builder
 from deploy.local_run import UnpackedApp, unpack
-from deploy.vendor import TargetPlatform
-from flink_jobs.tools.local_services import LOCAL_BROKER_SOURCE_PROPERTIES, create_topics
+from flink_jobs.tools.local_services import create_topics
 from flink_jobs.tools.replay import replay_records
 from flink_jobs.tools.run_summary import read_stats
 from intent_reader import IntentReader
+from tests.support.job_process import job_groups
+from tests.support.managed_flink import build_local_zip, shopper_events, write_properties
 from tests.support.waiting import until
 
 SHOPPERS = 5
-EVENTS_PER_SHOPPER = 4
 # A bound on the job's start-up (a fresh interpreter, the mini-cluster's JVM, the source's
 # first fetch): seconds on a quiet host, minutes beside the model tier's workers on two cores.
 JOB_START_TIMEOUT_S = 300.0
@@ -104,55 +102,16 @@ class StandInLlm:
 
 @pytest.fixture(scope="module")
 def unpacked_app(tmp_path_factory: pytest.TempPathFactory) -> UnpackedApp:
-    missing = [n for n in builder.JARS if not (builder.default_jars_dir() / n).is_file()]
-    if missing:
-        pytest.skip(f"connector jars not built ({', '.join(missing)}): run scripts/setup.sh")
-    out = tmp_path_factory.mktemp("zip")
-    result = builder.build(out, TargetPlatform.local())
+    result = build_local_zip(tmp_path_factory.mktemp("zip"))
     return unpack(result.zip_path, tmp_path_factory.mktemp("managed-flink"))
 
 
-def _events(name: str) -> list[bytes]:
-    base_ms = int(time.time() * 1000)
-    kinds = ("view", "click", "view", "add_to_cart")
-    records = []
-    for s in range(SHOPPERS):
-        for i, kind in enumerate(kinds[:EVENTS_PER_SHOPPER]):
-            event = {
-                "event_id": f"{name}-{s}-{i}",
-                "shopper_id": f"{name}-shopper-{s}",
-                "event_type": kind,
-                "event_time": base_ms + (s * EVENTS_PER_SHOPPER + i) * 50,
-                "product": {
-                    "product_id": f"p-{s}-{i % 2}",
-                    "title": "Trail running shoe",
-                    "category": "Running Shoes",
-                    "price": 89.5,
-                },
-            }
-            records.append(orjson.dumps(event))
-    return records
-
-
 def _properties(path: Path, name: str, kafka: str, redis_url: str, llm_url: str) -> Path:
-    groups = {
-        "kafka": {
-            "bootstrap_servers": kafka,
-            "source_properties": LOCAL_BROKER_SOURCE_PROPERTIES,
-            "events_topic": f"{name}-events",
-            "dead_letter_topic": f"{name}-dlq",
-            "group_id": name,
-            "starting_offsets": "earliest",
-        },
-        "redis": {"url": redis_url, "key_prefix": name},
-        "llm": {"base_url": llm_url, "model": STAND_IN_MODEL, "request_timeout_s": "10"},
-        "trigger": {"quiet_s": "1", "max_wait_s": "2", "min_interval_s": "0"},
-        "job": {"checkpoint_interval_s": "2", "stats_flush_s": "0.5"},
-    }
-    doc = [{"PropertyGroupId": builder.RUN_OPTIONS_GROUP, "PropertyMap": builder.run_options()}]
-    doc += [{"PropertyGroupId": g, "PropertyMap": m} for g, m in groups.items()]
-    path.write_text(json.dumps(doc))
-    return path
+    llm = {"base_url": llm_url, "model": STAND_IN_MODEL, "request_timeout_s": "10"}
+    groups = job_groups(name, kafka, redis_url, llm)
+    groups["trigger"] = {"quiet_s": "1", "max_wait_s": "2", "min_interval_s": "0"}
+    groups["job"] = {"checkpoint_interval_s": "2", "stats_flush_s": "0.5"}
+    return write_properties(path, groups)
 
 
 @pytest.fixture
@@ -215,7 +174,7 @@ def _tail(path: Path, lines: int = 40) -> str:
 
 def test_job_from_the_zip_writes_intents(running_job, kafka_bootstrap: str, redis_url: str):
     name, llm, log_path = running_job
-    records = _events(name)
+    records = shopper_events(name, SHOPPERS)
     summary = replay_records(kafka_bootstrap, f"{name}-events", records, rate=40.0)
     assert summary.ok, summary.describe(f"{name}-events")
 

@@ -7,7 +7,6 @@ The session's cluster; each test under its own prefix.
 
 from __future__ import annotations
 
-import pytest
 import redis.cluster
 import redis.exceptions
 
@@ -18,15 +17,6 @@ from intent_reader import KeyLayout
 
 SHARDS = 64
 SLOW_FLUSH_S = 60.0  # only close() publishes
-
-
-@pytest.fixture
-def cluster_client(redis_cluster: RedisClusterService):
-    client = redis.cluster.RedisCluster.from_url(redis_cluster.url, socket_timeout=5)
-    try:
-        yield client
-    finally:
-        client.close()
 
 
 def reporters(url: str, prefix: str, count: int) -> list[StatsReporter]:

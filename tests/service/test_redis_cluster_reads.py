@@ -31,15 +31,6 @@ from tests.support.builders import intent_record
 SHOPPERS = [f"shopper-{i:03d}" for i in range(60)]
 
 
-@pytest.fixture
-def cluster_client(redis_cluster: RedisClusterService):
-    client = redis.cluster.RedisCluster.from_url(redis_cluster.url, socket_timeout=5)
-    try:
-        yield client
-    finally:
-        client.close()
-
-
 def write_all(client: redis.cluster.RedisCluster, prefix: str, notify: Notify | None = None):
     store = IntentStore(client, prefix, notify=notify)
     assert store.upsert_many([intent_record(s, 1_000 + i, 1) for i, s in enumerate(SHOPPERS)])

@@ -24,7 +24,7 @@ import os
 import signal
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import httpx
@@ -34,7 +34,6 @@ import redis
 import redis.asyncio
 
 from flink_jobs.config import AppConfig, LlmConfig
-from flink_jobs.core.prompting import RenderedPrompt
 from flink_jobs.core.tasks import PromptTask, TaskResult
 from flink_jobs.metrics import OutcomeRecorder
 from flink_jobs.runtime.counters import StatsReporter
@@ -53,6 +52,7 @@ from flink_jobs.runtime.intent_store import (
 from flink_jobs.runtime.llm_client import LlmClient
 from flink_jobs.runtime.outbox import Outbox
 from flink_jobs.tools.local_services import RedisService, free_port, start_redis
+from tests.support import builders
 from tests.support.tcp_forwarder import TcpForwarder
 from tests.support.waiting import until
 
@@ -116,6 +116,16 @@ class CountingStore:
             raise
 
 
+@dataclass(frozen=True)
+class Upserted:
+    """How one ``upsert_with_retry`` ended: whether it wrote, the attempts it took and the
+    codes the server refused it with."""
+
+    written: bool
+    attempts: int
+    refusals: set[str]
+
+
 def upsert_while_lifting(
     url: str,
     lift: Callable[[], object] | None,
@@ -123,22 +133,19 @@ def upsert_while_lifting(
     *,
     prefix: str = "si",
     notify: Notify | None = None,
-    store: list[CountingStore] | None = None,
-) -> tuple[bool, int]:
+) -> Upserted:
     """``upsert_with_retry`` of one intent while ``lift`` ends the server's state after
-    ``LIFT_AFTER_S`` (never, if None); returns whether it wrote and how many attempts it
-    took. ``store``: a list the counting store is appended to (its ``refusals``)."""
+    ``LIFT_AFTER_S`` (never, if None)."""
     timer = threading.Timer(LIFT_AFTER_S, lift) if lift else None
 
-    async def main() -> tuple[bool, int]:
+    async def main() -> Upserted:
         client = redis.asyncio.Redis.from_url(url, socket_timeout=2)
         counting = CountingStore(AsyncIntentStore(client, prefix, notify=notify))
-        if store is not None:
-            store.append(counting)
         try:
             if timer:
                 timer.start()
-            return await upsert_with_retry(counting, record(), budget_s), counting.attempts
+            written = await upsert_with_retry(counting, record(), budget_s)
+            return Upserted(written, counting.attempts, set(counting.refusals))
         finally:
             await client.aclose()
 
@@ -156,8 +163,15 @@ def stored_version(
     return int(ts), int(seq)
 
 
-def refusals(stores: list[CountingStore]) -> set[str]:
-    return set(stores[0].refusals)
+def assert_waited_out(
+    upserted: Upserted, refusal: str, server: redis.Redis, prefix: str = "si"
+) -> None:
+    """The write was refused with ``refusal`` at least once, then landed once the state
+    lifted."""
+    assert upserted.written is True
+    assert upserted.attempts >= 2
+    assert upserted.refusals == {refusal}
+    assert stored_version(server, prefix=prefix) == (T0 + 95_000, 3)
 
 
 def read_only_replica(admin: redis.Redis) -> None:
@@ -179,47 +193,31 @@ class TestTransientServerStates:
         self, private_redis: RedisService, admin: redis.Redis
     ) -> None:
         read_only_replica(admin)
-        stores: list[CountingStore] = []
 
-        written, attempts = upsert_while_lifting(
-            private_redis.url, lambda: admin.replicaof("NO", "ONE"), store=stores
-        )
+        upserted = upsert_while_lifting(private_redis.url, lambda: admin.replicaof("NO", "ONE"))
 
-        assert written is True
-        assert attempts >= 2
-        assert refusals(stores) == {"READONLY"}
-        assert stored_version(admin) == (T0 + 95_000, 3)
+        assert_waited_out(upserted, "READONLY", admin)
 
     def test_a_replica_cut_off_from_its_primary_answers_masterdown_until_promoted(
         self, private_redis: RedisService, admin: redis.Redis
     ) -> None:
         admin.config_set("replica-serve-stale-data", "no")  # a stale replica refuses reads too
         admin.replicaof("127.0.0.1", str(free_port()))
-        stores: list[CountingStore] = []
 
-        written, attempts = upsert_while_lifting(
-            private_redis.url, lambda: admin.replicaof("NO", "ONE"), store=stores
-        )
+        upserted = upsert_while_lifting(private_redis.url, lambda: admin.replicaof("NO", "ONE"))
 
-        assert written is True
-        assert attempts >= 2
-        assert refusals(stores) == {"MASTERDOWN"}
-        assert stored_version(admin) == (T0 + 95_000, 3)
+        assert_waited_out(upserted, "MASTERDOWN", admin)
 
     def test_a_primary_short_of_replicas_answers_noreplicas_until_one_is_enough(
         self, private_redis: RedisService, admin: redis.Redis
     ) -> None:
         admin.config_set("min-replicas-to-write", "1")  # and no replica is connected
-        stores: list[CountingStore] = []
 
-        written, attempts = upsert_while_lifting(
-            private_redis.url, lambda: admin.config_set("min-replicas-to-write", "0"), store=stores
+        upserted = upsert_while_lifting(
+            private_redis.url, lambda: admin.config_set("min-replicas-to-write", "0")
         )
 
-        assert written is True
-        assert attempts >= 2
-        assert refusals(stores) == {"NOREPLICAS"}
-        assert stored_version(admin) == (T0 + 95_000, 3)
+        assert_waited_out(upserted, "NOREPLICAS", admin)
 
     def test_a_cluster_slot_being_moved_answers_tryagain_until_it_is_stable(
         self, tmp_path: Path
@@ -251,20 +249,15 @@ class TestTransientServerStates:
             slot = node.execute_command("CLUSTER", "KEYSLOT", notify.stream)
             other_id = other.execute_command("CLUSTER", "MYID").decode()
             node.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", other_id)
-            stores: list[CountingStore] = []
 
-            written, attempts = upsert_while_lifting(
+            upserted = upsert_while_lifting(
                 a.url,
                 lambda: node.execute_command("CLUSTER", "SETSLOT", slot, "STABLE"),
                 prefix=prefix,
                 notify=notify,
-                store=stores,
             )
 
-            assert written is True
-            assert attempts >= 2
-            assert refusals(stores) == {"TRYAGAIN"}
-            assert stored_version(node, prefix=prefix) == (T0 + 95_000, 3)
+            assert_waited_out(upserted, "TRYAGAIN", node, prefix=prefix)
 
     def test_a_server_out_of_memory_is_waited_out_until_memory_frees(
         self, private_redis: RedisService, admin: redis.Redis
@@ -272,16 +265,11 @@ class TestTransientServerStates:
         admin.config_set("maxmemory-policy", "noeviction")
         admin.config_set("maxmemory", "1")
 
-        stores: list[CountingStore] = []
-
-        written, attempts = upsert_while_lifting(
-            private_redis.url, lambda: admin.config_set("maxmemory", "0"), store=stores
+        upserted = upsert_while_lifting(
+            private_redis.url, lambda: admin.config_set("maxmemory", "0")
         )
 
-        assert written is True
-        assert attempts >= 2
-        assert refusals(stores) == {"OOM"}
-        assert stored_version(admin) == (T0 + 95_000, 3)
+        assert_waited_out(upserted, "OOM", admin)
 
     def test_a_server_busy_with_a_long_script_is_waited_out_until_the_script_ends(
         self, private_redis: RedisService, admin: redis.Redis
@@ -302,18 +290,12 @@ class TestTransientServerStates:
 
             until(busy, "the script to make the server busy", timeout_s=5, interval_s=0.05)
 
-            stores: list[CountingStore] = []
-            written, attempts = upsert_while_lifting(
-                private_redis.url, admin.script_kill, store=stores
-            )
+            upserted = upsert_while_lifting(private_redis.url, admin.script_kill)
         finally:
             spinning.join()
             spinner.close()
 
-        assert written is True
-        assert attempts >= 2
-        assert refusals(stores) == {"BUSY"}
-        assert stored_version(admin) == (T0 + 95_000, 3)
+        assert_waited_out(upserted, "BUSY", admin)
 
     def test_after_readonly_the_new_primary_behind_the_same_endpoint_is_found(
         self, private_redis: RedisService, admin: redis.Redis, tmp_path: Path
@@ -371,19 +353,10 @@ async def completion_handler(request: httpx.Request) -> httpx.Response:
 
 
 def prompt_task(shopper_id: str, seq: int = 3) -> PromptTask:
-    prompt = RenderedPrompt(
-        messages=(
-            {"role": "system", "content": "You infer a shopper's current shopping intent."},
-            {"role": "user", "content": "<events>\n+01:35 view\n</events>"},
-        ),
-        template="shopper_intent_v1.j2",
-        template_hash="56171ff6b9a3",
-        estimated_tokens=400,
-        events_included=1,
-        events_dropped=0,
+    """A one-event prompt of ``shopper_id``, versioned at ``T0 + 95 s``."""
+    return builders.prompt_task(
+        shopper_id, seq, at_s=95, user="<events>\n+01:35 view\n</events>", events_included=1
     )
-    at = T0 + 95_000
-    return PromptTask(shopper_id, seq, version_ts=at, event_time_ms=at, prompt=prompt)
 
 
 def run_tasks(url: str, *tasks: PromptTask) -> list[TaskResult]:
@@ -499,7 +472,7 @@ class TestReplication:
                     timeout_s=20,
                     interval_s=0.05,
                 )
-                written, _ = upsert_while_lifting(primary.url, None)  # replicated
+                replicated = upsert_while_lifting(primary.url, None)
                 until(
                     lambda: replica.exists("si:intent:shopper-00146") == 1,
                     "the copy",
@@ -514,7 +487,7 @@ class TestReplication:
                 os.kill(primary.process.pid, signal.SIGKILL)  # it dies with the write unsent
                 replica.replicaof("NO", "ONE")  # the failover promotes the replica
 
-                assert written is True
+                assert replicated.written is True
                 assert stored_version(replica) == (T0 + 95_000, 3)  # the write acked at seq 4: lost
         finally:
             primary.stop()

@@ -32,7 +32,6 @@ import redis
 from flink_jobs.checkpoints import latest_checkpoint
 from flink_jobs.tools.flink_cluster import ClusterSpec, FlinkCluster, job_script, settings_env
 from flink_jobs.tools.local_services import (
-    LOCAL_BROKER_SOURCE_PROPERTIES,
     cache_dir,
     create_topics,
     free_port,
@@ -51,7 +50,7 @@ from intent_reader.layout import SOURCE_RANKS, intent_key
 from intent_reader.updates import IntentUpdate, IntentUpdates
 from tests.support.answers import Unanswered, unanswered_in
 from tests.support.dashboards import FLINK_PREFIX, flink_builtin_names_used, grouping_labels_used
-from tests.support.job_process import call_processes
+from tests.support.job_process import call_processes, job_groups
 from tests.support.stream import move_event_time
 from tests.support.waiting import until
 
@@ -93,21 +92,12 @@ def cluster(tmp_path_factory) -> FlinkCluster:
 
 
 def _groups(name: str, bootstrap: str, redis_url: str, llm: dict, **job) -> dict:
-    return {
-        "kafka": {
-            "bootstrap_servers": bootstrap,
-            "source_properties": LOCAL_BROKER_SOURCE_PROPERTIES,
-            "events_topic": f"{name}-events",
-            "dead_letter_topic": f"{name}-dlq",
-            "prompts_topic": f"{name}-prompts",
-            "group_id": name,
-            "starting_offsets": "earliest",
-        },
-        "redis": {"url": redis_url, "key_prefix": name, "notify_stream": f"{name}:updates"},
-        "llm": llm,
-        # The cluster's -p decides, as Managed Flink's parallelism setting would.
-        "job": {"parallelism": 0, "checkpoint_interval_s": 2, **job},
-    }
+    groups = job_groups(name, bootstrap, redis_url, llm)
+    groups["kafka"]["prompts_topic"] = f"{name}-prompts"
+    groups["redis"]["notify_stream"] = f"{name}:updates"
+    # The cluster's -p decides, as Managed Flink's parallelism setting would.
+    groups["job"] = {"parallelism": 0, "checkpoint_interval_s": 2, **job}
+    return groups
 
 
 def _now_ms() -> int:

@@ -34,6 +34,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -44,7 +45,6 @@ import redis
 import redis.asyncio
 
 from flink_jobs.config import AppConfig, LlmConfig, load_config
-from flink_jobs.core.prompting import RenderedPrompt
 from flink_jobs.runtime.counters import StatsReporter, stats_key
 from flink_jobs.runtime.inference import (
     PromptRunner,
@@ -68,14 +68,17 @@ from flink_jobs.tools.local_services import (
     redis_server_binary,
 )
 from intent_reader import IntentReader, ReaderUnavailableError
+from tests.support import builders
 from tests.support.builders import intent_record
+from tests.support.secret_leaks import (
+    API_KEY,
+    REDIS_PASSWORD,
+    WRONG_PASSWORD,
+    assert_no_secret,
+    exception_chain,
+)
 from tests.support.waiting import until
 
-REDIS_PASSWORD = "Rp-7f3c9e-s3cret"
-WRONG_PASSWORD = "Wp-41d0aa-notit"
-API_KEY = "sk-si-test-9b2e77c1"
-JAAS_PASSWORD = "jaas-pw-5e81d2"
-SECRETS = (REDIS_PASSWORD, WRONG_PASSWORD, API_KEY, JAAS_PASSWORD)
 T0 = 1_780_304_400_000
 INTENT = {
     "intents": [{"label": "comparing_options", "confidence": 0.7, "category": "headphones"}],
@@ -83,41 +86,20 @@ INTENT = {
 }
 
 
-def assert_no_secret(*texts: object) -> None:
-    for text in texts:
-        for secret in SECRETS:
-            assert secret not in str(text), f"a secret leaked into: {text!r}"
-
-
-def exception_chain(exc: BaseException) -> list[str]:
-    """Every message in the exception's cause/context chain (what a traceback would show)."""
-    out: list[str] = []
-    seen: set[int] = set()
-    current: BaseException | None = exc
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        out += [repr(current), str(current), *map(str, current.args)]
-        current = current.__cause__ or current.__context__
-    return out
-
-
 def record(shopper_id: str, version_ts: int = T0) -> IntentRecord:
     return intent_record(shopper_id, version_ts, 1, intent=INTENT)
 
 
 def prompt_task(shopper_id: str = "shopper-sec-1") -> PromptTask:
-    prompt = RenderedPrompt(
-        messages=(
-            {"role": "system", "content": "You infer a shopper's current shopping intent."},
-            {"role": "user", "content": "<events>\n+00:00 view\n</events>"},
-        ),
-        template="shopper_intent_v1.j2",
-        template_hash="56171ff6b9a3",
+    """A one-event prompt of ``shopper_id``, versioned at ``T0``."""
+    return builders.prompt_task(
+        shopper_id,
+        1,
+        at_s=0,
+        user="<events>\n+00:00 view\n</events>",
         estimated_tokens=20,
         events_included=1,
-        events_dropped=0,
     )
-    return PromptTask(shopper_id, 1, T0, T0, prompt)
 
 
 # --- a Redis with AUTH and TLS -----------------------------------------------------------
@@ -447,49 +429,42 @@ def listening_addresses(port: int) -> set[str]:
     return found
 
 
-def start_router(port: int, *extra: str) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(
+@contextmanager
+def listening_router(port: int, *extra: str) -> Iterator[None]:
+    """A router process started with ``extra`` options, once it listens on ``port``;
+    terminated on exit."""
+    process = subprocess.Popen(
         [sys.executable, "-m", "inference_sidecar", "router", "--port", str(port),
          "--worker", f"http://{LOOPBACK}:{free_port()}", *extra],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         start_new_session=True,
     )  # fmt: skip
+    try:
+        until(
+            lambda: listening_addresses(port),
+            f"the router to listen on port {port}",
+            timeout_s=20,
+            interval_s=0.1,
+            give_up=lambda: process.poll() is not None and f"exit code {process.returncode}",
+        )
+        yield
+    finally:
+        process.terminate()
+        process.wait(timeout=10)
 
 
 class TestRouterBindsToLoopback:
     def test_a_started_router_listens_on_loopback_only(self) -> None:
         port = free_port()
-        process = start_router(port)
-        try:
-            until(
-                lambda: listening_addresses(port),
-                f"the router to listen on port {port}",
-                timeout_s=20,
-                interval_s=0.1,
-                give_up=lambda: process.poll() is not None and f"exit code {process.returncode}",
-            )
+        with listening_router(port):
             assert listening_addresses(port) == {"0100007F"}  # 127.0.0.1, nothing else
             assert port_accepts(LOOPBACK, port)
-        finally:
-            process.terminate()
-            process.wait(timeout=10)
 
     def test_host_opens_it_to_other_interfaces_when_asked(self) -> None:
         port = free_port()
-        process = start_router(port, "--host", "0.0.0.0")
-        try:
-            until(
-                lambda: listening_addresses(port),
-                f"the router to listen on port {port}",
-                timeout_s=20,
-                interval_s=0.1,
-                give_up=lambda: process.poll() is not None and f"exit code {process.returncode}",
-            )
+        with listening_router(port, "--host", "0.0.0.0"):
             assert listening_addresses(port) == {"00000000"}  # 0.0.0.0
-        finally:
-            process.terminate()
-            process.wait(timeout=10)
 
 
 # --- limits ------------------------------------------------------------------------------

@@ -6,16 +6,26 @@ them: a rendered prompt, the model's answer, and the client's settings.
 - ``CLIENT_CONFIG``: the client with retries (three attempts, backoff from 0.5 s to 8 s).
 - ``COMPARING_INTENT`` and ``ONE_ATTEMPT_LLM``: the intent a shopper comparing headphones
   gets, and a client that tries once, for the tests of one prompt's trip to Redis.
+- :func:`recorded_backoff_sleeps`: the client's backoff sleeps recorded, not slept.
+- :func:`ask_all`: prompts asked at once through the job's own call path, for the model
+  tier's tests of what a served model answers.
 """
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Sequence
 from typing import Any
 
 import httpx
+import pytest
 
 from flink_jobs.config import LlmConfig
 from flink_jobs.core.prompting import RenderedPrompt
+from flink_jobs.core.tasks import PromptTask, TaskResult
+from flink_jobs.runtime import llm_client
+from flink_jobs.runtime.inference import Answered, ask
+from flink_jobs.runtime.llm_client import LlmClient
 from tests.support import builders
 from tests.support.builders import SHOPPER
 
@@ -27,7 +37,9 @@ __all__ = [
     "ONE_ATTEMPT_LLM",
     "PROMPT",
     "SHOPPER",
+    "ask_all",
     "llm_completion",
+    "recorded_backoff_sleeps",
 ]
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -64,6 +76,20 @@ def llm_completion(text: str = INTENT_TEXT, **extra: Any) -> httpx.Response:
     )
 
 
+def recorded_backoff_sleeps(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """The LLM client's sleeps (its backoff between attempts) from now on, each noted in the
+    returned list and not slept: a retry test takes no time."""
+    slept: list[float] = []
+    real_sleep = asyncio.sleep
+
+    async def fake_sleep(delay: float, *args: Any) -> Any:
+        slept.append(delay)
+        return await real_sleep(0, *args)
+
+    monkeypatch.setattr(llm_client.asyncio, "sleep", fake_sleep)
+    return slept
+
+
 ONE_ATTEMPT_LLM = LlmConfig(base_url="http://llm.test/v1", model=MODEL, max_attempts=1)
 COMPARING_INTENT = {
     "intents": [
@@ -72,3 +98,17 @@ COMPARING_INTENT = {
     ],
     "summary": "Comparing over-ear headphones from Sonique and Auralis.",
 }
+
+
+def ask_all(tasks: Sequence[PromptTask], llm: LlmConfig) -> list[Answered | TaskResult]:
+    """Each task's prompt asked at once by one client of ``llm`` (``inference.ask``, no
+    re-ask of an invalid answer): the answers, or the dead letters, in task order."""
+
+    async def go() -> list[Answered | TaskResult]:
+        client = LlmClient(llm)
+        try:
+            return await asyncio.gather(*(ask(t, client, 0) for t in tasks))
+        finally:
+            await client.aclose()
+
+    return asyncio.run(go())

@@ -8,7 +8,6 @@ in ``tests/service/test_llm_client_network.py``."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,7 +17,6 @@ import pytest
 
 from flink_jobs.config import LlmConfig
 from flink_jobs.core.intents import intent_response_format
-from flink_jobs.runtime import llm_client
 from flink_jobs.runtime.llm_client import (
     Completion,
     LlmAnswer,
@@ -36,6 +34,7 @@ from tests.support.llm_call import (
     PROMPT,
     SHOPPER,
     llm_completion,
+    recorded_backoff_sleeps,
 )
 
 
@@ -75,17 +74,9 @@ def failure(server: Server, config: LlmConfig = CLIENT_CONFIG) -> LlmError:
 
 
 @pytest.fixture(autouse=True)
-def backoff_sleeps(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[float]]:
+def backoff_sleeps(monkeypatch: pytest.MonkeyPatch) -> list[float]:
     """Backoff sleeps are recorded instead of slept, so retry tests take no time."""
-    slept: list[float] = []
-    real_sleep = asyncio.sleep
-
-    async def fake_sleep(delay: float, *args: Any) -> Any:
-        slept.append(delay)
-        return await real_sleep(0, *args)
-
-    monkeypatch.setattr(llm_client.asyncio, "sleep", fake_sleep)
-    yield slept
+    return recorded_backoff_sleeps(monkeypatch)
 
 
 class TestRequest:
@@ -164,18 +155,6 @@ class TestAnswer:
         payload = orjson.dumps({"choices": [{"message": {"content": None}}], "usage": None})
 
         assert read_answer(payload) == Completion("")
-
-
-PROXY_VARIABLES = ("http_proxy", "https_proxy", "all_proxy", "no_proxy")
-
-
-@pytest.fixture
-def proxy_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
-    """An environment with no proxy variables but those a test sets."""
-    for name in PROXY_VARIABLES:
-        monkeypatch.delenv(name, raising=False)
-        monkeypatch.delenv(name.upper(), raising=False)
-    return monkeypatch
 
 
 class TestProxy:

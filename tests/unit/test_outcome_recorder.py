@@ -7,28 +7,25 @@ from __future__ import annotations
 import pytest
 
 from flink_jobs.core.events import DeadLetter
-from flink_jobs.core.prompting import RenderedPrompt
 from flink_jobs.core.tasks import PromptTask, TaskResult
 from flink_jobs.metrics import INFER_COUNTS, INFER_TIMINGS, OutcomeRecorder, gauge_names
 from flink_jobs.runtime.outbox import Settled
+from tests.support import builders
 from tests.support.fake_metrics import FakeGroup, FakeStats
 
 T0 = 1_780_304_400_000  # 2026-06-01T09:00:00Z
 
 
 def prompt_task(seq: int = 4) -> PromptTask:
-    prompt = RenderedPrompt(
-        messages=(
-            {"role": "system", "content": "You infer a shopper's current shopping intent."},
-            {"role": "user", "content": "<events>\n+00:00 view Sonique Studio Pro\n</events>"},
-        ),
-        template="shopper_intent_v1.j2",
-        template_hash="56171ff6b9a3",
+    """A prompt of three events (1230 tokens estimated), versioned at ``T0``."""
+    return builders.prompt_task(
+        "shopper-00146",
+        seq,
+        at_s=0,
+        user="<events>\n+00:00 view Sonique Studio Pro\n</events>",
         estimated_tokens=1230,
         events_included=3,
-        events_dropped=0,
     )
-    return PromptTask("shopper-00146", seq, version_ts=T0, event_time_ms=T0, prompt=prompt)
 
 
 def settled(result: TaskResult, after_ms: int = 4_000, queued_ms: int = 0) -> Settled:

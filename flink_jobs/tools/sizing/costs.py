@@ -268,30 +268,26 @@ def _jvm_cpu(reader: _Reader, _config: ConfigDefaults) -> Figure:
     return Figure(sum(kinds.values()), reader.source("pipeline_capacity"), key, MEASURED)
 
 
-def _calls_per_event(reader: _Reader, _config: ConfigDefaults) -> Figure:
-    calls = reader.value("pipeline_capacity", "phases.drain.stats.llm_calls")
+def _per_accepted_event(reader: _Reader, stat: str) -> Figure:
+    """The drain phase's count ``stat`` per event the job accepted."""
+    count = reader.value("pipeline_capacity", f"phases.drain.stats.{stat}")
     events = reader.value("pipeline_capacity", "phases.drain.stats.events_accepted")
     if events <= 0:
         raise reader.missing("pipeline_capacity", "phases.drain.stats.events_accepted is 0")
     return Figure(
-        calls / events,
+        count / events,
         reader.source("pipeline_capacity"),
-        "phases.drain.stats.llm_calls / events_accepted",
+        f"phases.drain.stats.{stat} / events_accepted",
         DERIVED,
     )
+
+
+def _calls_per_event(reader: _Reader, _config: ConfigDefaults) -> Figure:
+    return _per_accepted_event(reader, "llm_calls")
 
 
 def _prompts_per_event(reader: _Reader, _config: ConfigDefaults) -> Figure:
-    prompts = reader.value("pipeline_capacity", "phases.drain.stats.prompts_sent")
-    events = reader.value("pipeline_capacity", "phases.drain.stats.events_accepted")
-    if events <= 0:
-        raise reader.missing("pipeline_capacity", "phases.drain.stats.events_accepted is 0")
-    return Figure(
-        prompts / events,
-        reader.source("pipeline_capacity"),
-        "phases.drain.stats.prompts_sent / events_accepted",
-        DERIVED,
-    )
+    return _per_accepted_event(reader, "prompts_sent")
 
 
 def _call_process_cpu(reader: _Reader, config: ConfigDefaults) -> Figure:

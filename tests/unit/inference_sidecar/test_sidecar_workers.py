@@ -26,15 +26,7 @@ from inference_sidecar.workers import (
     plan_workers,
     prune_older_than,
 )
-
-
-def resolved(tmp_path: Path, **kw) -> ClusterConfig:
-    kw.setdefault("python", tmp_path / "python")
-    kw.setdefault("model_dir", tmp_path / "model")
-    kw.setdefault("log_dir", tmp_path / "logs")
-    kw.setdefault("cache_dir", tmp_path / "cache")
-    kw.setdefault("cores", (0, 1))
-    return ClusterConfig(**kw)
+from tests.support.worker_config import resolved
 
 
 def arg(argv: tuple[str, ...], flag: str) -> str:
