@@ -25,12 +25,13 @@ from flink_jobs.tools.local_services import RedisClusterService, start_redis_clu
 from intent_reader import IntentReader
 from intent_reader.layout import key_slot
 from tests.support.cluster_writes import (
+    STEP_TIMEOUT_S,
     IntentWriters,
     VersionPoller,
     cluster_config,
-    until,
     version_ts,
 )
+from tests.support.waiting import until
 
 log = logging.getLogger(__name__)
 
@@ -63,12 +64,16 @@ def test_a_killed_primary_is_replaced_and_every_write_lands_or_is_counted(
     poller = VersionPoller(cluster.url, unique_name, SHOPPERS).start()
     try:
         writers.wait_acked(2)
-        until(lambda: poller.rounds > 0, "the reader's first round")
+        until(lambda: poller.rounds > 0, "the reader's first round", timeout_s=STEP_TIMEOUT_S)
         victim = cluster.owner_of(key_slot(layout.intent_key(SHOPPERS[0])))
         (heir,) = cluster.replicas_of(victim)
         killed_at = time.monotonic()
         victim.process.kill()  # SIGKILL, while writes are in flight
-        until(lambda: cluster.role_of(heir) == "master", "the replica's promotion")
+        until(
+            lambda: cluster.role_of(heir) == "master",
+            "the replica's promotion",
+            timeout_s=STEP_TIMEOUT_S,
+        )
         promoted_after_s = time.monotonic() - killed_at
         writers.pause()  # the writes in flight end: landed, or failed past the budget
 
@@ -80,7 +85,11 @@ def test_a_killed_primary_is_replaced_and_every_write_lands_or_is_counted(
         writers.resume()
         writers.wait_acked(1, since=resumed_at)
         writers.pause()
-        until(lambda: poller.rounds > rounds + 1, "the reader's rounds after the failover")
+        until(
+            lambda: poller.rounds > rounds + 1,
+            "the reader's rounds after the failover",
+            timeout_s=STEP_TIMEOUT_S,
+        )
     finally:
         writers.stop()
         poller.stop()

@@ -25,7 +25,13 @@ from flink_jobs.tools.local_services import (
 )
 from intent_reader import IntentReader, IntentUpdates
 from intent_reader.layout import key_slot
-from tests.support.cluster_writes import IntentWriters, VersionPoller, cluster_config, until
+from tests.support.cluster_writes import (
+    STEP_TIMEOUT_S,
+    IntentWriters,
+    VersionPoller,
+    cluster_config,
+)
+from tests.support.waiting import until
 
 SHOPPERS = [f"shopper-{i:04d}" for i in range(240)]
 WRITERS = 12
@@ -86,6 +92,7 @@ def test_a_slot_moved_under_the_writes_keeps_every_write_and_its_notification(
             until(
                 lambda: writers.log.acked_between(moving, since, time.monotonic()) > 0,
                 "a write to the moving slot",
+                timeout_s=STEP_TIMEOUT_S,
             )
 
         started = time.monotonic()
@@ -93,7 +100,7 @@ def test_a_slot_moved_under_the_writes_keeps_every_write_and_its_notification(
         ended = time.monotonic()
         writers.wait_acked(1, since=ended)
         writers.pause()
-        until(lambda: poller.rounds > 2, "the reader's rounds")
+        until(lambda: poller.rounds > 2, "the reader's rounds", timeout_s=STEP_TIMEOUT_S)
     finally:
         writers.stop()
         poller.stop()

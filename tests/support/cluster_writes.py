@@ -20,7 +20,7 @@ import asyncio
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from flink_jobs.config import AppConfig, RedisConfig
@@ -29,6 +29,7 @@ from flink_jobs.core.prompting import RenderedPrompt
 from flink_jobs.core.tasks import PromptTask
 from flink_jobs.runtime.inference import PromptRunner, RedisUnavailable
 from intent_reader import IntentReader, ReaderUnavailableError
+from tests.support.waiting import until
 
 T0 = 1_780_304_400_000  # 2026-06-01T09:00:00Z
 
@@ -64,11 +65,9 @@ def version_ts(seq: int) -> int:
     return T0 + 1000 * seq
 
 
-def until(check: Callable[[], bool], what: str, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
+#: How long a cluster test waits for a step (a promotion takes about 2 s with a 1 s node
+#: timeout; writes through it a few more).
+STEP_TIMEOUT_S = 60.0
 
 
 @dataclass
@@ -138,7 +137,7 @@ class IntentWriters:
                     for s in self.shoppers
                 )
 
-        until(lambda: self._raise_error() or done(), "the shoppers' writes", timeout_s)
+        until(lambda: self._raise_error() or done(), "the shoppers' writes", timeout_s=timeout_s)
 
     def _raise_error(self) -> None:
         if self._error is not None:
