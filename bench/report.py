@@ -49,7 +49,7 @@ PLOTS = {
 }
 
 #: Markdown written beside a results file by the benchmark that wrote it.
-DETAILS = {"routing": "routing.md"}
+DETAILS = {"routing": "routing.md", "routing_scale": "routing_scale.md"}
 
 NO_TARGET = "no target judged"
 NOT_RECORDED = "not recorded"
