@@ -922,6 +922,13 @@ def judge(steady: dict[str, dict], skewed: dict[str, dict]) -> list[dict[str, An
     return targets
 
 
+def judged_phase(name: str) -> str:
+    """The phase a target of ``judge``, ``judge_vs_peers`` or ``judge_kv`` judges, from its
+    name (``steady.…``, ``kv.restart.…``): a run of some phases judges only those."""
+    parts = name.split(".")
+    return parts[1] if parts[0] == "kv" else parts[0]
+
+
 #: The default policy's computed tokens per request over the best peer's, at most.
 VS_BEST_PEER = 1.1
 
@@ -1230,7 +1237,7 @@ def schedule(specs: Sequence[RouterSpec], cfg: BenchConfig) -> list[tuple[str, i
         if disrupted in cfg.phases:
             order += [(disrupted, 0, spec) for spec in specs]
     if "replicas" in cfg.phases:  # the second item is the number of replicas
-        replicated = replica_specs(cfg.routers)
+        replicated = replica_specs(cfg.routers, cfg.variants)
         order += [("replicas", n, spec) for n in REPLICA_COUNTS for spec in replicated]
     return order
 
@@ -1243,19 +1250,22 @@ def phase_budget(left_s: float, kinds: Sequence[str]) -> float:
     return left_s * shares[0] / sum(shares) if shares else left_s
 
 
-def replica_specs(routers: Sequence[str]) -> list[RouterSpec]:
+def replica_specs(routers: Sequence[str], variants: Sequence[RouterSpec] = ()) -> list[RouterSpec]:
     """The routers of the replicas phase among ``routers`` (``--routers`` keys): ours
-    (``OURS_REPLICATED``) with each load view, then ``REPLICA_PEERS``."""
+    (``OURS_REPLICATED``) with each load view, then each ``--variant`` of it with the
+    ``workers`` view, then ``REPLICA_PEERS``."""
     specs = []
     if OURS_REPLICATED in routers:
         ours = next(spec for spec in ROUTERS if spec.key == OURS_REPLICATED)
-        for view in ("workers", "own"):
+        bases = [(ours, view) for view in ("workers", "own")]
+        bases += [(v, "workers") for v in variants if v.policy == ours.policy]
+        for base, view in bases:
             specs.append(
                 replace(
-                    ours,
-                    key=f"{ours.key}_load_view_{view}",
-                    label=f"{ours.label} --load-view {view}",
-                    args=("--load-view", view),
+                    base,
+                    key=f"{base.key}_load_view_{view}",
+                    label=f"{base.label} --load-view {view}",
+                    args=(*base.args, "--load-view", view),
                 )
             )
     return specs + [spec for spec in ROUTERS if spec.key in REPLICA_PEERS and spec.key in routers]
@@ -1479,7 +1489,8 @@ async def bench(cfg: BenchConfig, command: str) -> dict[str, Any]:
     targets += judge_vs_peers(phases, [kind for kind in PHASES if kind in cfg.phases])
     if any(spec.policy == "kv_prefix" for spec in specs):
         targets += judge_kv(phases)
-    replica_labels = {spec.key: spec for spec in replica_specs(cfg.routers)}
+    targets = [t for t in targets if judged_phase(t["name"]) in cfg.phases]
+    replica_labels = {spec.key: spec for spec in replica_specs(cfg.routers, cfg.variants)}
     if "replicas" in cfg.phases and REPLICAS_JUDGED in replica_labels:
         targets += judge_replicas(
             replicated.get(REPLICAS_JUDGED, {}), replica_labels[REPLICAS_JUDGED].label

@@ -127,7 +127,8 @@ def _add_router_options(p: argparse.ArgumentParser) -> None:
         default=DEFAULT_NEW_KEY_PLACEMENT,
         help="bounded_hash: where a new shopper goes: least_loaded (the roomy workers with "
         "the fewest requests in flight, by cost among them), fewest_first (the fewest "
-        "requests in flight, then the roomy ones among them) or cost (default %(default)s)",
+        "requests in flight, then the roomy ones among them), cost, or hash (the first of "
+        "its rendezvous order under the load bound) (default %(default)s)",
     )
     p.add_argument(
         "--load-view",

@@ -104,7 +104,8 @@ class RouterConfig:
     request_cost: int = DEFAULT_REQUEST_COST
     #: bounded_hash: where a new key goes: "fewest_first" (the fewest requests in flight,
     #: then the roomy workers among them, then cost), "least_loaded" (the roomy workers with
-    #: the fewest requests in flight, then cost) or "cost" (cost alone).
+    #: the fewest requests in flight, then cost), "cost" (cost alone) or "hash" (its
+    #: rendezvous order under the load bound, as every router replica would place it).
     new_key_placement: str = DEFAULT_NEW_KEY_PLACEMENT
     #: The load the policy weighs per worker: "own" (this router's requests in flight) or
     #: "workers" (what each worker reports on its ``/metrics``, polled, plus what this

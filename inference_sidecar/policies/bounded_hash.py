@@ -47,7 +47,10 @@ least loaded worker, beside another hot one, until both spill; it evens the load
 cost of that risk. By cost alone (``"cost"``), a worker decoding a hot shopper's requests
 costs a new shopper ``request_cost`` a request, one prefilling a cold prompt all of that
 prompt, so cold shoppers join the hot ones and push them to the bound, where they spill
-(``docs/decisions.md#bounded-hash-new-key-placement``).
+(``docs/decisions.md#bounded-hash-new-key-placement``). By hash (``"hash"``), it goes to
+the first worker of its rendezvous order under the load bound, as plain consistent
+hashing would: the one placement router replicas that do not share their histories agree
+on, whichever of them sees the key first (``docs/decisions.md#router-load-view``).
 
 Without a size (``size=0``: the caller could not estimate the prompt) this is plain
 bounded-load hashing: the first worker under the bound in the key's order.
@@ -84,7 +87,7 @@ DEFAULT_REQUEST_COST = 64
 #: there rather than to fewer requests in flight or a roomier cache (``kv_prefix``: a
 #: repeated prompt under a new key; a shared instruction prefix alone does not qualify).
 SAME_PROMPT_SHARE = 0.5
-NEW_KEY_PLACEMENTS = ("least_loaded", "fewest_first", "cost")
+NEW_KEY_PLACEMENTS = ("least_loaded", "fewest_first", "cost", "hash")
 DEFAULT_NEW_KEY_PLACEMENT = "fewest_first"
 DEFAULT_HISTORY_SIZE = 50_000
 #: Workers remembered per key: its home and the one it last spilled to.
@@ -305,6 +308,8 @@ class BoundedHashPolicy(Policy):
         if size <= 0:
             return allowed[0]
         if self.is_new(key):
+            if self.new_key_placement == "hash":
+                return allowed[0]
             if self.new_key_placement == "fewest_first":
                 allowed = self.least_loaded(key, allowed, loads, size, blocks)
             allowed = self.new_key_candidates(allowed, size, blocks)

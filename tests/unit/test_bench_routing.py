@@ -53,6 +53,7 @@ from bench.routing import (
     judge,
     judge_kv,
     judge_vs_peers,
+    judged_phase,
     kv_bytes_per_token,
     ordered_concurrency,
     parse_args,
@@ -291,6 +292,10 @@ class TestTargets:
             "skewed.inflight_max_over_mean": True,
             "skewed.latency_p99_vs_consistent_hash": False,
         }
+
+    def test_each_target_names_the_phase_it_judges(self):
+        targets = judge({}, {}) + judge_kv({}) + judge_vs_peers({}, PHASES)
+        assert {judged_phase(t["name"]) for t in targets} == set(PHASES)
 
     def test_missing_values_are_not_met(self):
         targets = judge({}, {}) + judge_kv({}) + judge_vs_peers({}, PHASES)
@@ -566,6 +571,14 @@ class TestReplicasPhase:
             ("vllm_router_consistent_hash", ()),
             ("vllm_router_cache_aware", ()),
         ]
+
+    def test_a_variant_of_ours_runs_with_the_workers_load_view(self):
+        variant = parse_variant("ours_hash=sidecar_bounded_hash --new-key-placement=hash")
+        specs = replica_specs(["sidecar_bounded_hash"], [variant])
+        assert (specs[-1].key, specs[-1].args) == (
+            "ours_hash_load_view_workers",
+            ("--new-key-placement=hash", "--load-view", "workers"),
+        )
 
     def test_the_phase_runs_the_routers_chosen_only(self):
         specs = replica_specs(["vllm_router_cache_aware", "sidecar_round_robin"])

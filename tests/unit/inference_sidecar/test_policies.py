@@ -262,6 +262,23 @@ class TestTokenAwareSpilling:
             loads = {self.A: 0, self.B: 2}
             assert policy.pick("new", WORKERS[:2], loads, size=1500) == expected
 
+    def test_hash_placement_sends_a_new_key_home_whatever_the_other_queues(self) -> None:
+        """The home serves two requests, another worker none: fewest requests first would
+        move the new shopper; by hash it goes home, where another router replica that
+        sees it first would send it too."""
+        policy = BoundedHashPolicy(new_key_placement="hash")
+        home = preference_order("new", WORKERS[:2])[0]
+        for _ in range(2):
+            policy.on_start(home, "hot", 1500)
+        loads = {home: 2}
+        assert policy.pick("new", WORKERS[:2], loads, size=1500) == home
+
+    def test_hash_placement_passes_a_home_at_the_load_bound(self) -> None:
+        policy = BoundedHashPolicy(new_key_placement="hash")
+        home, second = preference_order("new", WORKERS[:2])
+        loads = {home: 3}
+        assert policy.pick("new", WORKERS[:2], loads, size=1500) == second
+
     def test_new_key_on_idle_workers_goes_to_its_rendezvous_home(self) -> None:
         policy = BoundedHashPolicy()
         for key in KEYS[:50]:
