@@ -16,7 +16,9 @@ workers keep up with. Figures, all from the same run:
   ``PromptRenderer``), tokenized by a vLLM worker (``/tokenize``, chat template included).
   Target: <= 0.25 calls per event.
 * **the policy's delay**: the job's timeline (``flink_jobs.core.timeline``) replayed offline
-  over the same events: for each *qualifying* event (one that changed what the prompt is
+  over the same events (``flink_jobs.tools.sizing.trigger_rate``, what
+  ``shopper-intents plan --events-file`` computes its trigger rate with): for each
+  *qualifying* event (one that changed what the prompt is
   about: ``trigger.material_fingerprint``), how long until a prompt covering it fires.
   Target: never above 5 s. The same replay over ``--policy-seeds`` other samples of the
   same size (no LLM needed) shows how much the calls per event depend on the sample.
@@ -38,7 +40,7 @@ import statistics
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -94,54 +96,16 @@ def shopper_timelines(events, session_config, trigger_config):
     return out
 
 
-def policy_fire_times(events, config, render) -> dict[str, list[int]]:
-    """When the job's trigger policy fires for each shopper, replayed offline with the job's
-    own timeline (``flink_jobs.core.timeline``) over events in event-time order, every timer
-    fired in time: the event times (ms) its prompts were triggered at, ascending."""
-    import heapq
-
-    from flink_jobs.core.timeline import on_event, on_timer
-
-    states: dict[str, Any] = {}
-    held: dict[str, tuple] = {}
-    timers: list[tuple[int, str]] = []
-    fires: dict[str, list[int]] = {}
-
-    def take(step, shopper: str) -> None:
-        if step.state is not None:
-            states[shopper] = step.state
-        held[shopper] = step.held_after(held.get(shopper, ()))
-        for when in step.timers:
-            heapq.heappush(timers, (when, shopper))
-        fires.setdefault(shopper, []).extend(p.event_time_ms for p in step.prompts)
-
-    def fire_until(t_ms: int) -> None:
-        while timers and timers[0][0] <= t_ms:
-            when, shopper = heapq.heappop(timers)
-            step = on_timer(states.get(shopper), held.get(shopper, ()), when, config, render)
-            take(step, shopper)
-
-    for event in sorted(events, key=lambda e: e.event_time_ms):
-        fire_until(event.event_time_ms - 1)
-        shopper = event.shopper_id
-        step = on_event(
-            states.get(shopper), held.get(shopper, ()), event, event.event_time_ms - 1,
-            config, render,
-        )  # fmt: skip
-        take(step, shopper)
-        fire_until(event.event_time_ms)
-    fire_until(2**62)
-    return {s: sorted(times) for s, times in fires.items()}
-
-
-def policy_delays_s(qualifying: dict[str, list[int]], fires: dict[str, list[int]]) -> list[float]:
+def policy_delays_s(
+    qualifying: Mapping[str, Sequence[int]], fires: Mapping[str, Sequence[int]]
+) -> list[float]:
     """For each qualifying event, seconds until the first prompt fired at or after it
     (inf when none did)."""
     import bisect
 
     delays = []
     for shopper, times in qualifying.items():
-        fired = fires.get(shopper, [])
+        fired = fires.get(shopper, ())
         for t in times:
             at = bisect.bisect_left(fired, t)
             delays.append((fired[at] - t) / 1000 if at < len(fired) else float("inf"))
@@ -149,22 +113,23 @@ def policy_delays_s(qualifying: dict[str, list[int]], fires: dict[str, list[int]
 
 
 def policy_replay(events, config, render) -> dict[str, Any]:
-    """The trigger policy replayed offline over one sample's decoded events: accepted and
-    qualifying events, prompts fired, and the delay from each qualifying event to its
-    prompt."""
+    """The trigger policy replayed offline over one sample's decoded events
+    (``trigger_rate.replay_trigger``): accepted and qualifying events, prompts fired, and
+    the delay from each qualifying event to its prompt."""
+    from flink_jobs.tools.sizing.trigger_rate import replay_trigger
+
     timelines = shopper_timelines(events, config.session, config.trigger)
-    accepted = sum(1 for rows in timelines.values() for row in rows if row[1])
     qualifying = {
         s: [e.event_time_ms for e, _a, q, _s in rows if q] for s, rows in timelines.items()
     }
-    fires = policy_fire_times(events, config, render)
-    prompts = sum(len(v) for v in fires.values())
+    replay = replay_trigger(events, config, render)
+    accepted, prompts = replay.accepted_events, replay.prompts
     return {
         "accepted_events": accepted,
         "qualifying_events": sum(len(v) for v in qualifying.values()),
         "prompts": prompts,
         "prompts_per_event": rounded(ratio(prompts, accepted)),
-        "delay_to_prompt_max_s": summarise(policy_delays_s(qualifying, fires))["max"],
+        "delay_to_prompt_max_s": summarise(policy_delays_s(qualifying, replay.fires))["max"],
     }
 
 
@@ -173,9 +138,9 @@ def policy_across_samples(
 ) -> list[dict[str, Any]]:
     """:func:`policy_replay` over fresh samples (``flink_jobs.tools.sample_data``) of the
     run's size, one per seed, laid out as the run replays its own (event time = send time)."""
-    from flink_jobs.core.events import decode_event
     from flink_jobs.tools.replay import plan_replay
     from flink_jobs.tools.sample_data import BadRecords, SampleConfig, generate_sample
+    from flink_jobs.tools.sizing.trigger_rate import decode_records
 
     t0 = int(time.time() * 1000)
     rows = []
@@ -184,7 +149,7 @@ def policy_across_samples(
             SampleConfig(shoppers=shoppers, seed=seed, duration_s=duration_s, bad=BadRecords.none())
         )
         plan = plan_replay(sample.records, speed=1.0, rebase_to_ms=t0, rebase_anchor="send")
-        events = [decode_event(p.value, None, t0 + 10**9, 1 << 20) for p in plan]
+        events = decode_records((p.value for p in plan), config.job.max_event_bytes)
         rows.append({"seed": seed, **policy_replay(events, config, render)})
     return rows
 
@@ -317,7 +282,7 @@ class Offline:
 
     baseline_calls: int
     baseline_tokens: int
-    fires: dict[str, list[int]]
+    fires: Mapping[str, Sequence[int]]
     delays: list[float]
     across_samples: list[dict[str, Any]]
 
@@ -394,14 +359,14 @@ def job_overrides(overrides: dict[str, Any], name: str, topics: list[str]) -> di
 def start_replay(args, config, records) -> Replayed:
     """Give the job ``args.job_start_s`` to start reading, then send ``records`` at their
     own pace from half a second on, on a thread of their own."""
-    from flink_jobs.core.events import decode_event
     from flink_jobs.tools.replay import SourceRecord, plan_replay, replay_records
+    from flink_jobs.tools.sizing.trigger_rate import decode_records
 
     time.sleep(args.job_start_s)
     t0 = int(time.time() * 1000) + 500
     plan = plan_replay(records, speed=1.0, rebase_to_ms=t0, rebase_anchor="send")
     recorded = [SourceRecord(p.value, p.key, p.timestamp_ms, recorded=True) for p in plan]
-    events = [decode_event(p.value, None, t0 + 10**9, 1 << 20) for p in plan]
+    events = decode_records((p.value for p in plan), config.job.max_event_bytes)
     timelines = shopper_timelines(events, config.session, config.trigger)
     producer = threading.Thread(
         target=replay_records,
@@ -506,14 +471,14 @@ def offline_comparisons(args, setup: JobSetup, replayed: Replayed) -> Offline:
     """The call-per-event baseline (tokenized by one of the stack's workers) and the
     trigger policy replayed over the run's events and over ``--policy-seeds`` samples."""
     from flink_jobs.core.prompting import PromptRenderer
+    from flink_jobs.tools.sizing.trigger_rate import replay_trigger
 
     config = setup.config
     renderer = PromptRenderer(config.prompt)
     baseline = baseline_prompts(replayed.timelines, renderer)
     worker = setup.stack.llm.worker_urls[0]
     tokens = [tokenize(worker, config.llm.model, p.messages) for _, p in baseline]
-    valid = [e for e in replayed.events if not hasattr(e, "reason")]
-    fires = policy_fire_times(valid, config, renderer.render)
+    fires = replay_trigger(replayed.events, config, renderer.render).fires
     return Offline(
         baseline_calls=len(baseline),
         baseline_tokens=sum(tokens),

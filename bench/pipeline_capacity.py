@@ -257,6 +257,65 @@ def make_events(shoppers: int, duration_s: float, seed: int, limit: int) -> list
     return sample.records[:limit]
 
 
+#: The paced run's start-up events (shoppers, event-time span s, seed, events) and the rate
+#: they are sent at: enough for the job to write its first intents before the stream.
+STARTUP_EVENTS = (20, 30, 13, 60)
+STARTUP_RATE = 60.0
+#: How long before the stream :meth:`PacedWorkload.as_sent` stamps the start-up events: the
+#: run waits for the job's first intents in between, for as long as that takes. Any gap
+#: longer than the trigger's waits and shorter than ``session.gap_s`` gives the same prompts.
+STARTUP_LEAD_S = 60.0
+
+
+@dataclass(frozen=True)
+class PacedWorkload:
+    """What a paced run sends: ``startup`` at ``STARTUP_RATE`` while the job starts, then
+    ``records`` at ``rate`` per second, of which the first ``warmup`` are not measured."""
+
+    records: list[bytes]
+    warmup: int
+    shoppers: int
+    rate: float
+    startup: list[bytes]
+
+    def as_sent(self, start_ms: int) -> list[bytes]:
+        """The start-up's records and the stream's, in the order sent and stamped as the
+        replay stamps them (``replay_records(..., rate=..., rebase_time="send")``: each
+        record's event time is its send time, the i-th of the stream ``start_ms`` + i /
+        ``rate`` s), the stream starting at ``start_ms`` and the start-up
+        ``STARTUP_LEAD_S`` before it."""
+        from flink_jobs.tools.replay import plan_replay
+
+        lead_ms = int(STARTUP_LEAD_S * 1000)
+        startup = plan_replay(
+            self.startup, rate=STARTUP_RATE, rebase_to_ms=start_ms - lead_ms, rebase_anchor="send"
+        )
+        stream = plan_replay(
+            self.records, rate=self.rate, rebase_to_ms=start_ms, rebase_anchor="send"
+        )
+        return [p.value for p in (*startup, *stream)]
+
+    @property
+    def measured_from(self) -> int:
+        """The index in :meth:`as_sent` of the first record the steady window measures."""
+        return len(self.startup) + self.warmup
+
+
+def paced_workload(args: argparse.Namespace) -> PacedWorkload:
+    """The records a paced run at ``args.paced_rate`` sends: ``--paced-warmup-s`` of them
+    not measured, then ``--paced-s``, from shoppers in the drain's proportion to events."""
+    warm = int(args.paced_rate * args.paced_warmup_s)
+    total = warm + int(args.paced_rate * args.paced_s)
+    shoppers = max(50, int(args.shoppers * total / max(1, args.events)))
+    return PacedWorkload(
+        records=make_events(shoppers, args.duration_s, 11, total),
+        warmup=warm,
+        shoppers=shoppers,
+        rate=float(args.paced_rate),
+        startup=make_events(*STARTUP_EVENTS),
+    )
+
+
 def preload(bootstrap: str, topic: str, records: Sequence[bytes]) -> float:
     """Put ``records`` on ``topic`` with event times moved so the last one is now; seconds."""
     from confluent_kafka import Producer
@@ -612,10 +671,8 @@ def run_paced(
     create_topics(
         stack.kafka.bootstrap, [config.kafka.events_topic, config.kafka.dead_letter_topic], 1
     )
-    warm = int(args.paced_rate * args.paced_warmup_s)
-    total = warm + int(args.paced_rate * args.paced_s)
-    shoppers = max(50, int(args.shoppers * total / max(1, args.events)))
-    records = make_events(shoppers, args.duration_s, 11, total)
+    workload = paced_workload(args)
+    records, warm = workload.records, workload.warmup
     warmed_up = threading.Event()  # set by the producer's thread
     measuring = False
 
@@ -634,14 +691,13 @@ def run_paced(
         t, stats = series[-1]
         steady.observe(t, stats, not warm or warmed_up.is_set(), producer.is_alive())
 
-    startup = make_events(20, 30, 13, 60)
     client = redis.Redis.from_url(stack.redis.url)
     steady = SteadyWindow(CpuClock(memory.root), client)
     job = submit(config)
     try:
         # Start-up: wait until the job has written intents, then forget its samples.
-        replay_records(stack.kafka.bootstrap, config.kafka.events_topic, startup, rate=60,
-                       rebase_time="send")  # fmt: skip
+        replay_records(stack.kafka.bootstrap, config.kafka.events_topic, workload.startup,
+                       rate=STARTUP_RATE, rebase_time="send")  # fmt: skip
         poll_until(client, name, lambda s: s.get("intents_written", 0) > 0, args.timeout_s, memory)
         time.sleep(2.0)
         base = poll_until(client, name, lambda s: True, 1, memory)[-1][1]
@@ -689,7 +745,7 @@ def run_paced(
         "settings": extra,
         "events": len(records),
         "warmup_events": warm,
-        "shoppers": shoppers,
+        "shoppers": workload.shoppers,
         "rate_offered": args.paced_rate,
         "producer_s": rounded(produced_s),
         "rate_produced": rounded(len(records) / produced_s if produced_s else None, 0),

@@ -15,9 +15,15 @@ processes used (the Flink JVM with its embedded interpreter, the LLM call proces
 Redis's ``EVALSHA`` calls per second (the intent upserts, plus the job's stats flushes,
 about one a second per operator), and the plan's prediction for the events per second
 measured in that window, from the unit costs in the results folder and the defaults of
-``shopper-intents plan`` (``flink_jobs/tools/sizing/``). Targets: each within 25 % of
-the prediction, and the job kept up. The GPU count is not checked (no GPU here, and the
-stand-in computes nothing), nor the router (the job calls the stand-in directly).
+``shopper-intents plan`` (``flink_jobs/tools/sizing/``), at the trigger rate of the run's
+own events: computed offline before the run, from the records the run sends, by the job's
+session and trigger code (:func:`workload_trigger_rate`), as ``plan --events-file`` does.
+Targets: each within 25 % of that prediction, and the job kept up. The predictions at the
+capacity drain's trigger rate (the plan's default) and at the window's measured one are
+recorded beside it: the first shows what a rate from other traffic costs the plan, the
+second (an outcome, not an input) separates a trigger rate off from a cost per event or
+call. The GPU count is not checked (no GPU here, and the stand-in computes nothing), nor
+the router (the job calls the stand-in directly).
 
 ``python -m bench.plan_check [--rate N] [--seconds S]``; writes
 ``bench/results/plan_check.json``. CPU-bound for two to three minutes: run it under the
@@ -44,17 +50,25 @@ from bench._common import (
     write_result,
 )
 from bench.report import load_results
+from flink_jobs.config import AppConfig, load_config
 from flink_jobs.tools.local_services import stop_on_sigterm
 from flink_jobs.tools.sizing.costs import (
     CALL_PROCESS_KIND,
     JVM_KINDS,
     MEASURED,
+    TRIGGER_RATE,
     ConfigDefaults,
     Figure,
     UnitCosts,
     read_unit_costs,
 )
 from flink_jobs.tools.sizing.model import FLINK, PlanInputs, plan
+from flink_jobs.tools.sizing.trigger_rate import (
+    TriggerReplay,
+    decode_records,
+    rate_figures,
+    replay_trigger,
+)
 
 BENCHMARK = "plan_check"
 TOLERANCE = 0.25
@@ -84,19 +98,65 @@ def default_rate(capacity: Mapping[str, Any] | None) -> float | None:
 
 
 def predicted(
-    costs: UnitCosts, events_per_s: float, trigger_rate: Mapping[str, Any] | None = None
+    costs: UnitCosts, events_per_s: float, trigger_rate: Mapping[str, Figure] | None = None
 ) -> dict[str, float | None]:
     """The plan's job cores (the Managed Flink tier's work, before the utilisation),
-    Redis upserts/s and LLM calls/s at ``events_per_s``; with ``trigger_rate`` (a window's
+    Redis upserts/s and LLM calls/s at ``events_per_s``; with ``trigger_rate`` (figures
     ``llm_calls_per_event`` and ``prompts_per_event``) in place of the unit costs'."""
-    for name, value in (trigger_rate or {}).items():
-        if name in ("llm_calls_per_event", "prompts_per_event") and value is not None:
-            costs = costs.with_figure(name, Figure(float(value), "plan_check", name, MEASURED))
+    for name, figure in (trigger_rate or {}).items():
+        if name in TRIGGER_RATE:
+            costs = costs.with_figure(name, figure)
     p = plan(PlanInputs(events_per_s), costs)
     return {
         "job_cores": rounded(p.resource(FLINK).work),
         "redis_upserts_per_s": rounded(p.rates.get("redis_upserts"), 1),
         "llm_calls_per_s": rounded(p.rates.get("llm_calls"), 1),
+    }
+
+
+def measured_trigger_rate(steady: Mapping[str, Any]) -> dict[str, Figure]:
+    """The trigger rate a paced run's steady window measured, as the plan's figures."""
+    return {
+        name: Figure(float(steady[name]), "plan_check", f"steady.{name}", MEASURED)
+        for name in TRIGGER_RATE
+        if isinstance(steady.get(name), int | float)
+    }
+
+
+def workload_trigger_rate(
+    workload: pipeline_capacity.PacedWorkload, config: AppConfig, start_ms: int
+) -> TriggerReplay:
+    """The trigger rate of the records a paced run sends, replayed offline through the
+    job's session and trigger code under ``config`` (its trigger, session and watermark
+    settings), counted over the window the run measures.
+
+    The records are exactly those the run sends (``workload.as_sent``: the start-up's,
+    then the stream's, stamped with their send times at the paced rate as the replay tool
+    stamps them, the stream from ``start_ms``: only the spacing matters, not the start).
+    The steady window opens at the first poll after the producer has sent the warm-up's
+    records and closes at the first poll after it sent its last; the job counts events and
+    prompts when its watermark passes them, which trails the send time by about the same
+    at both ends. So every record is replayed (the sessions and pending timers the warm-up
+    leaves carry into the window), and what happens from the first measured record's
+    arrival to the last record's is counted: not the warm-up's opening burst of new
+    shoppers, each of whose first event prompts, and not the prompts that fire once the
+    stream stops, after the window has closed (``settle=False``).
+    """
+    records = decode_records(workload.as_sent(start_ms), config.job.max_event_bytes)
+    return replay_trigger(records, config, measured_from=workload.measured_from, settle=False)
+
+
+def workload_figures(replay: TriggerReplay) -> dict[str, Any]:
+    """What the offline replay of the run's events counted, for the result document."""
+    return {
+        "records": replay.records,
+        "counted_records": replay.counted_records,
+        "accepted_events": replay.accepted_events,
+        "prompts": replay.prompts,
+        "prompts_per_event": rounded(replay.prompts_per_event, 4),
+        "llm_calls_per_event": rounded(replay.llm_calls_per_event, 4),
+        "trigger": dict(replay.trigger),
+        "out_of_orderness_s": replay.out_of_orderness_s,
     }
 
 
@@ -170,12 +230,16 @@ def run(args) -> dict[str, Any]:
             " (run python -m bench.pipeline_capacity first) and no --rate"
         )
     costs = read_unit_costs(results, ConfigDefaults.from_code(), where=_label(args.results))
-    paced_args = pipeline_capacity.parse_args(
-        [
-            *("--phases", "paced", "--paced-rate", str(rate)),
-            *("--paced-s", str(args.seconds), "--paced-warmup-s", str(args.warmup_s)),
-            *("--timeout-s", str(args.timeout_s)),
-        ]
+    paced_args = paced_arguments(rate, args)
+    # The job's configuration as run_paced loads it, but for the stack's addresses.
+    config = load_config()
+    offline = workload_trigger_rate(
+        pipeline_capacity.paced_workload(paced_args), config, int(time.time() * 1000)
+    )
+    workload_rate = rate_figures(offline, "plan_check: the paced run's events, offline")
+    print(
+        f"the run's events, replayed offline: {offline.prompts_per_event or 0:.4f} prompts"
+        f" per accepted event in the measured window"
     )
     memory = PeakMemory()
     stack = pipeline_capacity.Stack(Path(tempfile.mkdtemp(prefix="si-bench-plan-check-")))
@@ -186,9 +250,12 @@ def run(args) -> dict[str, Any]:
     memory.sample()
     steady = paced.get("steady") or {}
     rate_measured = steady.get("events_per_s")
-    prediction = predicted(costs, rate_measured) if rate_measured else {}
+    at_drain = predicted(costs, rate_measured) if rate_measured else {}
+    prediction = predicted(costs, rate_measured, workload_rate) if rate_measured else {}
     measurement = measured(steady)
-    with_trigger_rate = predicted(costs, rate_measured, steady) if rate_measured else {}
+    at_measured = (
+        predicted(costs, rate_measured, measured_trigger_rate(steady)) if rate_measured else {}
+    )
     targets = [
         *compare(prediction, measurement),
         target(
@@ -208,11 +275,14 @@ def run(args) -> dict[str, Any]:
             " at once (bench/standin_llm.py). Nor is the router: the job calls the stand-in"
             " directly.",
             "Predicted at the events/s measured in the window, from the unit costs in the"
-            " results folder and the plan's defaults; 'predicted_at_measured_trigger_rate'"
-            " takes the window's LLM calls and prompts per event instead of the capacity"
-            " drain's, to tell a different trigger rate (the paced replay stamps events with"
-            " their send time, so a shopper's events come closer together than in the drain)"
-            " from a different cost per event or call.",
+            " results folder and the plan's defaults, at the trigger rate of the run's own"
+            " events ('workload_trigger_rate': the records the run sends, replayed offline"
+            " before it through the job's session and trigger code, counted over the"
+            " measured window). 'predicted_at_drain_trigger_rate' takes the capacity drain's"
+            " instead (the plan's default: the paced replay stamps events with their send"
+            " time, so a shopper's events come closer together than in the drain);"
+            " 'predicted_at_measured_trigger_rate' the window's measured one, an outcome, to"
+            " tell a different trigger rate from a different cost per event or call.",
             "EVALSHA calls include the job's stats flushes (about one a second per operator).",
             "The job runs with its default trigger policy; producer, broker, Redis, the"
             " stand-in and Flink share the machine's cores.",
@@ -220,8 +290,10 @@ def run(args) -> dict[str, Any]:
         ],
         rate_offered=rate,
         predicted=prediction,
-        predicted_at_measured_trigger_rate=with_trigger_rate,
+        predicted_at_drain_trigger_rate=at_drain,
+        predicted_at_measured_trigger_rate=at_measured,
         measured=measurement,
+        workload_trigger_rate=workload_figures(offline),
         steady=steady,
         paced={
             k: paced.get(k)
@@ -230,10 +302,27 @@ def run(args) -> dict[str, Any]:
         unit_costs={
             name: {"value": rounded(figure.value, 4), "source": figure.cite()}
             for name in CITED
+            if (figure := workload_rate.get(name) or getattr(costs, name)) is not None
+        },
+        drain_trigger_rate={
+            name: {"value": rounded(figure.value, 4), "source": figure.cite()}
+            for name in TRIGGER_RATE
             if (figure := getattr(costs, name)) is not None
         },
         memory_peak=memory.summary(),
     )
+
+
+def paced_arguments(rate: float, args: argparse.Namespace) -> argparse.Namespace:
+    """``bench.pipeline_capacity``'s arguments for its paced phase alone at ``rate``."""
+    parsed: argparse.Namespace = pipeline_capacity.parse_args(
+        [
+            *("--phases", "paced", "--paced-rate", str(rate)),
+            *("--paced-s", str(args.seconds), "--paced-warmup-s", str(args.warmup_s)),
+            *("--timeout-s", str(args.timeout_s)),
+        ]
+    )
+    return parsed
 
 
 def parse_args(argv: Sequence[str] | None):

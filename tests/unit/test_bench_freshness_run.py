@@ -13,6 +13,7 @@ from bench import freshness
 from bench._common import RESULT_KEYS, result_doc
 from flink_jobs.config import AppConfig
 from flink_jobs.core.events import ShopperEvent
+from flink_jobs.tools.sizing.trigger_rate import replay_trigger
 
 T0 = 1_780_304_400_000  # 2026-06-01T09:00:00Z
 
@@ -157,7 +158,7 @@ def document() -> dict:
         llm_ms=[4_800, 5_100, 5_600],
         outbox_wait_ms=[0, 2_300, 0],
     )
-    fires = freshness.policy_fire_times(EVENTS, config, lambda state, facts: None)
+    fires = replay_trigger(EVENTS, config, lambda state, facts: None).fires
     offline = freshness.Offline(
         baseline_calls=4,
         baseline_tokens=2_400,

@@ -4,9 +4,18 @@ from __future__ import annotations
 
 import pytest
 
-from bench import plan_check, router_load
-from bench.pipeline_capacity import Snapshot, SteadyWindow, command_calls, window_figures
-from tests.support.builders import unit_costs
+from bench import pipeline_capacity, plan_check, router_load
+from bench.pipeline_capacity import (
+    STARTUP_LEAD_S,
+    PacedWorkload,
+    Snapshot,
+    SteadyWindow,
+    command_calls,
+    window_figures,
+)
+from flink_jobs.config import AppConfig
+from flink_jobs.tools.sizing.trigger_rate import decode_records
+from tests.support.builders import HEADPHONES, T0, raw_event, unit_costs
 
 
 def test_a_measurement_within_a_quarter_of_the_prediction_meets_its_target():
@@ -125,14 +134,50 @@ def test_a_window_that_never_closed_gives_no_figures():
 
 
 def test_a_prediction_at_the_measured_trigger_rate_takes_the_windows_calls_and_prompts():
+    steady = {"llm_calls_per_event": 0.5, "prompts_per_event": 0.5, "events": 9}
     drain = plan_check.predicted(unit_costs(), 1000)
-    window = plan_check.predicted(
-        unit_costs(), 1000, {"llm_calls_per_event": 0.5, "prompts_per_event": 0.5, "events": 9}
-    )
+    window = plan_check.predicted(unit_costs(), 1000, plan_check.measured_trigger_rate(steady))
     assert (drain["llm_calls_per_s"], window["llm_calls_per_s"]) == (250, 500)
     assert window["redis_upserts_per_s"] == 1000
 
 
-def test_no_router_cpu_read_gives_no_cost_per_request():
-    figures = router_load.throughput_figures(requests=2000, wall_s=10.0, router_cpu_s=0.0)
-    assert figures["cpu_ms_per_request"] is None
+def workload(records: list[bytes], warmup: int, rate: float = 10.0, startup=()):
+    return PacedWorkload(list(records), warmup, shoppers=3, rate=rate, startup=list(startup))
+
+
+def test_the_paced_records_are_stamped_with_their_send_times_the_start_up_before():
+    stream = [raw_event("a", 0.0, "view", product=HEADPHONES) for _ in range(3)]
+    paced = workload(stream, warmup=1, startup=[raw_event("s", 0.0, "search", query="tea")])
+    times = [e.event_time_ms for e in decode_records(paced.as_sent(T0))]
+    assert times == [T0 - int(STARTUP_LEAD_S * 1000), T0, T0 + 100, T0 + 200]
+    assert paced.measured_from == 2
+
+
+def test_the_paced_workload_is_the_runs_records_warm_up_first():
+    args = pipeline_capacity.parse_args(
+        ["--paced-rate", "10", "--paced-warmup-s", "1", "--paced-s", "2"]
+    )
+    paced = pipeline_capacity.paced_workload(args)
+    assert (len(paced.records), paced.warmup, paced.rate) == (30, 10, 10.0)
+    assert paced.records == pipeline_capacity.make_events(paced.shoppers, 3600.0, 11, 30)
+
+
+def test_the_workloads_trigger_rate_counts_what_the_job_does_while_the_window_is_open():
+    stream = [raw_event(s, 0.0, "view", product=HEADPHONES) for s in "abcde"]
+    replay = plan_check.workload_trigger_rate(workload(stream, warmup=3, rate=1.0), AppConfig(), T0)
+    # The job counts an event, and fires its prompt, once its watermark passes the end of
+    # the event's quiet period: with one record a second, two records after it came. So
+    # the window from the fourth record to the last counts the second and third shoppers'
+    # events and prompts, and leaves the last two shoppers' for after it closed.
+    quiet_ms = int(AppConfig().trigger.quiet_s * 1000)
+    assert (replay.counted_records, replay.accepted_events, replay.prompts) == (2, 2, 2)
+    assert replay.fires == {"b": (T0 + 1000 + quiet_ms,), "c": (T0 + 2000 + quiet_ms,)}
+
+
+def test_the_workloads_trigger_rate_is_recorded_with_its_counts_and_trigger_settings():
+    stream = [raw_event(s, 0.0, "view", product=HEADPHONES) for s in "abc"]
+    replay = plan_check.workload_trigger_rate(workload(stream, warmup=0, rate=1.0), AppConfig(), T0)
+    figures = plan_check.workload_figures(replay)
+    assert (figures["records"], figures["accepted_events"], figures["prompts"]) == (3, 1, 1)
+    assert figures["prompts_per_event"] == figures["llm_calls_per_event"] == 1.0
+    assert figures["trigger"]["quiet_s"] == AppConfig().trigger.quiet_s

@@ -298,23 +298,6 @@ def test_browsing_a_category_already_browsed_is_not_qualifying():
     assert [q for _e, _a, q, _s in rows] == [True, False, True]
 
 
-def _fires(events, **trigger) -> dict[str, list[int]]:
-    from flink_jobs.core.prompting import PromptRenderer
-
-    config = AppConfig().with_overrides({"trigger": trigger})
-    return freshness.policy_fire_times(events, config, PromptRenderer(config.prompt).render)
-
-
-def test_the_policy_replay_fires_after_the_quiet_period():
-    fires = _fires([_event(0, "s")], quiet_s=3, max_wait_s=5, min_interval_s=0)
-    assert fires == {"s": [1_000_000 + 3_000]}
-
-
-def test_the_policy_replay_fires_a_high_signal_event_at_once():
-    fires = _fires([_event(0, "s", kind="add_to_cart")], quiet_s=3, max_wait_s=5)
-    assert fires == {"s": [1_000_000]}
-
-
 def test_the_policy_delay_is_to_the_first_prompt_at_or_after_the_event():
     delays = freshness.policy_delays_s({"s": [1_000, 5_000], "t": [2_000]}, {"s": [4_000]})
     assert delays == [3.0, float("inf"), float("inf")]

@@ -22,6 +22,8 @@ CONFIG_DEFAULTS = ConfigDefaults(
     out_of_orderness_s=0.5,
     max_parallelism=128,
     router_policy="bounded_hash",
+    trigger_quiet_s=0.5,
+    trigger_min_interval_s=1.0,
 )
 
 
@@ -150,3 +152,28 @@ def test_an_input_replaces_a_missing_figure_and_its_reason():
     )
     assert given.get("router_cpu_ms_per_request").value == 0.3
     assert "router_cpu_ms_per_request" not in given.absent
+
+
+def policy_row(quiet_s: float, *rates: float, long_rate: float) -> dict:
+    trigger = {"quiet_s": quiet_s, "max_wait_s": 2.0, "min_interval_s": 1.0}
+    return {
+        "trigger": trigger,
+        "samples": [{"prompts_per_event": r} for r in rates],
+        "long_sample": {"prompts_per_event": long_rate},
+    }
+
+
+def test_the_trigger_rates_spread_is_the_policy_replays_at_the_default_trigger_settings():
+    policy = {
+        "timings": [policy_row(3.0, 0.1, long_rate=0.9), policy_row(0.5, 0.3, 0.2, long_rate=0.4)]
+    }
+    spread = read(trigger_policy=policy).prompts_per_event_spread
+    assert spread is not None
+    assert (spread.low, spread.high) == (0.2, 0.4)
+    assert spread.cite().startswith("bench/results/trigger_policy.json: timings[1]")
+
+
+def test_no_replay_at_the_default_trigger_settings_gives_no_spread():
+    policy = {"timings": [policy_row(3.0, 0.1, long_rate=0.9)]}
+    assert read(trigger_policy=policy).prompts_per_event_spread is None
+    assert read().prompts_per_event_spread is None

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from flink_jobs.tools.sizing import gpus
-from flink_jobs.tools.sizing.costs import ASSUMED, INPUT, UnitCosts
+from flink_jobs.tools.sizing.costs import ASSUMED, INPUT, Spread, UnitCosts
 from flink_jobs.tools.sizing.model import (
     FLINK,
     LLM,
@@ -166,3 +168,29 @@ def test_every_figure_the_plan_used_is_listed_with_its_source():
     p = planned(1000)
     assert {"jvm_cpu_ms_per_event", "prefix_cache_hit_ratio"} <= set(p.figures)
     assert p.figures["jvm_cpu_ms_per_event"].cite() == "test.json: jvm_cpu_ms_per_event"
+
+
+def test_a_trigger_rate_given_alone_sets_both_its_figures():
+    p = planned(1000, prompts_per_event=0.1)
+    calls = p.trigger_rate["llm_calls_per_event"]
+    assert (calls.value, calls.kind) == (0.1, INPUT)
+    assert p.rates["llm_calls"] == pytest.approx(100)
+    assert p.rates["redis_upserts"] == pytest.approx(1000 * (0.1 + 0.1))
+
+
+def test_more_llm_calls_than_prompts_per_event_are_refused():
+    with pytest.raises(ValueError, match="cannot exceed --prompts-per-event"):
+        planned(llm_calls_per_event=0.3, prompts_per_event=0.2)
+
+
+@pytest.mark.parametrize("rate", [0.0, 1.5])
+def test_a_trigger_rate_outside_0_to_1_is_refused(rate):
+    with pytest.raises(ValueError, match=r"--prompts-per-event must be in \(0, 1\]"):
+        planned(prompts_per_event=rate)
+
+
+def test_the_plan_keeps_the_trigger_rate_it_ran_at_and_its_spread():
+    spread = Spread(0.2, 0.4, "test.json", "rates")
+    p = planned(unit_costs=dataclasses.replace(costs(), prompts_per_event_spread=spread))
+    assert set(p.trigger_rate) == {"llm_calls_per_event", "prompts_per_event"}
+    assert p.trigger_rate_spread == spread

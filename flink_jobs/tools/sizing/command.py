@@ -1,11 +1,15 @@
 """``shopper-intents plan``: read the results files, print the plan.
 
 ``shopper-intents plan --events-per-s 200000 [--gpu L4 | --prefill-tokens-per-s N
---decode-tokens-per-s N] [--freshness-s S] [--json]``
+--decode-tokens-per-s N] [--freshness-s S] [--events-file FILE] [--json]``
 
 The unit costs come from ``--results`` (default: the checkout's ``bench/results``); every
-figure printed says where it came from. Exit status 0 when every tier is sized, 1 when a
-tier's figure is absent (the output names the file and key), 2 on a bad input.
+figure printed says where it came from. The trigger rate (prompts and LLM calls per
+accepted event) depends on the traffic: by default it is the capacity drain's;
+``--events-file`` computes it from a file of events through the job's own session and
+trigger code (``trigger_rate``), ``--prompts-per-event`` and ``--llm-calls-per-event``
+give it. Exit status 0 when every tier is sized, 1 when a tier's figure is absent (the
+output names the file and key), 2 on a bad input.
 """
 
 from __future__ import annotations
@@ -17,8 +21,15 @@ from typing import Any
 
 import orjson
 
-from flink_jobs.tools.sizing import gpus, model, render
-from flink_jobs.tools.sizing.costs import ConfigDefaults, UnitCosts, read_unit_costs
+from flink_jobs.config import AppConfig
+from flink_jobs.tools.sizing import gpus, model, render, trigger_rate
+from flink_jobs.tools.sizing.costs import (
+    TRIGGER_RATE,
+    ConfigDefaults,
+    Figure,
+    UnitCosts,
+    read_unit_costs,
+)
 
 REPO = Path(__file__).resolve().parents[3]
 DEFAULT_RESULTS = REPO / "bench" / "results"
@@ -70,10 +81,27 @@ def add_parser(sub: Any) -> None:
         help="default: measured under the router's default policy",
     )
     p.add_argument(
+        "--events-file",
+        type=Path,
+        default=None,
+        help="events whose trigger rate to plan for: JSON Lines or CSV of event records, or a"
+        " recording (`python -m flink_jobs.tools.replay record`), replayed offline in file"
+        " order through the job's session and trigger code under the default trigger policy"
+        " (default: the capacity drain's rate)",
+    )
+    p.add_argument(
         "--llm-calls-per-event",
         type=float,
         default=None,
-        help="default: the capacity drain's, under the default trigger policy",
+        help="LLM calls per accepted event, in (0, 1] (default: the capacity drain's, under"
+        " the default trigger policy; given alone, prompts per event too)",
+    )
+    p.add_argument(
+        "--prompts-per-event",
+        type=float,
+        default=None,
+        help="prompts the trigger fires per accepted event, in (0, 1] (default: the capacity"
+        " drain's; given alone, LLM calls per event too)",
     )
     p.add_argument("--router-cpu-ms-per-request", type=float, default=None)
     p.add_argument("--redis-writes-per-node-per-s", type=float, default=None)
@@ -105,6 +133,7 @@ def inputs_of(args: argparse.Namespace) -> model.PlanInputs:
         output_tokens_per_call=args.output_tokens_per_call,
         prefix_cache_hit_ratio=args.prefix_cache_hit_ratio,
         llm_calls_per_event=args.llm_calls_per_event,
+        prompts_per_event=args.prompts_per_event,
         router_cpu_ms_per_request=args.router_cpu_ms_per_request,
         redis_writes_per_node_per_s=args.redis_writes_per_node_per_s,
         utilisation=args.utilisation,
@@ -119,6 +148,27 @@ def load_costs(results: Path) -> UnitCosts:
     return read_unit_costs(documents, ConfigDefaults.from_code(), where=_label(results))
 
 
+def events_file_rate(path: Path) -> dict[str, Figure]:
+    """The trigger rate of the events in ``path`` (any format the replay tool reads), as
+    the plan's figures; ValueError saying what is wrong with the file."""
+    from flink_jobs.tools.replay import ReplayError, read_records
+
+    try:
+        records = read_records(path)
+    except (OSError, ReplayError) as exc:
+        raise ValueError(f"--events-file: cannot read {path}: {exc}") from exc
+    config = AppConfig()
+    decoded = trigger_rate.decode_records((r.value for r in records), config.job.max_event_bytes)
+    replay = trigger_rate.replay_trigger(decoded, config)
+    try:
+        figures = trigger_rate.rate_figures(replay, _label(path))
+    except ValueError as exc:
+        raise ValueError(f"--events-file {exc}") from exc
+    for name, figure in figures.items():
+        model.check_trigger_rate(f"--events-file {_label(path)}: {name}", figure.value)
+    return figures
+
+
 def _label(path: Path) -> str:
     try:
         return str(path.resolve().relative_to(REPO))
@@ -131,7 +181,15 @@ def run(args: argparse.Namespace) -> int:
         print(f"plan: no results folder {args.results}", file=sys.stderr)
         return 2
     try:
-        plan = model.plan(inputs_of(args), load_costs(args.results))
+        costs = load_costs(args.results)
+        if args.events_file is not None:
+            given = [name for name in TRIGGER_RATE if getattr(args, name) is not None]
+            if given:
+                flags = " and ".join("--" + name.replace("_", "-") for name in given)
+                raise ValueError(f"--events-file gives the trigger rate: leave out {flags}")
+            for name, figure in events_file_rate(args.events_file).items():
+                costs = costs.with_figure(name, figure)
+        plan = model.plan(inputs_of(args), costs)
     except ValueError as exc:
         print(f"plan: {exc}", file=sys.stderr)
         return 2

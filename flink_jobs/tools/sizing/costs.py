@@ -3,7 +3,8 @@
 Every figure carries where it came from: the results file and the key within it
 (``measured``), the arithmetic over such keys (``derived``), a default of the job's or
 the router's configuration (``config``), a benchmark's target (``target``), the GPU table
-(``assumed``, ``gpus.py``) or the command line (``input``). A figure that is not there is
+(``assumed``, ``gpus.py``) or the command line (``input``: a flag's value, or the trigger
+rate of an events file it names, ``trigger_rate.py``). A figure that is not there is
 recorded with the reason (the file or key missing, and the command that writes it); a
 plan asks for it with :meth:`UnitCosts.get`, which raises :class:`MissingFigure` with
 that reason, so one absent measurement leaves only the resources that need it unsized.
@@ -42,7 +43,11 @@ WRITERS = {
     "redis_upsert": "python -m bench.redis_upsert",
     "router_load": "python -m bench.router_load",
     "freshness": "python -m bench.freshness",
+    "trigger_policy": "python -m bench.freshness --policy-only",
 }
+
+#: The unit costs that make the trigger rate: a property of the traffic, not of the machine.
+TRIGGER_RATE = ("llm_calls_per_event", "prompts_per_event")
 
 
 class MissingFigure(LookupError):
@@ -59,6 +64,20 @@ class Figure:
     key: str
     #: ``measured``, ``derived``, ``config``, ``target``, ``assumed`` or ``input``.
     kind: str
+
+    def cite(self) -> str:
+        return f"{self.source}: {self.key}"
+
+
+@dataclass(frozen=True)
+class Spread:
+    """The lowest and highest value of a figure the results hold across workloads."""
+
+    low: float
+    high: float
+    #: The results file, and where in it.
+    source: str
+    key: str
 
     def cite(self) -> str:
         return f"{self.source}: {self.key}"
@@ -104,6 +123,10 @@ class UnitCosts:
     prefill_tokens_per_s: Figure | None = None
     #: One GPU's decode throughput: no results file holds it (``gpus.py``, or an input).
     decode_tokens_per_s: Figure | None = None
+    #: The prompts per event the trigger policy's offline replays gave across samples of
+    #: the generator, under the default trigger settings (``trigger_policy.json``): how far
+    #: the trigger rate moves with the traffic.
+    prompts_per_event_spread: Spread | None = None
     #: The machine the capacity figures were measured on.
     host: str = "unknown"
     #: Why a figure is None: the file or key missing and the command that writes it.
@@ -127,8 +150,8 @@ class UnitCosts:
         return dataclasses.replace(self, **changes)
 
 
-#: The figures of ``UnitCosts`` (its fields that default to None).
-FIGURE_NAMES = tuple(f.name for f in dataclasses.fields(UnitCosts) if f.default is None)
+#: The figures of ``UnitCosts`` (its fields of type ``Figure | None``, as annotated).
+FIGURE_NAMES = tuple(f.name for f in dataclasses.fields(UnitCosts) if f.type == "Figure | None")
 
 
 @dataclass(frozen=True)
@@ -142,6 +165,8 @@ class ConfigDefaults:
     out_of_orderness_s: float
     max_parallelism: int
     router_policy: str
+    trigger_quiet_s: float
+    trigger_min_interval_s: float
 
     @classmethod
     def from_code(cls) -> ConfigDefaults:
@@ -157,6 +182,8 @@ class ConfigDefaults:
             out_of_orderness_s=app.job.out_of_orderness_s,
             max_parallelism=app.job.max_parallelism,
             router_policy=str(policy),
+            trigger_quiet_s=app.trigger.quiet_s,
+            trigger_min_interval_s=app.trigger.min_interval_s,
         )
 
 
@@ -180,7 +207,50 @@ def read_unit_costs(
         except MissingFigure as exc:
             figures[name] = None
             absent[name] = str(exc)
-    return UnitCosts(**figures, host=reader.host(), absent=absent, caveats=_caveats(reader, config))
+    return UnitCosts(
+        **figures,
+        prompts_per_event_spread=_prompts_spread(reader, config),
+        host=reader.host(),
+        absent=absent,
+        caveats=_caveats(reader, config),
+    )
+
+
+def _prompts_spread(reader: _Reader, config: ConfigDefaults) -> Spread | None:
+    """The lowest and highest prompts per event of ``trigger_policy.json``'s row for the
+    default trigger settings: over its samples and its long sample. None when the file
+    or the row is not there."""
+    timings = reader.results.get("trigger_policy", {})
+    rows = timings.get("timings") if isinstance(timings, Mapping) else None
+    defaults = {
+        "quiet_s": config.trigger_quiet_s,
+        "max_wait_s": config.trigger_max_wait_s,
+        "min_interval_s": config.trigger_min_interval_s,
+    }
+    for i, row in enumerate(rows if isinstance(rows, list) else []):
+        trigger = row.get("trigger") if isinstance(row, Mapping) else None
+        if not isinstance(trigger, Mapping) or any(
+            trigger.get(k) != v for k, v in defaults.items()
+        ):
+            continue
+        samples = [*(row.get("samples") or []), row.get("long_sample") or {}]
+        values = [
+            float(v)
+            for sample in samples
+            if isinstance(sample, Mapping)
+            and isinstance(v := sample.get("prompts_per_event"), int | float)
+            and not isinstance(v, bool)
+        ]
+        if values:
+            settings = ", ".join(f"{k} {v:g}" for k, v in defaults.items())
+            return Spread(
+                min(values),
+                max(values),
+                reader.source("trigger_policy"),
+                f"timings[{i}] ({settings}): samples[].prompts_per_event and"
+                " long_sample.prompts_per_event",
+            )
+    return None
 
 
 def _caveats(reader: _Reader, config: ConfigDefaults) -> tuple[str, ...]:

@@ -33,8 +33,10 @@ from flink_jobs.tools.sizing import gpus
 from flink_jobs.tools.sizing.costs import (
     ASSUMED,
     INPUT,
+    TRIGGER_RATE,
     Figure,
     MissingFigure,
+    Spread,
     UnitCosts,
 )
 
@@ -52,6 +54,7 @@ COST_INPUTS = (
     "output_tokens_per_call",
     "prefix_cache_hit_ratio",
     "llm_calls_per_event",
+    "prompts_per_event",
     "router_cpu_ms_per_request",
     "redis_writes_per_node_per_s",
 )
@@ -69,7 +72,9 @@ class PlanInputs:
     prompt_tokens_per_call: float | None = None
     output_tokens_per_call: float | None = None
     prefix_cache_hit_ratio: float | None = None
+    #: The trigger rate; given alone, each sets the other too (one LLM call per prompt).
     llm_calls_per_event: float | None = None
+    prompts_per_event: float | None = None
     router_cpu_ms_per_request: float | None = None
     redis_writes_per_node_per_s: float | None = None
     utilisation: float = DEFAULT_UTILISATION
@@ -94,8 +99,14 @@ class PlanInputs:
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"{_flag(name)} must be > 0 (got {value})")
-        if self.llm_calls_per_event is not None and self.llm_calls_per_event < 0:
-            raise ValueError(f"{_flag('llm_calls_per_event')} must be >= 0")
+        for name in TRIGGER_RATE:
+            check_trigger_rate(_flag(name), getattr(self, name))
+        calls, prompts = self.llm_calls_per_event, self.prompts_per_event
+        if calls is not None and prompts is not None and calls > prompts:
+            raise ValueError(
+                f"{_flag('llm_calls_per_event')} ({calls}) cannot exceed"
+                f" {_flag('prompts_per_event')} ({prompts}): each LLM call answers a prompt"
+            )
         hit = self.prefix_cache_hit_ratio
         if hit is not None and not 0 <= hit < 1:
             raise ValueError(f"{_flag('prefix_cache_hit_ratio')} must be in [0, 1) (got {hit})")
@@ -106,6 +117,16 @@ class PlanInputs:
         if self.prefill_tokens_per_s is None or self.decode_tokens_per_s is None:
             gpus.gpu(self.gpu)  # an unknown GPU is refused even when one figure is given
         return self
+
+
+def check_trigger_rate(name: str, value: float | None) -> None:
+    """ValueError unless ``value`` (None: not given) is a trigger rate: above 0 (a plan
+    for a job that never prompts sizes nothing) and at most 1 (a prompt covers at least
+    one accepted event, and a call answers a prompt)."""
+    if value is not None and not 0 < value <= 1:
+        raise ValueError(
+            f"{name} must be in (0, 1] (got {value}): a prompt covers at least one accepted event"
+        )
 
 
 @dataclass(frozen=True)
@@ -147,6 +168,10 @@ class Plan:
     host: str
     #: The unit costs' own caveats (``UnitCosts.caveats``).
     caveats: tuple[str, ...] = ()
+    #: The trigger rate in effect (``costs.TRIGGER_RATE``, those present), used or not.
+    trigger_rate: dict[str, Figure] = field(default_factory=dict)
+    #: How far the results' trigger rate moves across samples (``UnitCosts``).
+    trigger_rate_spread: Spread | None = None
     #: Figures a tier needed and did not find, with the reason.
     absent: dict[str, str] = field(default_factory=dict)
 
@@ -304,17 +329,27 @@ def plan(inputs: PlanInputs, costs: UnitCosts) -> Plan:
         figures=used,
         host=costs.host,
         caveats=tuple(costs.caveats),
+        trigger_rate={n: f for n in TRIGGER_RATE if (f := getattr(costs, n)) is not None},
+        trigger_rate_spread=costs.prompts_per_event_spread,
         absent=absent,
     )
 
 
 def with_inputs(costs: UnitCosts, inputs: PlanInputs) -> UnitCosts:
     """``costs`` with the figures ``inputs`` give (kind ``input``) and the GPU's (the
-    table's, ``assumed``, where the inputs give none)."""
+    table's, ``assumed``, where the inputs give none). One of the trigger rate's two
+    figures given alone sets the other: the same traffic makes both, and each prompt makes
+    one LLM call at most."""
     for name in COST_INPUTS:
         value = getattr(inputs, name)
         if value is not None:
             costs = costs.with_figure(name, _input(name, value))
+    calls, prompts = TRIGGER_RATE
+    for given, other in ((calls, prompts), (prompts, calls)):
+        value = getattr(inputs, given)
+        if value is not None and getattr(inputs, other) is None:
+            key = f"{_flag(given)} (one LLM call per prompt)"
+            costs = costs.with_figure(other, Figure(float(value), "command line", key, INPUT))
     if inputs.freshness_s is not None:
         costs = costs.with_figure("freshness_target_s", _input("freshness_s", inputs.freshness_s))
     table = gpus.gpu(inputs.gpu) if _gpu_from_table(inputs) else None

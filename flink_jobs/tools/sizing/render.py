@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from flink_jobs.tools.sizing.costs import ASSUMED
+from flink_jobs.tools.sizing.costs import ASSUMED, INPUT
 from flink_jobs.tools.sizing.model import Plan, Resource, num
 
 #: What each unit cost is, as the figures table names it.
@@ -75,6 +75,48 @@ def _freshness_text(plan: Plan) -> str | None:
     )
 
 
+def _trigger_text(plan: Plan) -> str | None:
+    """The trigger rate in effect and where it came from; when it is the results' own, how
+    far it moves with the traffic and how to give the traffic's own."""
+    calls = plan.trigger_rate.get("llm_calls_per_event")
+    prompts = plan.trigger_rate.get("prompts_per_event")
+    given = [f for f in (calls, prompts) if f is not None]
+    if not given:
+        return None
+    rates = " and ".join(
+        f"{num(f.value)} {what}"
+        for f, what in ((calls, "LLM calls"), (prompts, "prompts"))
+        if f is not None
+    )
+    keys: dict[tuple[str, str], list[str]] = {}
+    for f in given:
+        keys.setdefault((f.source, f.kind), []).append(f.key)
+    sources = "; ".join(
+        f"{src} ({'; '.join(_widest(k))}; {kind})" for (src, kind), k in keys.items()
+    )
+    text = f"{rates} per accepted event, from {sources}"
+    if any(f.kind == INPUT for f in given):
+        return text
+    spread = plan.trigger_rate_spread
+    seen = (
+        f": {num(spread.low)}-{num(spread.high)} prompts per event across the sample"
+        f" generator's workloads ({spread.cite()})"
+        if spread is not None
+        else ""
+    )
+    return (
+        f"{text}. It is a property of the traffic, not of the machine (how close together"
+        f" each shopper's events come){seen}; --events-file FILE computes it from your own"
+        " events (a recording of the topic), --prompts-per-event or --llm-calls-per-event"
+        " gives a rate known otherwise"
+    )
+
+
+def _widest(keys: list[str]) -> list[str]:
+    """``keys`` without those another one starts with (it says them already)."""
+    return [k for k in keys if not any(o != k and o.startswith(k) for o in keys)]
+
+
 def _notes(plan: Plan) -> list[str]:
     notes = []
     measured = plan.figures.get("measured_output_tokens_per_call")
@@ -105,6 +147,8 @@ def text(plan: Plan) -> str:
         lines.append(f"  {r.tier}: {r.rule or r.missing}")
     lines += ["", "Per second: " + _rates(plan), "", "Cost drivers (largest count first):"]
     lines += [f"  - {d}" for d in plan.drivers]
+    if (trigger := _trigger_text(plan)) is not None:
+        lines += ["", f"Trigger rate: {trigger}"]
     if (fresh := _freshness_text(plan)) is not None:
         lines += ["", f"Freshness: {fresh}"]
     if plan.warnings:
@@ -132,6 +176,8 @@ def markdown(plan: Plan) -> str:
         lines.append(_row([r.tier, _count(r), unit, r.rule or r.missing]))
     lines += ["", f"Per second: {_rates(plan)}.", "", "Cost drivers (largest count first):", ""]
     lines += [f"- {d}" for d in plan.drivers]
+    if (trigger := _trigger_text(plan)) is not None:
+        lines += ["", f"Trigger rate: {trigger}."]
     if (fresh := _freshness_text(plan)) is not None:
         lines += ["", f"Freshness: {fresh}."]
     if plan.warnings:
