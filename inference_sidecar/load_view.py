@@ -18,6 +18,11 @@ The rules of the ``workers`` view, per worker:
    requests this router sent there since the poll that produced it began (counted from
    the poll's start, so a request racing the reply counts twice rather than never): a
    burst sent between two polls is seen at once, not one period later.
+   The requests this router saw end there since the sample arrived come off it: the
+   report counted them, and with one replica the view then equals the router's own count
+   rather than a period's worth of finished requests above it, which spill shoppers off
+   their prefix for nothing. One that ended while the poll was under way may still be in
+   the report; it is not taken off, so the view errs towards a busier worker.
 2. **Never below own**: at least this router's own requests in flight there. The worker
    counts a request only while its engine holds it, not while its server parses the
    prompt or streams the last bytes; this router knows its own for their whole life.
@@ -104,6 +109,9 @@ class Sample:
     """The router's clock when the answer arrived."""
     sent_mark: int
     """This router's count of requests sent to the worker when the poll began."""
+    finished_mark: int = 0
+    """This router's count of its requests to the worker that ended, when the answer
+    arrived."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,16 +126,22 @@ class WorkerLoad:
 
 
 def combine(
-    own_in_flight: int, sample: Sample | None, sent_total: int, now: float, lifetime_s: float
+    own_in_flight: int,
+    sample: Sample | None,
+    sent_total: int,
+    now: float,
+    lifetime_s: float,
+    finished_total: int = 0,
 ) -> WorkerLoad:
     """One worker's load under the ``workers`` view (module doc, rules 1-3):
-    ``max(own, reported + sent since the sample)`` while the sample is trusted, else the
-    router's own count."""
+    ``max(own, reported + sent since the poll began - ended since the answer)`` while the
+    sample is trusted, else the router's own count."""
     if sample is None or now - sample.taken_at > lifetime_s:
         return WorkerLoad(own_in_flight, "own")
     since = max(0, sent_total - sample.sent_mark)
+    ended = max(0, finished_total - sample.finished_mark)
     return WorkerLoad(
-        max(own_in_flight, sample.reported + since),
+        max(own_in_flight, sample.reported + since - ended),
         "workers",
         sample.reported,
         since,
@@ -153,6 +167,7 @@ class WorkerLoads:
         self._clock = clock
         self._samples: dict[str, Sample] = {}
         self._sent: dict[str, int] = {}
+        self._finished: dict[str, int] = {}
         self.errors: dict[str, str] = {}
         """Per worker: why its last poll failed, until one succeeds."""
 
@@ -160,13 +175,18 @@ class WorkerLoads:
         """This router sent a request to ``worker``."""
         self._sent[worker] = self._sent.get(worker, 0) + 1
 
+    def finished(self, worker: str) -> None:
+        """A request this router sent to ``worker`` ended."""
+        self._finished[worker] = self._finished.get(worker, 0) + 1
+
     def poll_started(self, worker: str) -> int:
         """A poll of ``worker`` begins: the mark its answer is recorded with."""
         return self._sent.get(worker, 0)
 
     def record(self, worker: str, reported: int, mark: int) -> bool:
         """The answer of the poll begun at ``mark``; True when it ends a run of failures."""
-        self._samples[worker] = Sample(reported, self._clock(), mark)
+        finished = self._finished.get(worker, 0)
+        self._samples[worker] = Sample(reported, self._clock(), mark, finished)
         return self.errors.pop(worker, None) is not None
 
     def failed(self, worker: str, reason: str) -> bool:
@@ -178,7 +198,7 @@ class WorkerLoads:
 
     def forget(self, worker: str) -> None:
         """``worker`` left the router."""
-        for table in (self._samples, self._sent, self.errors):
+        for table in (self._samples, self._sent, self._finished, self.errors):
             table.pop(worker, None)
 
     def figure(self, worker: str, own_in_flight: int) -> WorkerLoad:
@@ -188,6 +208,7 @@ class WorkerLoads:
             self._sent.get(worker, 0),
             self._clock(),
             self.lifetime_s,
+            self._finished.get(worker, 0),
         )
 
     def figures(

@@ -211,6 +211,8 @@ class RoutingState:
         if ticket in open_:
             open_.remove(ticket)
         self.in_flight[worker] = max(0, self.in_flight.get(worker, 0) - 1)
+        if self.worker_loads is not None:
+            self.worker_loads.finished(worker)
         self.policy.on_finish(worker, ticket.policy_ticket, ok)
         if ok is not None:
             self._apply(
