@@ -15,14 +15,14 @@ so every replica polling it sees the same figure
 The rules of the ``workers`` view, per worker:
 
 1. **Reported plus own since the sample**: the load is the reported figure plus the
-   requests this router sent there since the poll that produced it began (counted from
-   the poll's start, so a request racing the reply counts twice rather than never): a
-   burst sent between two polls is seen at once, not one period later.
-   The requests this router saw end there since the sample arrived come off it: the
-   report counted them, and with one replica the view then equals the router's own count
-   rather than a period's worth of finished requests above it, which spill shoppers off
-   their prefix for nothing. One that ended while the poll was under way may still be in
-   the report; it is not taken off, so the view errs towards a busier worker.
+   requests this router sent there since the answer arrived, minus those it saw end
+   there since: a burst sent between two polls is seen at once, not one period later,
+   and a finished request stops counting at once. Both are counted from the answer, not
+   from the poll's start: a worker busy prefilling takes a large part of a second to
+   answer, and every request sent meanwhile that its page already counted would count
+   twice until the next answer, enough to spill shoppers off their prefix for nothing
+   (``docs/decisions.md#router-load-view``). One sent meanwhile that the page missed is
+   still this router's own, which rule 2 counts.
 2. **Never below own**: at least this router's own requests in flight there. The worker
    counts a request only while its engine holds it, not while its server parses the
    prompt or streams the last bytes; this router knows its own for their whole life.
@@ -108,7 +108,7 @@ class Sample:
     taken_at: float
     """The router's clock when the answer arrived."""
     sent_mark: int
-    """This router's count of requests sent to the worker when the poll began."""
+    """This router's count of requests sent to the worker when the answer arrived."""
     finished_mark: int = 0
     """This router's count of its requests to the worker that ended, when the answer
     arrived."""
@@ -134,7 +134,7 @@ def combine(
     finished_total: int = 0,
 ) -> WorkerLoad:
     """One worker's load under the ``workers`` view (module doc, rules 1-3):
-    ``max(own, reported + sent since the poll began - ended since the answer)`` while the
+    ``max(own, reported + sent since the answer - ended since the answer)`` while the
     sample is trusted, else the router's own count."""
     if sample is None or now - sample.taken_at > lifetime_s:
         return WorkerLoad(own_in_flight, "own")
@@ -179,14 +179,10 @@ class WorkerLoads:
         """A request this router sent to ``worker`` ended."""
         self._finished[worker] = self._finished.get(worker, 0) + 1
 
-    def poll_started(self, worker: str) -> int:
-        """A poll of ``worker`` begins: the mark its answer is recorded with."""
-        return self._sent.get(worker, 0)
-
-    def record(self, worker: str, reported: int, mark: int) -> bool:
-        """The answer of the poll begun at ``mark``; True when it ends a run of failures."""
-        finished = self._finished.get(worker, 0)
-        self._samples[worker] = Sample(reported, self._clock(), mark, finished)
+    def record(self, worker: str, reported: int) -> bool:
+        """A poll's answer, as it arrives; True when it ends a run of failures."""
+        sent, finished = self._sent.get(worker, 0), self._finished.get(worker, 0)
+        self._samples[worker] = Sample(reported, self._clock(), sent, finished)
         return self.errors.pop(worker, None) is not None
 
     def failed(self, worker: str, reason: str) -> bool:

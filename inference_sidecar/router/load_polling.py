@@ -31,7 +31,6 @@ async def poll_once(
     """Read every worker's load once, concurrently, and record each answer or failure."""
 
     async def one(worker: str) -> None:
-        mark = loads.poll_started(worker)
         try:
             async with asyncio.timeout(timeout_s):
                 text = await read(worker)
@@ -45,7 +44,7 @@ async def poll_once(
         except ValueError as exc:
             kind, detail = "unparsable", str(exc)
         else:
-            if loads.record(worker, reported, mark):
+            if loads.record(worker, reported):
                 log.info("%s: its load is read from its metrics again", worker)
             return
         on_error(worker, kind)

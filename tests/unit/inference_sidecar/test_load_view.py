@@ -80,7 +80,7 @@ class TestCombine:
     def test_no_sample_counts_the_routers_own_requests(self) -> None:
         assert combine(2, None, 7, 10.0, self.LIFETIME) == WorkerLoad(2, "own")
 
-    def test_the_reported_load_plus_what_this_router_sent_since_the_poll_began(self) -> None:
+    def test_the_reported_load_plus_what_this_router_sent_since_the_answer(self) -> None:
         sample = Sample(reported=5, taken_at=9.0, sent_mark=10)
         got = combine(1, sample, 13, 10.0, self.LIFETIME)
         assert got == WorkerLoad(8, "workers", 5, 3, 1.0)
@@ -110,34 +110,39 @@ class TestWorkerLoads:
         clock = FakeClock(100.0)
         return WorkerLoads(sample_lifetime(0.5, 1.0), clock), clock
 
-    def test_a_request_sent_while_the_poll_was_out_counts_beside_the_sample(self) -> None:
+    def test_a_request_sent_while_the_poll_was_out_is_not_counted_twice(self) -> None:
+        """The page counted it: the report alone holds it."""
         loads, clock = self.make()
-        mark = loads.poll_started(A)
-        loads.sent(A)  # the worker may or may not have held it when it answered
+        loads.sent(A)
         clock.advance(0.1)
-        loads.record(A, 4, mark)
-        assert loads.figure(A, own_in_flight=1) == WorkerLoad(5, "workers", 4, 1, 0.0)
+        loads.record(A, 4)
+        assert loads.figure(A, own_in_flight=1) == WorkerLoad(4, "workers", 4, 0, 0.0)
+
+    def test_one_the_page_missed_still_counts_as_this_routers_own(self) -> None:
+        loads, _ = self.make()
+        loads.sent(A)
+        loads.record(A, 0)
+        assert loads.loads({A: 1}, [A]) == {A: 1}
 
     def test_a_request_that_ended_before_the_answer_arrived_is_not_taken_off(self) -> None:
         """The worker may have counted it when it rendered its page: the view errs busy."""
         loads, _ = self.make()
-        mark = loads.poll_started(A)
         loads.finished(A)
-        loads.record(A, 2, mark)
+        loads.record(A, 2)
         assert loads.loads({A: 0}, [A]) == {A: 2}
 
     def test_the_next_sample_absorbs_what_was_sent_before_it(self) -> None:
         loads, _ = self.make()
-        loads.record(A, 0, loads.poll_started(A))
+        loads.record(A, 0)
         for _ in range(3):
             loads.sent(A)
         assert loads.loads({A: 0}, [A]) == {A: 3}
-        loads.record(A, 2, loads.poll_started(A))
+        loads.record(A, 2)
         assert loads.loads({A: 0}, [A]) == {A: 2}
 
     def test_a_failed_poll_keeps_the_last_sample_until_it_is_stale(self) -> None:
         loads, clock = self.make()
-        loads.record(A, 6, loads.poll_started(A))
+        loads.record(A, 6)
         clock.advance(1.0)
         loads.failed(A, "timeout: no answer within 1 s")
         assert loads.figure(A, 1).source == "workers"
@@ -149,17 +154,18 @@ class TestWorkerLoads:
         loads, _ = self.make()
         assert loads.failed(A, "connect: refused") is True
         assert loads.failed(A, "connect: refused") is False
-        assert loads.record(A, 0, loads.poll_started(A)) is True
-        assert loads.record(A, 0, loads.poll_started(A)) is False
+        assert loads.record(A, 0) is True
+        assert loads.record(A, 0) is False
         assert loads.errors == {}
 
     def test_a_worker_that_left_is_forgotten(self) -> None:
         loads, _ = self.make()
         loads.sent(A)
-        loads.record(A, 5, 0)
+        loads.record(A, 5)
         loads.forget(A)
         assert loads.figure(A, 0) == WorkerLoad(0, "own")
-        assert loads.poll_started(A) == 0
+        loads.record(A, 0)
+        assert loads.figure(A, 0).sent_since_sample == 0
 
 
 class TestPoolWithTheWorkersView:
@@ -176,14 +182,14 @@ class TestPoolWithTheWorkersView:
         first = pool.choose(key)
         assert first is not None and first.worker == A
         pool.finish(A, True, 0.1, 0.0, pool.start(A, key))
-        loads.record(A, 10, loads.poll_started(A))
-        loads.record(B, 1, loads.poll_started(B))
+        loads.record(A, 10)
+        loads.record(B, 1)
         choice = pool.choose(key)
         assert choice is not None and (choice.worker, choice.decision) == (B, "spilled")
 
     def test_a_request_started_counts_as_sent(self) -> None:
         pool, loads = self.pool()
-        loads.record(A, 0, loads.poll_started(A))
+        loads.record(A, 0)
         pool.start(A)
         pool.start(A)
         assert pool.loads()[A] == 2
@@ -191,14 +197,14 @@ class TestPoolWithTheWorkersView:
     def test_with_one_router_the_view_follows_its_own_requests_between_polls(self) -> None:
         pool, loads = self.pool()
         tickets = [pool.start(A) for _ in range(3)]
-        loads.record(A, 3, loads.poll_started(A))
+        loads.record(A, 3)
         for ticket in tickets[:2]:
             pool.finish(A, True, 0.1, 0.0, ticket)
         assert pool.loads()[A] == pool.in_flight[A] == 1
 
     def test_health_says_where_each_load_comes_from(self) -> None:
         pool, loads = self.pool()
-        loads.record(A, 4, loads.poll_started(A))
+        loads.record(A, 4)
         pool.start(B)
         status = pool.status()
         assert (status[A]["load"], status[A]["load_source"]) == (4, "workers")

@@ -31,7 +31,7 @@ def replica(order: list[str], reported: dict[str, int] | None = None) -> Routing
     if reported is not None:
         loads = WorkerLoads(sample_lifetime(0.5, 1.0), FakeClock())
         for worker in reversed(order):  # polls answer in any order
-            loads.record(worker, reported[worker], loads.poll_started(worker))
+            loads.record(worker, reported[worker])
     return RoutingState("worker", order, make_policy("bounded_hash"), worker_loads=loads)
 
 
