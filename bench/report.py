@@ -49,7 +49,12 @@ PLOTS = {
 }
 
 #: Markdown written beside a results file by the benchmark that wrote it.
-DETAILS = {"routing": "routing.md", "routing_scale": "routing_scale.md"}
+#: ``bench.routing`` writes one per run, under the run's ``--name``.
+DETAILS = {
+    name: f"{name}.md"
+    for name in ("routing", "routing_scale", "routing_default", "routing_replicas",
+                 "routing_replicas_hash")
+}  # fmt: skip
 
 NO_TARGET = "no target judged"
 NOT_RECORDED = "not recorded"
