@@ -654,10 +654,15 @@ def kept_up(paced: dict[str, Any]) -> bool:
 
 
 def run_paced(
-    stack: Stack, args, memory: PeakMemory, latency_settings: bool = True
+    stack: Stack,
+    args,
+    memory: PeakMemory,
+    latency_settings: bool = True,
+    workload: PacedWorkload | None = None,
 ) -> dict[str, Any]:
     """Events at ``args.paced_rate``; with ``latency_settings`` the job's trigger and
-    out-of-orderness are the short ones of the latency measurement, else its defaults."""
+    out-of-orderness are the short ones of the latency measurement, else its defaults.
+    ``workload``: ``paced_workload(args)`` when the caller already built it."""
     from flink_jobs.runtime.counters import samples_key
     from flink_jobs.tools.replay import ReplayProgress, replay_records
     from flink_jobs.tools.run_summary import is_settled, latency_summary, read_samples
@@ -671,7 +676,7 @@ def run_paced(
     create_topics(
         stack.kafka.bootstrap, [config.kafka.events_topic, config.kafka.dead_letter_topic], 1
     )
-    workload = paced_workload(args)
+    workload = workload or paced_workload(args)
     records, warm = workload.records, workload.warmup
     warmed_up = threading.Event()  # set by the producer's thread
     measuring = False

@@ -233,9 +233,8 @@ def run(args) -> dict[str, Any]:
     paced_args = paced_arguments(rate, args)
     # The job's configuration as run_paced loads it, but for the stack's addresses.
     config = load_config()
-    offline = workload_trigger_rate(
-        pipeline_capacity.paced_workload(paced_args), config, int(time.time() * 1000)
-    )
+    workload = pipeline_capacity.paced_workload(paced_args)
+    offline = workload_trigger_rate(workload, config, int(time.time() * 1000))
     workload_rate = rate_figures(offline, "plan_check: the paced run's events, offline")
     print(
         f"the run's events, replayed offline: {offline.prompts_per_event or 0:.4f} prompts"
@@ -244,7 +243,9 @@ def run(args) -> dict[str, Any]:
     memory = PeakMemory()
     stack = pipeline_capacity.Stack(Path(tempfile.mkdtemp(prefix="si-bench-plan-check-")))
     try:
-        paced = pipeline_capacity.run_paced(stack, paced_args, memory, latency_settings=False)
+        paced = pipeline_capacity.run_paced(
+            stack, paced_args, memory, latency_settings=False, workload=workload
+        )
     finally:
         stack.close()
     memory.sample()
